@@ -1,10 +1,126 @@
-"""Command line of the runtime: ``kvdrive``."""
+"""Command line of the runtime: ``kvdrive generate`` and ``kvdrive bench``.
 
+User errors (a missing model, a prompt too long, a bad size) print one ``kvdrive: error:`` line
+and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
 import sys
+from pathlib import Path
+
+from kvdrive.runtime import __version__
+from kvdrive.runtime.sizes import parse_size
+
+log = logging.getLogger("kvdrive")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="'demo', a .gguf file or a Hugging Face model directory")
+    p.add_argument("--device", default="cpu", help="torch device for compute and the device KV tier (cpu, cuda)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--gpu-budget", type=_size, default=None,
+                   help="bytes of KV in the device tier, e.g. 256MiB (default: one full-context sequence)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvdrive", description="KVDrive: tiered KV-cache LLM runtime")
+    parser.add_argument("--version", action="version", version=f"kvdrive {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt and print the completion")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+    b = sub.add_parser("bench", help="benchmarks (JSON to stdout or --out)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    m = bsub.add_parser("model", help="load time, prefill and decode throughput of a model")
+    m.add_argument("--model", default="demo")
+    m.add_argument("--device", default="cpu")
+    m.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths")
+    m.add_argument("--decode-context", type=int, nargs="+", default=[128, 2048], help="contexts for decode")
+    m.add_argument("--decode-tokens", type=int, default=64)
+    m.add_argument("--out", type=Path, default=None, help="write JSON here (and a PNG plot beside it)")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvdrive.runtime.engine import EngineConfig, Generator, SamplingParams, TextStream
+    from kvdrive.runtime.model import ChatMessage, load_model
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=tuple(args.stop),
+    )
+    loaded = load_model(args.model, device=args.device, progress=sys.stderr.isatty() or args.verbose)
+    tok = loaded.tokenizer
+    ids = tok.encode_chat([ChatMessage("user", args.prompt)]) if args.chat else tok.encode(args.prompt)
+    gen = Generator(loaded, EngineConfig(page_size=args.page_size, kv_budget_bytes=args.gpu_budget))
+    stream = TextStream(tok, params.stop)
+    for token in gen.generate(ids, params):
+        sys.stdout.write(stream.push(token))
+        sys.stdout.flush()
+        if stream.stopped:
+            break
+    sys.stdout.write(stream.flush() + "\n")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvdrive.runtime.bench import model_bench
+
+    result = model_bench.run_model_bench(
+        args.model, tuple(args.prefill), tuple(args.decode_context), args.decode_tokens, device=args.device
+    )
+    text = json.dumps(model_bench.as_dict(result), indent=2)
+    print(model_bench.table(result), file=sys.stderr)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+        png = args.out.with_suffix(".png")
+        if model_bench.plot(result, str(png)):
+            print(f"wrote {args.out} and {png}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return 0
+    from kvdrive.runtime.engine import PromptTooLongError
+    from kvdrive.runtime.kvcache import CacheFullError
+    from kvdrive.runtime.model import ModelLoadError
+    from kvdrive.runtime.model.tokenizer import TokenizerError
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _bench(args)
+    except (ModelLoadError, PromptTooLongError, CacheFullError, TokenizerError, ValueError) as exc:
+        print(f"kvdrive: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``kvdrive bench``: JSON results, a table and a plot."""

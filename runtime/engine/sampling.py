@@ -1,0 +1,61 @@
+"""Sampling parameters and next-token sampling (greedy, temperature, top-k, top-p, seeded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    g = torch.Generator()
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick the next token from logits [V] (float32)."""
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    scores = logits.float().cpu() / params.temperature  # [V]
+    if params.top_k > 0:
+        kth = torch.topk(scores, min(params.top_k, scores.shape[-1])).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_p, dim=-1)
+        drop = cumulative - sorted_p > params.top_p  # keep the smallest prefix reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator).item())

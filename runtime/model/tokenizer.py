@@ -1,0 +1,147 @@
+"""Tokenizer and chat template: built from GGUF metadata or a Hugging Face tokenizer.json.
+
+Owns text <-> token ids (byte-level BPE through the ``tokenizers`` library), the special tokens,
+end-of-sequence ids and rendering the model's own Jinja chat template.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+# Pre-tokenizer split patterns by the GGUF ``tokenizer.ggml.pre`` name (as llama.cpp defines them).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+class TokenizerError(ValueError):
+    """The tokenizer described by the checkpoint cannot be built."""
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level_plain = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("gpt2", "default", "gpt-2", ""):
+        return byte_level_regex
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level_regex])
+    if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe"):
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"), byte_level_plain]
+        )
+    if pre in ("qwen2", "deepseek-r1-qwen"):
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated"), byte_level_plain]
+        )
+    raise TokenizerError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: gpt2, smollm, llama-bpe, qwen2)")
+
+
+def bpe_from_gguf(
+    tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int], pre: str
+) -> HFTokenizer:
+    """Build a byte-level BPE ``tokenizers.Tokenizer`` from GGUF ``tokenizer.ggml.*`` arrays."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    special = [
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, t in enumerate(token_types)
+        if t == TOKEN_TYPE_CONTROL
+    ]
+    user = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, t in enumerate(token_types)
+        if t == TOKEN_TYPE_USER_DEFINED
+    ]
+    tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Tokenizer:
+    """Encode/decode plus the chat template of one model."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        eos_token_ids: Sequence[int],
+        bos_token_id: int | None,
+        add_bos: bool,
+        chat_template: str | None,
+    ) -> None:
+        self._tok = tokenizer
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self.bos_token_id = bos_token_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+        if chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+            self._template = env.from_string(chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> HFTokenizer:
+        return self._tok
+
+    def token_text(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """Render messages with the model's own Jinja chat template."""
+        if self._template is None:
+            raise TokenizerError("this model has no chat template; use a plain completion prompt")
+        bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        return self._template.render(
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos or "",
+            eos_token=eos or "",
+        )
+
+    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        # The template writes the BOS token itself where the model wants one.
+        return self.encode(self.render_chat(messages), add_bos=False)
+
+
+def _raise_template_error(message: str) -> None:
+    raise TokenizerError(f"chat template error: {message}")
