@@ -1,0 +1,58 @@
+"""Kubernetes resource quantities (``64Gi``, ``2Mi``, ``500m``, ``1.5G``) as exact numbers.
+
+Owns parsing of the quantity strings used in the CR spec, so that the operator can size
+hugepages, check cross-field rules and pass plain byte counts to the runtime's flags.
+Pure: no Kubernetes API, no Kopf.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
+
+# The subset of the Kubernetes quantity grammar that the CRD accepts (see QUANTITY_PATTERN).
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"m": Decimal("0.001"), "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+_QUANTITY_RE = re.compile(QUANTITY_PATTERN)
+
+
+class QuantityError(ValueError):
+    """A string that is not a quantity in the accepted grammar."""
+
+
+def parse_quantity(value: str | int) -> Decimal:
+    """Return the exact value of a quantity: ``"2Mi"`` -> 2097152, ``"500m"`` -> 0.5."""
+    if isinstance(value, bool):
+        raise QuantityError(f"not a quantity: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise QuantityError(f"negative quantity: {value}")
+        return Decimal(value)
+    text = str(value).strip()
+    match = _QUANTITY_RE.match(text)
+    if match is None:
+        raise QuantityError(f"not a quantity: {value!r} (expected e.g. 64Gi, 2Mi, 500m, 8)")
+    suffix = match.group(2) or ""
+    number = text[: len(text) - len(suffix)]
+    try:
+        base = Decimal(number)
+    except InvalidOperation as exc:  # pragma: no cover - the regex already guarantees a number
+        raise QuantityError(f"not a quantity: {value!r}") from exc
+    multiplier = _BINARY.get(suffix) or _DECIMAL[suffix]
+    return base * Decimal(multiplier)
+
+
+def to_bytes(value: str | int) -> int:
+    """A quantity as a whole number of bytes, rounded up as Kubernetes does for memory."""
+    return int(parse_quantity(value).to_integral_value(rounding=ROUND_CEILING))
+
+
+def is_quantity(value: object) -> bool:
+    """True when ``value`` parses as a quantity."""
+    try:
+        parse_quantity(value)  # type: ignore[arg-type]
+    except (QuantityError, TypeError):
+        return False
+    return True

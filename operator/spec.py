@@ -1,0 +1,268 @@
+"""Pydantic models of the ``KVDriveDeployment`` spec and status (the CR's edge).
+
+Owns the meaning of every CR field, its default and its constraints. It must agree with
+``crds/kvdrivedeployment.yaml``: tests check the same fields, the same defaults and the same
+accept/reject verdicts on a shared set of good and bad examples (schema + CEL rules).
+Error messages always start with the field's path (``spec.tiers.dram.size: ...``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from kvdrive.operator.quantity import QuantityError, parse_quantity
+
+GROUP = "kvdrive.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "KVDriveDeployment"
+PLURAL = "kvdrivedeployments"
+DEFAULT_IMAGE = "ghcr.io/kvdrive/kvdrive-runtime:0.1.0"
+MAX_NAME_LENGTH = 52  # StatefulSet pod names + the controller-revision-hash label must fit 63 chars
+MODEL_SOURCE_PATTERN = r"^(demo|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^/].*|file:///.+)$"
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def _quantity(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"must be a quantity such as 64Gi, got {value!r}")
+    try:
+        parse_quantity(value)
+    except QuantityError as exc:
+        raise ValueError(str(exc)) from exc
+    return str(value)
+
+
+_FIELD_MARK = "@field:"
+
+
+def _cross(field: str, message: str) -> ValueError:
+    """A cross-field error reported against ``field`` of the model that raised it."""
+    return ValueError(f"{_FIELD_MARK}{field}:{message}")
+
+
+Quantity = Annotated[str, BeforeValidator(_quantity), Field(max_length=32)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=False
+    )
+
+
+class ModelSource(_Model):
+    source: str = Field(pattern=MODEL_SOURCE_PATTERN, max_length=1024)
+    name: str | None = Field(default=None, max_length=253)
+
+
+class Resources(_Model):
+    gpus: int = Field(default=1, ge=0, le=16)
+    cpu: Quantity = "4"
+    memory: Quantity = "16Gi"
+
+
+class GpuTier(_Model):
+    budget: Quantity = "4Gi"
+
+
+class DramTier(_Model):
+    size: Quantity = "8Gi"
+    huge_page_size: Literal["2Mi", "1Gi"] = "2Mi"
+
+    @model_validator(mode="after")
+    def _whole_pages(self) -> DramTier:
+        if parse_quantity(self.size) % parse_quantity(self.huge_page_size) != 0:
+            raise _cross("size", f"must be a whole number of hugePageSize ({self.huge_page_size}) pages")
+        return self
+
+
+class SsdTier(_Model):
+    size: Quantity = "100Gi"
+    storage_class_name: str = Field(default="local-nvme", min_length=1, max_length=253)
+
+    @model_validator(mode="after")
+    def _positive(self) -> SsdTier:
+        if parse_quantity(self.size) <= 0:
+            raise _cross("size", "must be greater than zero")
+        return self
+
+
+class Tiers(_Model):
+    gpu: GpuTier = GpuTier()
+    dram: DramTier = DramTier()
+    ssd: SsdTier = SsdTier()
+
+
+class Attention(_Model):
+    token_budget: int = Field(default=2048, ge=16, le=1048576)
+    page_size: int = Field(default=16, ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _whole_pages(self) -> Attention:
+        if self.token_budget % self.page_size != 0:
+            raise _cross("tokenBudget", "must be a multiple of pageSize")
+        return self
+
+
+class TierBounds(_Model):
+    min: Quantity | None = Field(default=None, alias="min")
+    max: Quantity | None = Field(default=None, alias="max")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TierBounds:
+        if self.min is not None and self.max is not None:
+            if parse_quantity(self.min) > parse_quantity(self.max):
+                raise _cross("min", "must not exceed max")
+        return self
+
+
+class TuningBounds(_Model):
+    gpu: TierBounds = TierBounds()
+    dram: TierBounds = TierBounds()
+    ssd: TierBounds = TierBounds()
+
+
+class Tuning(_Model):
+    enabled: bool = True
+    interval_seconds: int = Field(default=30, ge=5, le=3600)
+    bounds: TuningBounds = TuningBounds()
+
+
+class AutoscalingTargets(_Model):
+    queue_depth: int = Field(default=8, ge=1, le=10000)
+    kv_utilization: float = Field(default=0.8, gt=0, le=1)
+
+
+class Autoscaling(_Model):
+    mode: Literal["operator", "external", "none"] = "none"
+    min_replicas: int = Field(default=1, ge=1, le=1000)
+    max_replicas: int = Field(default=4, ge=1, le=1000)
+    targets: AutoscalingTargets = AutoscalingTargets()
+    scale_up_stabilization_seconds: int = Field(default=30, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise _cross("minReplicas", "must not exceed maxReplicas")
+        return self
+
+
+class Service(_Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class KVDriveSpec(_Model):
+    model: ModelSource
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
+    replicas: int | None = Field(default=None, ge=0, le=1000)
+    placement: Literal["kvdrive", "lru", "ondemand", "fullfetch"] = "kvdrive"
+    resources: Resources = Resources()
+    tiers: Tiers = Tiers()
+    attention: Attention = Attention()
+    tuning: Tuning = Tuning()
+    autoscaling: Autoscaling = Autoscaling()
+    service: Service = Service()
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _replicas_xor_operator(self) -> KVDriveSpec:
+        if self.replicas is not None and self.autoscaling.mode == "operator":
+            raise _cross("replicas", "must not be set when autoscaling.mode is operator")
+        return self
+
+    def desired_replicas(self, current: int | None = None) -> int:
+        """StatefulSet replicas: spec.replicas unless the operator's autoscaler owns the count."""
+        if self.autoscaling.mode != "operator":
+            return 1 if self.replicas is None else self.replicas
+        low, high = self.autoscaling.min_replicas, self.autoscaling.max_replicas
+        return low if current is None else min(max(current, low), high)
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
+    namespace: str = Field(default="default", pattern=NAME_PATTERN, max_length=63)
+    uid: str | None = None
+    generation: int | None = None
+
+
+class KVDriveDeployment(BaseModel):
+    """A whole CR as read from YAML or from the API (status is read separately)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    api_version: Literal["kvdrive.io/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["KVDriveDeployment"]
+    metadata: Metadata
+    spec: KVDriveSpec
+
+
+class Condition(_Model):
+    type: Literal["Ready", "Progressing", "Degraded"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class KVDriveStatus(_Model):
+    observed_generation: int | None = None
+    replicas: int = 0
+    ready_replicas: int = 0
+    selector: str = ""
+    endpoint: str = ""
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+class SpecError(ValueError):
+    """An invalid CR; ``str()`` lists each problem as ``field.path: message``."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
+        elif item in ("function-after", "function-before") or "[" in str(item):
+            continue  # pydantic's validator/union markers are not field names
+        else:
+            parts.append(str(item))
+    return ".".join(parts) or "<root>"
+
+
+def _problem(prefix: str, err: Any) -> str:
+    path = _field_path(tuple(err["loc"]))
+    message = str(err["msg"]).removeprefix("Value error, ")
+    if message.startswith(_FIELD_MARK):
+        field, message = message.removeprefix(_FIELD_MARK).split(":", 1)
+        path = f"{path}.{field}" if path != "<root>" else field
+    return f"{prefix}{path}: {message}"
+
+
+def parse_cr(doc: Any) -> KVDriveDeployment:
+    """Validate a CR (a mapping from YAML/JSON) or raise SpecError naming each bad field."""
+    if not isinstance(doc, dict):
+        raise SpecError(["<root>: a KVDriveDeployment must be a mapping"])
+    try:
+        return KVDriveDeployment.model_validate(doc)
+    except ValidationError as exc:
+        raise SpecError([_problem("", err) for err in exc.errors()]) from None
+
+
+def parse_spec(spec: Any) -> KVDriveSpec:
+    """Validate only the spec (the handlers receive it separately from metadata)."""
+    try:
+        return KVDriveSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise SpecError([_problem("spec.", err) for err in exc.errors()]) from None

@@ -1,0 +1,176 @@
+"""The CRD: a valid apiextensions object whose schema and CEL rules accept good CRs and reject bad ones."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from crdcheck import apply_defaults, crd_violations, load_crd, load_example, version_schema
+
+from kvdrive.operator.spec import SpecError, parse_cr
+
+# Spec fields that deliberately have no default (absence means something).
+NO_DEFAULT = {"model.source", "model.name", "replicas", "tuning.bounds.gpu.min", "tuning.bounds.gpu.max",
+              "tuning.bounds.dram.min", "tuning.bounds.dram.max", "tuning.bounds.ssd.min", "tuning.bounds.ssd.max"}
+NO_DEFAULT_PARENTS = {"model"}  # required objects
+
+
+def _walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for key, sub in schema.get("properties", {}).items():
+        here = f"{path}.{key}" if path else key
+        out.append((here, sub))
+        out += _walk(sub, here)
+    if isinstance(schema.get("items"), dict):
+        out += _walk(schema["items"], path + "[]")
+    return out
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.33"])
+def test_crd_is_a_valid_apiextensions_object(version: str) -> None:
+    kubernetes_validate.validate(load_crd(), version, strict=True)
+
+
+def test_crd_names_subresources_and_columns() -> None:
+    crd = load_crd()
+    assert crd["metadata"]["name"] == "kvdrivedeployments.kvdrive.io"
+    names = crd["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == ("KVDriveDeployment", "kvdrivedeployments", ["kvd"])
+    assert crd["spec"]["scope"] == "Namespaced"
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Replicas"] == ".status.replicas"
+    assert {columns["GPU"], columns["DRAM"], columns["SSD"]} == {
+        ".spec.tiers.gpu.budget", ".spec.tiers.dram.size", ".spec.tiers.ssd.size"}
+    assert columns["Age"] == ".metadata.creationTimestamp"
+
+
+def test_every_field_has_a_description_and_spec_fields_have_defaults() -> None:
+    schema = version_schema(load_crd())
+    assert schema.get("description")
+    for path, sub in _walk(schema):
+        assert sub.get("description"), f"{path} has no description"
+        assert "type" in sub or sub.get("x-kubernetes-int-or-string"), f"{path} is not structural"
+    for path, sub in _walk(schema["properties"]["spec"]):
+        if path in NO_DEFAULT or path in NO_DEFAULT_PARENTS or "[]" in path:
+            assert "default" not in sub, path
+        else:
+            assert "default" in sub, f"spec.{path} has no default"
+
+
+def test_every_cel_rule_has_a_message() -> None:
+    rules = [r for _, sub in _walk(version_schema(load_crd())) for r in sub.get("x-kubernetes-validations", [])]
+    rules += version_schema(load_crd())["x-kubernetes-validations"]
+    assert len(rules) >= 7
+    assert all(r.get("message") for r in rules)
+
+
+GOOD = ["minimal.yaml", "full.yaml", "fixed-replicas.yaml"]
+
+
+def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    *parents, last = dotted.split(".")
+    node = doc
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DELETE:
+        node.pop(last, None)
+    else:
+        node[last] = value
+    return doc
+
+
+DELETE = object()
+
+# (base example, field, value): accepted by the CRD and by the pydantic model.
+GOOD_VARIANTS = [
+    ("minimal.yaml", "spec.tiers.dram.size", 0),
+    ("minimal.yaml", "spec.tiers.dram.size", "0"),
+    ("minimal.yaml", "spec.resources.cpu", "500m"),
+    ("minimal.yaml", "spec.resources.memory", 17179869184),
+    ("minimal.yaml", "spec.resources.gpus", 0),
+    ("minimal.yaml", "spec.replicas", 0),
+    ("full.yaml", "spec.tiers.dram", {"size": "3Gi", "hugePageSize": "1Gi"}),
+    ("full.yaml", "spec.autoscaling", {"mode": "external"}),
+    ("fixed-replicas.yaml", "spec.autoscaling", {"mode": "external", "minReplicas": 2, "maxReplicas": 2}),
+    ("minimal.yaml", "metadata.name", "a" * 52),
+]
+
+# (base example, field, value, field the rejection must name, "schema" or "cel")
+BAD_VARIANTS = [
+    ("minimal.yaml", "spec.model.source", "s3://bucket/model", "spec.model.source", "schema"),
+    ("minimal.yaml", "spec.model.source", "pvc://models", "spec.model.source", "schema"),
+    ("minimal.yaml", "spec.model", DELETE, "spec.model", "schema"),
+    ("minimal.yaml", "spec.replicas", -1, "spec.replicas", "schema"),
+    ("minimal.yaml", "spec.resources.cpu", "lots", "spec.resources.cpu", "schema"),
+    ("minimal.yaml", "spec.resources.gpus", 17, "spec.resources.gpus", "schema"),
+    ("minimal.yaml", "spec.tiers.dram.hugePageSize", "4Mi", "spec.tiers.dram.hugePageSize", "schema"),
+    ("minimal.yaml", "spec.tiers.ssd.storageClassName", "", "spec.tiers.ssd.storageClassName", "schema"),
+    ("minimal.yaml", "spec.service.type", "ExternalName", "spec.service.type", "schema"),
+    ("minimal.yaml", "spec.tuning.intervalSeconds", 1, "spec.tuning.intervalSeconds", "schema"),
+    ("minimal.yaml", "spec.autoscaling.targets.kvUtilization", 0, "spec.autoscaling.targets.kvUtilization", "schema"),
+    ("minimal.yaml", "spec.autoscaling.targets.kvUtilization", 1.5, "spec.autoscaling.targets.kvUtilization", "schema"),
+    ("minimal.yaml", "spec.nodeSelector", {"zone": 3}, "spec.nodeSelector", "schema"),
+    ("minimal.yaml", "spec.bogus", 1, "spec", "schema"),
+    ("minimal.yaml", "spec.tiers.gpu.extra", "1Gi", "spec.tiers.gpu", "schema"),
+    ("full.yaml", "spec.replicas", 2, "spec.replicas", "cel"),
+    ("minimal.yaml", "spec.tiers.dram.size", "3Mi", "spec.tiers.dram.size", "cel"),
+    ("full.yaml", "spec.tiers.dram", {"size": "1536Mi", "hugePageSize": "1Gi"}, "spec.tiers.dram.size", "cel"),
+    ("minimal.yaml", "spec.tiers.ssd.size", 0, "spec.tiers.ssd.size", "cel"),
+    ("minimal.yaml", "spec.attention", {"tokenBudget": 100, "pageSize": 16}, "spec.attention.tokenBudget", "cel"),
+    ("full.yaml", "spec.autoscaling.minReplicas", 9, "spec.autoscaling.minReplicas", "cel"),
+    ("full.yaml", "spec.tuning.bounds.gpu.min", "50Gi", "spec.tuning.bounds.gpu.min", "cel"),
+    ("minimal.yaml", "metadata.name", "a" * 53, "metadata.name", "cel"),
+]
+
+
+@pytest.mark.parametrize("name", GOOD)
+def test_good_examples_are_accepted(name: str) -> None:
+    doc = load_example(name)
+    assert crd_violations(load_crd(), doc) == []
+    parse_cr(doc)
+
+
+@pytest.mark.parametrize(("base", "field", "value"), GOOD_VARIANTS)
+def test_good_variants_are_accepted(base: str, field: str, value: Any) -> None:
+    doc = _set(load_example(base), field, value)
+    assert crd_violations(load_crd(), doc) == []
+    parse_cr(doc)
+
+
+@pytest.mark.parametrize(("base", "field", "value", "named", "kind"), BAD_VARIANTS)
+def test_bad_variants_are_rejected_by_crd_and_model(base: str, field: str, value: Any, named: str, kind: str) -> None:
+    doc = _set(load_example(base), field, value)
+    crd = load_crd()
+    violations = crd_violations(crd, doc)
+    assert violations, f"the CRD accepted {field}={value!r}"
+    if kind == "cel":
+        # exactly one rule fires; it points at the field (fieldPath) or, at the root, names it
+        assert len(violations) == 1, violations
+        assert violations[0].path == named or (violations[0].path == "" and named in violations[0].message)
+        assert named.split(".")[-1] in violations[0].message
+    else:
+        # jsonschema reports a missing or unknown field at its parent object
+        assert any(v.path and (named.startswith(v.path) or v.path.startswith(named)) for v in violations), violations
+    # The model is what `render` uses: it must reject too, naming the field.
+    with pytest.raises(SpecError) as info:
+        parse_cr(doc)
+    assert any(p.startswith(named) for p in info.value.problems), info.value.problems
+
+
+def test_defaults_fill_a_minimal_cr() -> None:
+    defaulted = apply_defaults(version_schema(load_crd()), load_example("minimal.yaml"))
+    spec = defaulted["spec"]
+    assert spec["tiers"]["dram"] == {"size": "8Gi", "hugePageSize": "2Mi"}
+    assert spec["autoscaling"]["mode"] == "none" and "replicas" not in spec

@@ -1,0 +1,154 @@
+"""Rendered children: valid for Kubernetes 1.30 and 1.33 (strict), and shaped as the issue asks."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from crdcheck import EXAMPLES, load_example
+
+from kvdrive.operator.manifests import render, selector_string
+from kvdrive.operator.spec import KVDriveDeployment, parse_cr
+
+EXAMPLE_FILES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
+
+
+def _cr(doc: dict[str, Any], **spec: Any) -> KVDriveDeployment:
+    doc = {**doc, "spec": {**doc["spec"], **spec}}
+    doc["metadata"] = {**doc["metadata"], "uid": "0b0c8e2e-1111-2222-3333-444455556666"}
+    return parse_cr(doc)
+
+
+def _by_kind(children: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for child in children:
+        out.setdefault(child["kind"], []).append(child)
+    return out
+
+
+def _sts(cr: KVDriveDeployment, current: int | None = None) -> dict[str, Any]:
+    return _by_kind(render(cr, "t0ken", current))["StatefulSet"][0]
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.33"])
+@pytest.mark.parametrize("example", EXAMPLE_FILES)
+def test_children_validate_strictly(example: str, version: str) -> None:
+    children = render(_cr(load_example(example)), "t0ken")
+    assert [c["kind"] for c in children] == [
+        "ConfigMap", "Secret", "Service", "Service", "StatefulSet", "PodDisruptionBudget"]
+    for child in children:
+        kubernetes_validate.validate(child, version, strict=True)
+
+
+def test_strict_validation_catches_a_broken_child() -> None:
+    sts = _sts(_cr(load_example("minimal.yaml")))
+    sts["spec"]["template"]["spec"]["containers"][0]["resource"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, "1.33", strict=True)
+
+
+def test_statefulset_runs_kvdrive_serve_with_the_tiers_of_the_spec() -> None:
+    cr = _cr(load_example("full.yaml"))
+    sts = _sts(cr)
+    pod = sts["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    flags = dict(zip(args[1::2], args[2::2], strict=False))
+    assert container["command"] == ["kvdrive"] and args[0] == "serve"
+    assert flags["--model"] == "/models/llama-3.1-8b-instruct"
+    assert flags["--gpu-budget"] == str(40 << 30)
+    assert flags["--dram-budget"] == str(64 << 30)
+    assert int(flags["--ssd-budget"]) <= (1 << 40) * 9 // 10
+    assert flags["--token-budget"] == "2048" and flags["--page-size"] == "16"
+    assert flags["--placement"] == "kvdrive"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert flags["--ssd-dir"] == mounts["kv-ssd"]
+    assert flags["--dram-hugepage-dir"] == mounts["hugepages"]
+    assert flags["--admin-token-file"].startswith(mounts["admin-token"] + "/")
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    assert resources["requests"]["hugepages-2Mi"] == resources["limits"]["hugepages-2Mi"] == "64Gi"
+    assert resources["requests"]["cpu"] == "8" and resources["requests"]["memory"] == "64Gi"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["hugepages"]["emptyDir"] == {"medium": "HugePages-2Mi", "sizeLimit": "64Gi"}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert volumes["admin-token"]["secret"]["secretName"] == "chat-admin"
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "kv-ssd"
+    assert claim["spec"]["storageClassName"] == "local-nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Ti"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["terminationGracePeriodSeconds"] >= 60
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert "podAntiAffinity" in pod["affinity"]
+
+
+def test_one_gig_pages_and_file_models() -> None:
+    sts = _sts(_cr(load_example("fixed-replicas.yaml")))
+    pod = sts["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["hugepages-1Gi"] == "16Gi"
+    assert "hugepages-2Mi" not in container["resources"]["limits"]
+    assert {v["name"]: v for v in pod["volumes"]}["hugepages"]["emptyDir"]["medium"] == "HugePages-1Gi"
+    assert container["args"][container["args"].index("--model") + 1] == "/opt/models/smollm2-135m-instruct.gguf"
+    assert "model" not in {v["name"] for v in pod["volumes"]}
+    assert sts["spec"]["replicas"] == 2
+
+
+def test_no_dram_tier_and_no_gpu() -> None:
+    cr = _cr(load_example("minimal.yaml"), tiers={"dram": {"size": 0}}, resources={"gpus": 0})
+    container = _sts(cr)["spec"]["template"]["spec"]["containers"][0]
+    assert not any(k.startswith("hugepages-") for k in container["resources"]["requests"])
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert "--dram-hugepage-dir" not in container["args"]
+    assert container["args"][container["args"].index("--model") + 1] == "demo"
+
+
+def test_replicas_follow_the_autoscaling_mode() -> None:
+    minimal = load_example("minimal.yaml")
+    assert _sts(_cr(minimal))["spec"]["replicas"] == 1
+    assert _sts(_cr(minimal, replicas=3))["spec"]["replicas"] == 3
+    assert _sts(_cr(minimal, replicas=3, autoscaling={"mode": "external"}))["spec"]["replicas"] == 3
+    operator = _cr(minimal, autoscaling={"mode": "operator", "minReplicas": 2, "maxReplicas": 5})
+    assert _sts(operator)["spec"]["replicas"] == 2
+    assert _sts(operator, current=4)["spec"]["replicas"] == 4  # the autoscaler's choice is kept
+    assert _sts(operator, current=9)["spec"]["replicas"] == 5  # but clamped to the bounds
+
+
+def test_children_are_owned_and_labelled() -> None:
+    cr = _cr(load_example("full.yaml"))
+    children = render(cr, "t0ken")
+    for child in children:
+        meta = child["metadata"]
+        assert meta["namespace"] == "inference"
+        (owner,) = meta["ownerReferences"]
+        assert owner["kind"] == "KVDriveDeployment" and owner["uid"] == cr.metadata.uid and owner["controller"]
+        assert meta["labels"]["app.kubernetes.io/instance"] == "chat"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "kvdrive-operator"
+    kinds = _by_kind(children)
+    selector = kinds["StatefulSet"][0]["spec"]["selector"]["matchLabels"]
+    assert selector_string("chat") == ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+    assert kinds["PodDisruptionBudget"][0]["spec"]["selector"]["matchLabels"] == selector
+    for service in kinds["Service"]:
+        assert service["spec"]["selector"] == selector
+    headless = [s for s in kinds["Service"] if s["spec"].get("clusterIP") == "None"]
+    assert [s["metadata"]["name"] for s in headless] == [kinds["StatefulSet"][0]["spec"]["serviceName"]]
+    assert base64.b64decode(kinds["Secret"][0]["data"]["token"]) == b"t0ken"
+    config = yaml.safe_load(kinds["ConfigMap"][0]["data"]["config.yaml"])
+    assert config["served_model_name"] == "llama-3.1-8b-instruct" and config["dram_budget"] == 64 << 30
+
+
+def test_a_changed_spec_changes_the_pod_template() -> None:
+    base = load_example("minimal.yaml")
+    before = _sts(_cr(base))["spec"]["template"]
+    after = _sts(_cr(base, tiers={"gpu": {"budget": "6Gi"}}))["spec"]["template"]
+    assert before != after
+    assert before["metadata"]["annotations"] != after["metadata"]["annotations"]
+    assert _sts(_cr(base))["spec"]["template"] == before  # deterministic

@@ -1,0 +1,89 @@
+"""The pydantic spec model and the CRD describe the same fields, defaults and enums."""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from crdcheck import apply_defaults, load_crd, load_example, version_schema
+from pydantic import BaseModel
+
+from kvdrive.operator.spec import KVDriveSpec, KVDriveStatus, parse_cr
+
+
+def _crd_fields(schema: dict[str, Any], path: str = "") -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for key, sub in schema.get("properties", {}).items():
+        here = f"{path}.{key}" if path else key
+        out[here] = sub
+        if sub.get("type") == "object" and "properties" in sub:
+            out.update(_crd_fields(sub, here))
+    return out
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in get_args(annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                return arg
+    return None
+
+
+def _literal(annotation: Any) -> tuple[Any, ...] | None:
+    return get_args(annotation) if get_origin(annotation) is Literal else None
+
+
+def _model_fields(model: type[BaseModel], path: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        here = f"{path}.{key}" if path else key
+        out[here] = field.annotation
+        sub = _model_class(field.annotation)
+        if sub is not None:
+            out.update(_model_fields(sub, here))
+    return out
+
+
+def test_spec_fields_are_the_same() -> None:
+    crd = _crd_fields(version_schema(load_crd())["properties"]["spec"])
+    model = _model_fields(KVDriveSpec)
+    assert sorted(crd) == sorted(model)
+
+
+def test_status_fields_are_the_same() -> None:
+    crd = set(_crd_fields(version_schema(load_crd())["properties"]["status"])) - {"kopf"}
+    crd = {p for p in crd if "." not in p}
+    assert crd == set(_model_fields(KVDriveStatus))
+
+
+def test_enums_are_the_same() -> None:
+    crd = _crd_fields(version_schema(load_crd())["properties"]["spec"])
+    model = _model_fields(KVDriveSpec)
+    enums = {path: sub["enum"] for path, sub in crd.items() if "enum" in sub}
+    literals = {path: list(_literal(ann)) for path, ann in model.items() if _literal(ann)}
+    assert enums == literals
+    assert len(enums) >= 4
+
+
+def test_defaults_are_the_same() -> None:
+    for example in ("minimal.yaml", "full.yaml", "fixed-replicas.yaml"):
+        doc = load_example(example)
+        by_crd = apply_defaults(version_schema(load_crd()), doc)["spec"]
+        by_model = parse_cr(doc).spec.model_dump(by_alias=True, exclude_none=True)
+        assert by_model == by_crd, example
+
+
+def test_model_defaults_match_crd_defaults_field_by_field() -> None:
+    crd = _crd_fields(version_schema(load_crd())["properties"]["spec"])
+    dumped = KVDriveSpec.model_validate({"model": {"source": "demo"}}).model_dump(by_alias=True)
+    for path, sub in crd.items():
+        if "default" not in sub or sub.get("type") == "object" and sub["default"] == {}:
+            continue
+        node: Any = dumped
+        for key in path.split("."):
+            node = node[key]
+        assert node == sub["default"], path
