@@ -212,7 +212,7 @@ def _resources(spec: KVDriveSpec) -> dict[str, Any]:
         hugepages = f"hugepages-{spec.tiers.dram.huge_page_size}"
         requests[hugepages] = limits[hugepages] = spec.tiers.dram.size  # hugepages: requests == limits
     if spec.resources.gpus:
-        limits["nvidia.com/gpu"] = spec.resources.gpus
+        limits["nvidia.com/gpu"] = str(spec.resources.gpus)  # the API server stores quantities as strings
     return {"requests": requests, "limits": limits}
 
 

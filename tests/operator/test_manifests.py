@@ -69,7 +69,7 @@ def test_statefulset_runs_kvdrive_serve_with_the_tiers_of_the_spec() -> None:
     assert flags["--dram-hugepage-dir"] == mounts["hugepages"]
     assert flags["--admin-token-file"].startswith(mounts["admin-token"] + "/")
     resources = container["resources"]
-    assert resources["limits"]["nvidia.com/gpu"] == 1
+    assert resources["limits"]["nvidia.com/gpu"] == "1"
     assert resources["requests"]["hugepages-2Mi"] == resources["limits"]["hugepages-2Mi"] == "64Gi"
     assert resources["requests"]["cpu"] == "8" and resources["requests"]["memory"] == "64Gi"
     volumes = {v["name"]: v for v in pod["volumes"]}
