@@ -16,6 +16,13 @@ from kvdrive.runtime import __version__
 from kvdrive.runtime.sizes import parse_size
 
 log = logging.getLogger("kvdrive")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _dtype(name: str):  # type: ignore[no-untyped-def]
+    import torch
+
+    return None if name == "auto" else getattr(torch, name)
 
 
 def _size(text: str) -> int:
@@ -28,6 +35,8 @@ def _size(text: str) -> int:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="'demo', a .gguf file or a Hugging Face model directory")
     p.add_argument("--device", default="cpu", help="torch device for compute and the device KV tier (cpu, cuda)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
+                   help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--gpu-budget", type=_size, default=None,
                    help="bytes of KV in the device tier, e.g. 256MiB (default: one full-context sequence)")
@@ -55,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = bsub.add_parser("model", help="load time, prefill and decode throughput of a model")
     m.add_argument("--model", default="demo")
     m.add_argument("--device", default="cpu")
+    m.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
     m.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths")
     m.add_argument("--decode-context", type=int, nargs="+", default=[128, 2048], help="contexts for decode")
     m.add_argument("--decode-tokens", type=int, default=64)
@@ -70,7 +80,8 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=tuple(args.stop),
     )
-    loaded = load_model(args.model, device=args.device, progress=sys.stderr.isatty() or args.verbose)
+    loaded = load_model(args.model, device=args.device, dtype=_dtype(args.dtype),
+                        progress=sys.stderr.isatty() or args.verbose)
     tok = loaded.tokenizer
     ids = tok.encode_chat([ChatMessage("user", args.prompt)]) if args.chat else tok.encode(args.prompt)
     gen = Generator(loaded, EngineConfig(page_size=args.page_size, kv_budget_bytes=args.gpu_budget))
@@ -88,7 +99,8 @@ def _bench(args: argparse.Namespace) -> int:
     from kvdrive.runtime.bench import model_bench
 
     result = model_bench.run_model_bench(
-        args.model, tuple(args.prefill), tuple(args.decode_context), args.decode_tokens, device=args.device
+        args.model, tuple(args.prefill), tuple(args.decode_context), args.decode_tokens, device=args.device,
+        dtype=_dtype(args.dtype),
     )
     text = json.dumps(model_bench.as_dict(result), indent=2)
     print(model_bench.table(result), file=sys.stderr)

@@ -45,8 +45,9 @@ def run_model_bench(
     decode_tokens: int = 64,
     repeats: int = 2,
     device: str = "cpu",
+    dtype: torch.dtype | None = None,
 ) -> ModelBenchResult:
-    loaded = load_model(model, device=device)
+    loaded = load_model(model, device=device, dtype=dtype)
     gen = Generator(loaded, EngineConfig())
     prefill: dict[int, float] = {}
     for n in tqdm(prefill_lengths, desc="prefill", leave=False):

@@ -46,13 +46,13 @@ class Generator:
         )
         budget = self.config.kv_budget_bytes
         if budget is None:
-            budget = layout.pages_for(cfg.max_position_embeddings) * layout.page_bytes
+            budget = layout.pages_for(cfg.context_length) * layout.page_bytes
         self.cache = PagedKVCache.for_budget(layout, budget, self.device)
         self._ids = itertools.count()
 
     @property
     def max_context(self) -> int:
-        return self.loaded.config.max_position_embeddings
+        return self.loaded.config.context_length
 
     # --- sequences ---------------------------------------------------------------------------
     def new_sequence(self) -> int:

@@ -52,6 +52,13 @@ class ModelConfig:
             )
 
     @property
+    def context_length(self) -> int:
+        """Longest sequence the model serves (dynamic NTK scaling stretches the trained context)."""
+        if self.rope_scaling.kind == "dynamic":
+            return int(self.max_position_embeddings * self.rope_scaling.factor)
+        return self.max_position_embeddings
+
+    @property
     def group_size(self) -> int:
         """Query heads sharing one KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
