@@ -6,7 +6,7 @@ moves (only when a condition's status changes). No Kubernetes API, no Kopf.
 
 from __future__ import annotations
 
-import datetime
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +42,7 @@ class ConditionValue:
 
 
 def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def desired_conditions(observed: Observed, problem: Problem | None) -> list[ConditionValue]:

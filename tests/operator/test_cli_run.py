@@ -1,0 +1,67 @@
+"""`kvdrive-operator run` as a process: logs in from KUBECONFIG, serves its liveness probe, reconciles."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from conftest import Cluster, eventually
+from crdcheck import load_example
+
+from kvdrive.operator.handlers import CR, STATEFULSETS
+
+CLI = Path(sys.executable).with_name("kvdrive-operator")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_run_serves_liveness_and_reconciles(kmock: Any, cluster: Cluster, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: k, cluster: {{server: '{str(kmock.url).rstrip('/')}'}}}}]\n"
+        "users: [{name: u, user: {token: test}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\ncurrent-context: c\n"
+    )
+    port = _free_port()
+    log = (tmp_path / "operator.log").open("wb")
+    process = await asyncio.create_subprocess_exec(
+        str(CLI), "run", "--liveness", f"http://127.0.0.1:{port}/healthz", cwd="/",
+        env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin"},
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        async def alive() -> bool:
+            try:
+                async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/healthz") as rsp:
+                    return rsp.status == 200
+            except aiohttp.ClientError:
+                return False
+
+        await eventually(alive, timeout=30, what="the liveness endpoint")
+        await cluster.storage_class()
+        await cluster.create(CR, load_example("minimal.yaml"), namespace="default")
+        sts = await eventually(lambda: cluster.get(STATEFULSETS, "demo", namespace="default"), timeout=15,
+                               what="the StatefulSet")
+        assert sts["spec"]["template"]["spec"]["containers"][0]["args"][:3] == ["serve", "--model", "demo"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), timeout=20)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+        log.close()
+    output = (tmp_path / "operator.log").read_text()
+    assert "Traceback" not in output, output[-3000:]
+    assert "creating StatefulSet demo" in output
