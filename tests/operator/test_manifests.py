@@ -152,3 +152,24 @@ def test_a_changed_spec_changes_the_pod_template() -> None:
     assert before != after
     assert before["metadata"]["annotations"] != after["metadata"]["annotations"]
     assert _sts(_cr(base))["spec"]["template"] == before  # deterministic
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.33"])
+def test_operator_install_manifests_validate(version: str) -> None:
+    docs = list(yaml.safe_load_all((EXAMPLES / "operator" / "operator.yaml").read_text()))
+    assert {d["kind"] for d in docs} >= {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_operator_rbac_covers_every_child_kind() -> None:
+    docs = list(yaml.safe_load_all((EXAMPLES / "operator" / "operator.yaml").read_text()))
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    allowed = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    for child in render(_cr(load_example("full.yaml")), "t"):
+        group = child["apiVersion"].rpartition("/")[0]
+        plural = {"PodDisruptionBudget": "poddisruptionbudgets", "StatefulSet": "statefulsets"}.get(
+            child["kind"], child["kind"].lower() + "s")
+        assert {"get", "list", "watch", "create", "patch"} <= allowed[group, plural], child["kind"]
+    assert {"get", "patch"} <= allowed["kvdrive.io", "kvdrivedeployments/status"]
+    assert "delete" not in allowed["", "secrets"]
