@@ -63,7 +63,7 @@ def _with(doc: dict[str, Any], **spec: Any) -> dict[str, Any]:
 def test_examples_are_accepted_by_the_api_server(client: Any, example: str) -> None:
     doc = load_example(example)
     doc["metadata"]["namespace"] = client.test_namespace
-    _cr(client).create(body=doc, namespace=client.test_namespace, query_params=[("dryRun", "All")])
+    _cr(client).create(body=doc, namespace=client.test_namespace, dry_run="All")
 
 
 @pytest.mark.parametrize(
@@ -82,7 +82,7 @@ def test_cel_rules_reject_on_the_api_server(client: Any, spec: dict[str, Any], m
     doc = _with(load_example("full.yaml"), **spec)
     doc["metadata"]["namespace"] = client.test_namespace
     with pytest.raises(UnprocessableEntityError) as info:
-        _cr(client).create(body=doc, namespace=client.test_namespace, query_params=[("dryRun", "All")])
+        _cr(client).create(body=doc, namespace=client.test_namespace, dry_run="All")
     assert message in str(info.value.body)
 
 
@@ -91,4 +91,4 @@ def test_rendered_children_pass_server_dry_run(client: Any) -> None:
     doc["metadata"]["namespace"] = client.test_namespace
     for child in render(parse_cr(doc), "token"):
         resource = client.resources.get(api_version=child["apiVersion"], kind=child["kind"])
-        resource.create(body=child, namespace=client.test_namespace, query_params=[("dryRun", "All")])
+        resource.create(body=child, namespace=client.test_namespace, dry_run="All")
