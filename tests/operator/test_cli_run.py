@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from conftest import Cluster, eventually
 from crdcheck import load_example
+from kopfenv import Cluster, eventually
 
 from kvdrive.operator.handlers import CR, STATEFULSETS
 

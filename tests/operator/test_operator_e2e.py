@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from conftest import NAMESPACE, Cluster, eventually, never
 from crdcheck import load_example
+from kopfenv import NAMESPACE, Cluster, eventually, never
 
 from kvdrive.operator.handlers import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS
 from kvdrive.operator.kubeapi import Ref
