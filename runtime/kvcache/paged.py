@@ -34,6 +34,11 @@ class KVLayout:
         """Bytes of one page across all layers, K and V."""
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.itemsize
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one layer's page, K and V: the unit the tiered store moves (``[2, S, Hkv, D]``)."""
+        return self.page_bytes // self.num_layers
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

@@ -1,0 +1,54 @@
+"""Tier names, byte budgets and the usage snapshots every tier reports.
+
+Owns the vocabulary shared by the tier stores, the unified store and whoever exports metrics:
+tier names (`gpu`, `dram`, `ssd`, fastest first), a budget triple, and frozen usage snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+TierName = Literal["gpu", "dram", "ssd"]
+TIER_ORDER: tuple[TierName, ...] = ("gpu", "dram", "ssd")
+
+
+class BudgetError(ValueError):
+    """A budget change that cannot be applied without losing a page a running sequence needs."""
+
+
+@dataclass(frozen=True)
+class TierBudgets:
+    """Byte budget per tier; a tier never holds more page bytes than its budget."""
+
+    gpu_bytes: int
+    dram_bytes: int
+    ssd_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_bytes", "dram_bytes", "ssd_bytes"):
+            if getattr(self, name) < 0:
+                raise BudgetError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def of(self, tier: TierName) -> int:
+        return {"gpu": self.gpu_bytes, "dram": self.dram_bytes, "ssd": self.ssd_bytes}[tier]
+
+    def replace(self, **changes: int | None) -> TierBudgets:
+        cur = {"gpu_bytes": self.gpu_bytes, "dram_bytes": self.dram_bytes, "ssd_bytes": self.ssd_bytes}
+        cur.update({k: v for k, v in changes.items() if v is not None})
+        return TierBudgets(**cur)
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """One tier's accounting at one instant (what /metrics and /admin/tiers report)."""
+
+    tier: TierName
+    budget_bytes: int  # the configured budget
+    capacity_bytes: int  # slots actually available x bytes per page (<= budget)
+    used_bytes: int  # pages stored x bytes per page (<= capacity)
+    pages: int
+    pinned_pages: int
+    backing: str  # e.g. "cpu", "cuda:0", "hugetlbfs:/mnt/huge", "anon-thp", "posix-odirect:/nvme"
+    page_reads: int  # pages served from this tier
+    errors: int  # I/O faults and corrupt pages counted by the tier

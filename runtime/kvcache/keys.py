@@ -1,0 +1,49 @@
+"""Page identity: block keys and content-addressed prefix digests.
+
+A block is one layer's page (K and V of `page_size` tokens, all KV heads). Its key is a 16-byte
+digest plus the layer. Prefix pages use a content digest: a chain hash of the model fingerprint and
+every token up to the page end, so equal prefixes map to equal keys across requests and restarts.
+Private (non-shareable) pages use random digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+DIGEST_BYTES = 16
+
+
+@dataclass(frozen=True, order=True)
+class BlockKey:
+    digest: bytes  # DIGEST_BYTES
+    layer: int
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != DIGEST_BYTES:
+            raise ValueError(f"a block digest is {DIGEST_BYTES} bytes, got {len(self.digest)}")
+
+    def __repr__(self) -> str:
+        return f"BlockKey({self.digest.hex()[:12]}, L{self.layer})"
+
+
+def private_digest() -> bytes:
+    """A fresh random digest for a page that is not shared by content."""
+    return os.urandom(DIGEST_BYTES)
+
+
+def prefix_digests(model_fingerprint: str, tokens: list[int], page_size: int) -> list[bytes]:
+    """Digest of every *full* page of ``tokens``: page i's digest covers tokens[0 : (i+1)*page_size].
+
+    digest_i = blake2b(digest_{i-1} || tokens of page i), digest_{-1} = blake2b(fingerprint).
+    """
+    prev = hashlib.blake2b(model_fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
+    arr = np.asarray(tokens, dtype=np.int64)
+    out: list[bytes] = []
+    for start in range(0, len(arr) - page_size + 1, page_size):
+        prev = hashlib.blake2b(prev + arr[start : start + page_size].tobytes(), digest_size=DIGEST_BYTES).digest()
+        out.append(prev)
+    return out
