@@ -33,8 +33,8 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 serve: install
-	$(VENV)/bin/kvdrive generate --model demo --chat --max-tokens 48 \
-		--prompt "What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/kvdrive serve --model demo --host $(HOST) --port $(PORT) --gpu-budget 64MiB \
+		--dram-budget 128MiB --ssd-dir .kvdrive-ssd --ssd-budget 1GiB
 
 lint: install-test
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""Command line of the runtime: ``kvdrive generate`` and ``kvdrive bench``.
+"""Command line of the runtime: ``kvdrive serve``, ``kvdrive generate`` and ``kvdrive bench``.
 
 User errors (a missing model, a prompt too long, a bad size) print one ``kvdrive: error:`` line
 and exit with status 2; no traceback.
@@ -59,6 +59,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="model id served by /v1/models")
+    s.add_argument("--api-key-file", default=None, help="file holding the Bearer key required on /v1")
+    s.add_argument("--admin-token-file", default=None, help="file holding the Bearer token required on /admin")
+    s.add_argument("--max-running", type=int, default=16, help="sequences in the running batch")
+    s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
+    s.add_argument("--step-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
+    # Tier and attention flags of ARCHITECTURE.md: accepted (the operator passes them) and reported at start;
+    # see README "Status" for which are in effect.
+    s.add_argument("--dram-budget", type=_size, default=None)
+    s.add_argument("--dram-hugepage-dir", default=None)
+    s.add_argument("--ssd-dir", default=None)
+    s.add_argument("--ssd-budget", type=_size, default=None)
+    s.add_argument("--token-budget", type=int, default=None)
+    s.add_argument("--full-attention", action="store_true")
+    s.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive")
+    s.add_argument("--config", default=None)
+
     b = sub.add_parser("bench", help="benchmarks (JSON to stdout or --out)")
     bsub = b.add_subparsers(dest="bench", required=True)
     m = bsub.add_parser("model", help="load time, prefill and decode throughput of a model")
@@ -95,6 +116,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+_NOT_YET = ("dram_budget", "dram_hugepage_dir", "ssd_dir", "ssd_budget", "token_budget", "config")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvdrive.runtime.engine import SchedulerConfig
+    from kvdrive.runtime.server.auth import read_secret
+    from kvdrive.runtime.server.serve import ServeOptions, serve
+
+    ignored = [f"--{n.replace('_', '-')}" for n in _NOT_YET if getattr(args, n) is not None]
+    if args.full_attention:
+        ignored.append("--full-attention (attention is always full for now)")
+    if args.placement != "kvdrive":
+        ignored.append("--placement")
+    if ignored:
+        log.warning("not in effect yet (single device tier, dense attention): %s", ", ".join(ignored))
+    opts = ServeOptions(
+        model=args.model, host=args.host, port=args.port, device=args.device, dtype=_dtype(args.dtype),
+        page_size=args.page_size, gpu_budget=args.gpu_budget, served_model_name=args.served_model_name,
+        api_key=read_secret(args.api_key_file), admin_token=read_secret(args.admin_token_file),
+        scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
+                                  step_token_budget=args.step_tokens),
+        progress=sys.stderr.isatty() or args.verbose,
+    )
+    serve(opts)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from kvdrive.runtime.bench import model_bench
 
@@ -122,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     from kvdrive.runtime.model.tokenizer import TokenizerError
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+    verbose = args.verbose or args.command == "serve"
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         return _bench(args)
-    except (ModelLoadError, PromptTooLongError, CacheFullError, TokenizerError, ValueError) as exc:
+    except (ModelLoadError, PromptTooLongError, CacheFullError, TokenizerError, ValueError, OSError) as exc:
         print(f"kvdrive: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

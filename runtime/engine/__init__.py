@@ -1,7 +1,14 @@
-"""The engine: generation loop over the KV cache, sampling, detokenization (scheduler to come)."""
+"""The engine: continuous-batching serving engine, generation loop, sampling, detokenization."""
 
+from kvdrive.runtime.engine.async_engine import AsyncEngine
 from kvdrive.runtime.engine.detokenize import TextStream
 from kvdrive.runtime.engine.generator import EngineConfig, Generator, PromptTooLongError
+from kvdrive.runtime.engine.llm_engine import EngineStats, LLMEngine, QueueFullError
+from kvdrive.runtime.engine.request import Request, RequestOutput
 from kvdrive.runtime.engine.sampling import SamplingParams
+from kvdrive.runtime.engine.scheduler import SchedulerConfig
 
-__all__ = ["EngineConfig", "Generator", "PromptTooLongError", "SamplingParams", "TextStream"]
+__all__ = [
+    "AsyncEngine", "EngineConfig", "EngineStats", "Generator", "LLMEngine", "PromptTooLongError", "QueueFullError",
+    "Request", "RequestOutput", "SamplingParams", "SchedulerConfig", "TextStream",
+]

@@ -49,6 +49,7 @@ class Generator:
             budget = layout.pages_for(cfg.context_length) * layout.page_bytes
         self.cache = PagedKVCache.for_budget(layout, budget, self.device)
         self._ids = itertools.count()
+        self.page_reads = 0  # pages read from the KV store by attention (all layers)
 
     @property
     def max_context(self) -> int:
@@ -64,7 +65,7 @@ class Generator:
         self.cache.free(seq_id)
 
     # --- forward steps -----------------------------------------------------------------------
-    def _forward(self, batch: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
+    def forward_tokens(self, batch: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
         """Append tokens to sequences and run the model. Returns hidden states [N, H]."""
         steps, ids, positions = [], [], []
         for seq_id, tokens in batch:
@@ -74,6 +75,9 @@ class Generator:
             steps.append(StepSequence(seq_id, len(tokens), pos, slots))
             ids.extend(tokens)
             positions.append(pos)
+        self.page_reads += self.loaded.config.num_layers * sum(
+            len(self.cache.block_table(s.seq_id)) for s in steps
+        )
         backend = PagedAttentionBackend(self.cache, steps)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return self.loaded.model(input_ids, torch.cat(positions), backend)
@@ -89,13 +93,13 @@ class Generator:
         chunk = self.config.prefill_chunk
         outs = []
         for i in range(0, len(tokens), chunk):
-            hidden = self._forward([(seq_id, tokens[i : i + chunk])])
+            hidden = self.forward_tokens([(seq_id, tokens[i : i + chunk])])
             outs.append(self.loaded.model.logits(hidden if all_logits else hidden[-1:]))
         return torch.cat(outs) if all_logits else outs[-1][0]
 
     def decode(self, batch: Sequence[tuple[int, int]]) -> torch.Tensor:
         """One decode step for (seq_id, last token) pairs. Returns logits [B, V]."""
-        hidden = self._forward([(seq_id, [tok]) for seq_id, tok in batch])
+        hidden = self.forward_tokens([(seq_id, [tok]) for seq_id, tok in batch])
         return self.loaded.model.logits(hidden)
 
     # --- convenience -------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""Runs an ``LLMEngine`` in its own thread and serves it to asyncio code (the HTTP server).
+
+Commands (add, abort, run a function) go through a queue to the engine thread, which owns the
+engine exclusively; outputs come back to each request's asyncio queue. A failing step ends the
+affected requests with an error and the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from kvdrive.runtime.engine.llm_engine import LLMEngine
+from kvdrive.runtime.engine.request import Request, RequestOutput
+
+log = logging.getLogger(__name__)
+
+_Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvdrive-engine", daemon=True)
+        self.step_failures = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wake.set()
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps; return its result."""
+        fut: Future[Any] = Future()
+        self._send("call", (fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request; aborts it when the consumer stops early (client gone)."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._sinks[request.request_id] = (loop, q)
+        self._send("add", request)
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._send("abort", request.request_id)
+            else:
+                self._sinks.pop(request.request_id, None)
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            return
+        loop, q = sink
+        if isinstance(item, BaseException) or item.finished:
+            self._sinks.pop(request_id, None)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the request's event loop is closed
+            pass
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            try:
+                self.engine.add_request(payload)
+            except Exception as exc:  # validation errors go back to the caller
+                self._deliver(payload.request_id, exc)
+        elif kind == "abort":
+            out = self.engine.abort(payload)
+            self._sinks.pop(payload, None)
+            if out is not None:
+                log.info("aborted %s after %d tokens (client went away)", payload, out.completion_tokens)
+        elif kind == "call":
+            fn, fut = payload
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            while True:
+                try:
+                    kind, payload = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                self._handle(kind, payload)
+            if not self.engine.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # never let the engine thread die
+                self.step_failures += 1
+                log.exception("engine step failed; ending the running requests")
+                outputs = self.engine.fail_all(f"internal engine error: {exc}")
+            for out in outputs:
+                self._deliver(out.request_id, out)

@@ -1,0 +1,201 @@
+"""The serving engine: continuous batching over the KV cache, one ``step()`` at a time.
+
+``LLMEngine`` turns requests into sequences, asks the scheduler what to run, runs one forward
+pass for the whole mixed batch (decodes + prompt chunks), samples, detokenizes and reports
+per-request outputs. Not thread-safe: ``AsyncEngine`` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvdrive.runtime.engine.detokenize import TextStream
+from kvdrive.runtime.engine.generator import Generator, PromptTooLongError
+from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
+from kvdrive.runtime.engine.sampling import make_generator, sample
+from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    generated_tokens_total: int
+    prompt_tokens_total: int
+    preemptions_total: int
+    kv_capacity_bytes: int
+    kv_used_bytes: int
+
+
+class LLMEngine:
+    def __init__(self, generator: Generator, config: SchedulerConfig | None = None) -> None:
+        self.gen = generator
+        self.tokenizer = generator.loaded.tokenizer
+        self.scheduler = Scheduler(config or SchedulerConfig())
+        self._seqs: dict[str, SequenceState] = {}
+        self._eos = frozenset(self.tokenizer.eos_token_ids)
+        self._generated = 0
+        self._prompt_tokens = 0
+        self._preemptions = 0
+
+    # --- PageSource for the scheduler ---------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return self.gen.cache.free_pages
+
+    def pages_needed(self, seq_id: int | None, n: int) -> int:
+        cache = self.gen.cache
+        if seq_id is None:
+            return cache.layout.pages_for(n)
+        return cache.layout.pages_for(cache.length(seq_id) + n) - len(cache.block_table(seq_id))
+
+    # --- requests -----------------------------------------------------------------------------
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise PromptTooLongError when a prompt cannot be served at all."""
+        limit = self.gen.max_context
+        if num_prompt_tokens < 1:
+            raise PromptTooLongError("the prompt is empty")
+        if num_prompt_tokens + 1 > limit:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's context is {limit} tokens "
+                f"(prompt + at least 1 generated token must fit)"
+            )
+        cache = self.gen.cache
+        if cache.layout.pages_for(num_prompt_tokens + 1) > cache.num_pages:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens; the KV cache holds at most "
+                f"{cache.num_pages * cache.layout.page_size - 1} tokens per request"
+            )
+
+    def add_request(self, request: Request) -> None:
+        if len(self.scheduler.waiting) >= self.scheduler.config.max_waiting:
+            raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
+        self.check_prompt(len(request.prompt_ids), request.params.max_tokens)
+        if request.request_id in self._seqs:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        seq = SequenceState(
+            request=request,
+            stream=TextStream(self.tokenizer, request.params.stop),
+            generator=make_generator(request.params),
+            tokens=list(request.prompt_ids),
+        )
+        self._seqs[request.request_id] = seq
+        self.scheduler.waiting.append(seq)
+        self._prompt_tokens += len(request.prompt_ids)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort", new_tokens=(), delta="")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            generated_tokens_total=self._generated, prompt_tokens_total=self._prompt_tokens,
+            preemptions_total=self._preemptions, kv_capacity_bytes=self.gen.cache.capacity_bytes,
+            kv_used_bytes=self.gen.cache.used_bytes,
+        )
+
+    # --- the step -----------------------------------------------------------------------------
+    def _preempt(self, seq: SequenceState) -> None:
+        log.info("preempting %s (%d tokens) to free KV pages", seq.request.request_id, len(seq.tokens))
+        self._release_pages(seq)
+        seq.num_computed = 0
+        self.scheduler.requeue(seq)
+        self._preemptions += 1
+
+    def _release_pages(self, seq: SequenceState) -> None:
+        if seq.seq_id is not None:
+            self.gen.release(seq.seq_id)
+            seq.seq_id = None
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._fail_unservable()
+        chunks = self.scheduler.plan(self, self._preempt)
+        if not chunks:
+            return outputs
+        batch = []
+        for c in chunks:
+            if c.seq.seq_id is None:
+                c.seq.seq_id = self.gen.new_sequence()
+            batch.append((c.seq.seq_id, c.seq.pending[: c.num_tokens]))
+        hidden = self.gen.forward_tokens(batch)  # [N, H]
+        ends = torch.tensor([n for n in _cumulative(c.num_tokens for c in chunks)]) - 1
+        completing = [i for i, c in enumerate(chunks) if c.completes]
+        logits = self.gen.loaded.model.logits(hidden[ends[completing]]) if completing else None  # [B, V]
+        for c in chunks:
+            c.seq.num_computed += c.num_tokens
+        for row, i in enumerate(completing):
+            assert logits is not None
+            outputs.append(self._emit(chunks[i], logits[row]))
+        return outputs
+
+    def _fail_unservable(self) -> list[RequestOutput]:
+        """A preempted sequence that outgrew the whole cache can never run again: end it."""
+        waiting = self.scheduler.waiting
+        cache = self.gen.cache
+        if waiting and not self.scheduler.running:
+            head = waiting[0]
+            if cache.layout.pages_for(len(head.tokens) + 1) > cache.num_pages:
+                log.warning("%s outgrew the KV cache (%d tokens); ending it", head.request.request_id,
+                            len(head.tokens))
+                return [self._finish(head, "length", new_tokens=(), delta=head.stream.flush())]
+        return []
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error (after an unexpected failure in a step)."""
+        outs = []
+        for seq in list(self._seqs.values()):
+            out = self._finish(seq, "error", new_tokens=(), delta="")
+            outs.append(RequestOutput(out.request_id, (), "", out.prompt_tokens, out.completion_tokens,
+                                      finished=True, finish_reason="error", error=message))
+        return outs
+
+    def _emit(self, chunk: ScheduledChunk, logits: torch.Tensor) -> RequestOutput:
+        seq = chunk.seq
+        params = seq.request.params
+        token = sample(logits, params, seq.generator)
+        now = time.perf_counter()
+        seq.first_token_at = seq.first_token_at or now
+        seq.last_token_at = now
+        if token in self._eos and not params.ignore_eos:
+            return self._finish(seq, "stop", new_tokens=(), delta=seq.stream.flush())
+        seq.tokens.append(token)
+        seq.num_generated += 1
+        self._generated += 1
+        delta = seq.stream.push(token)
+        if seq.stream.stopped:
+            return self._finish(seq, "stop", new_tokens=(token,), delta=delta)
+        if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.gen.max_context:
+            return self._finish(seq, "length", new_tokens=(token,), delta=delta + seq.stream.flush())
+        return RequestOutput(seq.request.request_id, (token,), delta, len(seq.request.prompt_ids),
+                             seq.num_generated)
+
+    def _finish(self, seq: SequenceState, reason: str, new_tokens: tuple[int, ...], delta: str) -> RequestOutput:
+        self._release_pages(seq)
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request.request_id, None)
+        return RequestOutput(seq.request.request_id, new_tokens, delta, len(seq.request.prompt_ids),
+                             seq.num_generated, finished=True, finish_reason=reason)
+
+
+def _cumulative(values) -> list[int]:  # type: ignore[no-untyped-def]
+    out, total = [], 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out

@@ -1,0 +1,50 @@
+"""Requests entering the engine and the outputs each step returns for them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvdrive.runtime.engine.detokenize import TextStream
+from kvdrive.runtime.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival: float
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    prompt_tokens: int
+    completion_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+@dataclass
+class SequenceState:
+    """The engine's mutable view of one running request (internal to the engine)."""
+
+    request: Request
+    stream: TextStream
+    generator: torch.Generator | None
+    seq_id: int | None = None  # id in the KV cache while it holds pages
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    num_generated: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def pending(self) -> list[int]:
+        """Tokens still to feed to the model (a prompt chunk, or the last sampled token)."""
+        return self.tokens[self.num_computed :]

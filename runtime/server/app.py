@@ -1,0 +1,266 @@
+"""The FastAPI application: OpenAI-compatible completions and chat, models, health, metrics, admin.
+
+Every user error is a 4xx with an OpenAI-style ``{"error": {...}}`` body naming what is wrong;
+nothing a client sends can produce a 5xx or stop the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvdrive.runtime.engine import AsyncEngine, PromptTooLongError, QueueFullError, SamplingParams
+from kvdrive.runtime.engine import Request as EngineRequest
+from kvdrive.runtime.model import ChatMessage, Tokenizer
+from kvdrive.runtime.model.tokenizer import TokenizerError
+from kvdrive.runtime.server import schemas as s
+from kvdrive.runtime.server.auth import bearer_ok
+from kvdrive.runtime.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str
+    aliases: tuple[str, ...] = ()
+    api_key: str | None = None
+    admin_token: str | None = None
+    default_chat_max_tokens: int = 512
+    retry_after_seconds: int = 2
+
+
+@dataclass(frozen=True)
+class ServerState:
+    config: ServerConfig
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    max_context: int
+    metrics: ServerMetrics
+    tiers: Callable[[], list[s.TierUsage]]
+    ready: Callable[[], bool]
+    started: int
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    body = s.ErrorResponse(error=s.ErrorDetail(message=message, type=kind, code=status, param=param))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="KVDrive", version="0.1.0",
+                  description="OpenAI-compatible LLM serving with a three-tier (GPU/DRAM/SSD) KV cache")
+    cfg = state.config
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.kind, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        msg = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request"))
+        return _error(422, msg, "invalid_request_error", where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    def require_api_key(request: Request) -> None:
+        if not bearer_ok(cfg.api_key, request.headers.get("authorization")):
+            raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)", "authentication_error",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def require_admin(request: Request) -> None:
+        if not bearer_ok(cfg.admin_token, request.headers.get("authorization")):
+            raise ApiError(401, "missing or invalid admin token", "authentication_error",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(name: str) -> None:
+        if name not in (cfg.model_id, *cfg.aliases):
+            raise ApiError(404, f"model {name!r} is not served here (served: {cfg.model_id})", "not_found_error",
+                           "model")
+
+    def sampling(body: s._SamplingFields, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+        room = state.max_context - prompt_len
+        wanted = max_tokens if max_tokens is not None else cfg.default_chat_max_tokens
+        return SamplingParams(max_tokens=max(1, min(wanted, room)), temperature=body.temperature,
+                              top_p=body.top_p, top_k=max(0, body.top_k), seed=body.seed,
+                              stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos)
+
+    def check_length(prompt_len: int, max_tokens: int | None) -> None:
+        if prompt_len + 1 > state.max_context:
+            raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is {state.max_context} "
+                                f"tokens (prompt + at least one generated token)", param="prompt")
+        if max_tokens is not None and prompt_len + max_tokens > state.max_context:
+            raise ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+                                f"context of {state.max_context} tokens", param="max_tokens")
+
+    async def run(prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[object]:
+        request = EngineRequest(uuid.uuid4().hex, tuple(prompt_ids), params, time.perf_counter())
+        arrived, last = request.arrival, None
+        try:
+            async for out in state.engine.generate(request):
+                now = time.perf_counter()
+                if out.new_token_ids:
+                    if last is None:
+                        state.metrics.ttft.observe(now - arrived)
+                    else:
+                        state.metrics.itl.observe(now - last)
+                    last = now
+                if out.error:
+                    raise ApiError(503, out.error, "server_error")
+                yield out
+        except QueueFullError as exc:
+            raise ApiError(429, f"server busy: {exc}; retry later", "rate_limit_error",
+                           headers={"Retry-After": str(cfg.retry_after_seconds)}) from exc
+        except PromptTooLongError as exc:
+            raise ApiError(400, str(exc), param="prompt") from exc
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        if not state.engine.alive:
+            raise ApiError(503, "engine thread is not running", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> dict[str, str]:
+        if not state.ready():
+            raise ApiError(503, "not ready: model or KV tiers unavailable", "server_error")
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=s.ModelList)
+    async def models(request: Request) -> s.ModelList:
+        require_api_key(request)
+        return s.ModelList(data=[s.ModelCard(id=cfg.model_id, created=state.started, max_model_len=state.max_context)])
+
+    @app.post("/v1/completions", response_model=s.CompletionResponse)
+    async def completions(body: s.CompletionRequest, request: Request) -> Response:
+        require_api_key(request)
+        check_model(body.model)
+        prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode(body.prompt)
+        if isinstance(body.prompt, list) and any(t < 0 or t >= state.tokenizer.vocab_size for t in prompt_ids):
+            raise ApiError(422, f"prompt: token ids must be in [0, {state.tokenizer.vocab_size})", param="prompt")
+        check_length(len(prompt_ids), body.max_tokens)
+        params = sampling(body, body.max_tokens, len(prompt_ids))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        if body.stream:
+            return await _stream(rid, run(prompt_ids, params), chat=False, model=cfg.model_id,
+                                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                                 prefix=prefix)
+        text, reason, usage = await _collect(run(prompt_ids, params))
+        return JSONResponse(s.CompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
+            s.CompletionChoice(text=prefix + text, finish_reason=reason)]).model_dump())
+
+    @app.post("/v1/chat/completions", response_model=s.ChatCompletionResponse)
+    async def chat(body: s.ChatCompletionRequest, request: Request) -> Response:
+        require_api_key(request)
+        check_model(body.model)
+        try:
+            prompt_ids = state.tokenizer.encode_chat([ChatMessage(m.role, m.text()) for m in body.messages])
+        except TokenizerError as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        max_tokens = body.max_completion_tokens or (body.max_tokens if "max_tokens" in body.model_fields_set else None)
+        check_length(len(prompt_ids), max_tokens)
+        params = sampling(body, max_tokens, len(prompt_ids))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return await _stream(rid, run(prompt_ids, params), chat=True, model=cfg.model_id,
+                                 include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        text, reason, usage = await _collect(run(prompt_ids, params))
+        return JSONResponse(s.ChatCompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
+            s.ChatChoice(message=s.ChatMessageOut(content=text), finish_reason=reason)]).model_dump())
+
+    @app.get("/admin/tiers", response_model=s.TiersResponse)
+    async def get_tiers(request: Request) -> s.TiersResponse:
+        require_admin(request)
+        return s.TiersResponse(tiers=state.tiers())
+
+    return app
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return "stop" if reason in ("stop", "abort") else reason
+
+
+async def _collect(outputs: AsyncIterator[object]) -> tuple[str, str | None, s.Usage]:
+    parts, reason, prompt, completion = [], None, 0, 0
+    async for out in outputs:
+        parts.append(out.text_delta)  # type: ignore[attr-defined]
+        prompt, completion = out.prompt_tokens, out.completion_tokens  # type: ignore[attr-defined]
+        if out.finished:  # type: ignore[attr-defined]
+            reason = _finish_reason(out.finish_reason)  # type: ignore[attr-defined]
+    return "".join(parts), reason, s.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                                           total_tokens=prompt + completion)
+
+
+async def _stream(rid: str, outputs: AsyncIterator[object], chat: bool, model: str, include_usage: bool,
+                  prefix: str = "") -> StreamingResponse:
+    """Start generation (so queue-full / too-long errors are still plain HTTP errors), then SSE."""
+    first = await anext(outputs.__aiter__(), None)  # type: ignore[call-overload]
+
+    def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+        if chat:
+            delta = s.ChatMessageOut(content=text) if not role else s.ChatMessageOut(content="")
+            body = s.ChatCompletionChunk(id=rid, model=model, choices=[
+                s.ChatDeltaChoice(delta=delta, finish_reason=reason)]).model_dump(exclude_none=False)
+        else:
+            body = s.CompletionResponse(id=rid, model=model, choices=[
+                s.CompletionChoice(text=text or "", finish_reason=reason)]).model_dump(exclude={"usage"})
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def events() -> AsyncIterator[str]:
+        usage = None
+        if chat:
+            yield chunk(None, None, role=True)
+        elif prefix:
+            yield chunk(prefix, None)
+        items = [first] if first is not None else []
+        try:
+            while True:
+                for out in items:
+                    usage = (out.prompt_tokens, out.completion_tokens)  # type: ignore[attr-defined]
+                    reason = _finish_reason(out.finish_reason) if out.finished else None  # type: ignore[attr-defined]
+                    if out.text_delta or reason:  # type: ignore[attr-defined]
+                        yield chunk(out.text_delta, reason)  # type: ignore[attr-defined]
+                    if out.finished:  # type: ignore[attr-defined]
+                        raise StopAsyncIteration
+                nxt = await anext(outputs.__aiter__(), None)  # type: ignore[call-overload]
+                if nxt is None:
+                    break
+                items = [nxt]
+        except StopAsyncIteration:
+            pass
+        except ApiError as exc:
+            yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind, 'code': exc.status}})}\n\n"
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]  # client gone: aborts the request
+        if include_usage and usage is not None:
+            u = s.Usage(prompt_tokens=usage[0], completion_tokens=usage[1], total_tokens=sum(usage))
+            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
+                    "created": int(time.time()), "choices": [], "usage": u.model_dump()}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,76 @@
+"""Prometheus metrics of one server (its own registry; names as in ARCHITECTURE.md §4)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvdrive.runtime.engine import EngineStats
+from kvdrive.runtime.server.schemas import TierUsage
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class TierCounters:
+    """Cumulative per-tier counters read at scrape time."""
+
+    page_reads: dict[str, int]  # tier -> pages read from that tier
+    transfer_bytes: dict[tuple[str, str], int]  # (src, dst) -> bytes
+    prefetch: dict[str, int]  # outcome (hit|late|wasted) -> count
+
+
+class _LiveCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], list[TierUsage]],
+                 counters: Callable[[], TierCounters]) -> None:
+        self._stats, self._tiers, self._counters = stats, tiers, counters
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats()
+        running = GaugeMetricFamily("kvdrive_requests_running", "requests in the running batch")
+        running.add_metric([], s.running)
+        waiting = GaugeMetricFamily("kvdrive_requests_waiting", "requests queued for admission")
+        waiting.add_metric([], s.waiting)
+        generated = CounterMetricFamily("kvdrive_generated_tokens", "tokens generated")
+        generated.add_metric([], s.generated_tokens_total)
+        prompt = CounterMetricFamily("kvdrive_prompt_tokens", "prompt tokens received")
+        prompt.add_metric([], s.prompt_tokens_total)
+        preempt = CounterMetricFamily("kvdrive_preemptions", "sequences preempted for lack of KV pages")
+        preempt.add_metric([], s.preemptions_total)
+        cap = GaugeMetricFamily("kvdrive_tier_capacity_bytes", "KV budget of a tier", labels=["tier", "backing"])
+        used = GaugeMetricFamily("kvdrive_tier_used_bytes", "KV bytes held by a tier", labels=["tier"])
+        for t in self._tiers():
+            cap.add_metric([t.tier, t.backing], t.capacity_bytes)
+            used.add_metric([t.tier], t.used_bytes)
+        c = self._counters()
+        reads = CounterMetricFamily("kvdrive_page_reads", "needed pages, by the tier they were found in",
+                                    labels=["tier"])
+        for tier, n in c.page_reads.items():
+            reads.add_metric([tier], n)
+        moved = CounterMetricFamily("kvdrive_tier_transfer_bytes", "bytes moved between tiers", labels=["src", "dst"])
+        for (src, dst), n in c.transfer_bytes.items():
+            moved.add_metric([src, dst], n)
+        prefetch = CounterMetricFamily("kvdrive_prefetch", "prefetched pages by outcome", labels=["outcome"])
+        for outcome, n in c.prefetch.items():
+            prefetch.add_metric([outcome], n)
+        yield from (running, waiting, generated, prompt, preempt, cap, used, reads, moved, prefetch)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], list[TierUsage]],
+                 counters: Callable[[], TierCounters]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_LiveCollector(stats, tiers, counters))
+        self.ttft = Histogram("kvdrive_time_to_first_token_seconds", "time from request arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("kvdrive_inter_token_latency_seconds", "time between consecutive streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("kvdrive_http_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,127 @@
+"""Continuous batching: mixed prefill/decode steps, preemption under a tiny cache, aborts, back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvdrive.runtime.engine import (
+    AsyncEngine, EngineConfig, Generator, LLMEngine, PromptTooLongError, QueueFullError, Request, SamplingParams,
+    SchedulerConfig,
+)
+from kvdrive.runtime.model import load_model
+
+
+def _engine(path, pages: int, **sched) -> LLMEngine:  # type: ignore[no-untyped-def]
+    loaded = load_model(str(path), progress=False)
+    gen = Generator(loaded, EngineConfig(page_size=4))
+    gen = Generator(loaded, EngineConfig(page_size=4, kv_budget_bytes=pages * gen.cache.layout.page_bytes))
+    return LLMEngine(gen, SchedulerConfig(**sched))
+
+
+def _run_all(engine: LLMEngine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for _ in range(10_000):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41], [100, 101, 102, 103, 104, 105], [7] * 15]
+
+
+def _expected(path, n_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    gen = Generator(load_model(str(path), progress=False), EngineConfig(page_size=4))
+    return [list(gen.generate(p, SamplingParams(max_tokens=n_tokens, ignore_eos=True))) for p in PROMPTS]
+
+
+def test_batched_engine_equals_one_by_one_generation(hf_model_factory) -> None:
+    path, _ = hf_model_factory(arch="llama")
+    engine = _engine(path, pages=64, step_token_budget=5)  # small budget: prompts go in several chunks
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(Request(f"r{i}", tuple(p), SamplingParams(max_tokens=12, ignore_eos=True), 0.0))
+    out = _run_all(engine)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == _expected(path, 12)
+    assert engine.gen.cache.free_pages == engine.gen.cache.num_pages
+
+
+def test_preemption_under_a_tiny_cache_keeps_outputs_identical(hf_model_factory) -> None:
+    """12 pages of 4 tokens cannot hold all four sequences at full length: some are preempted and
+    recomputed later, yet every output equals the one generated alone."""
+    path, _ = hf_model_factory(arch="llama")
+    engine = _engine(path, pages=12)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(Request(f"r{i}", tuple(p), SamplingParams(max_tokens=20, ignore_eos=True), 0.0))
+    out = _run_all(engine)
+    assert engine.stats().preemptions_total > 0
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == _expected(path, 20)
+    assert engine.gen.cache.used_bytes == 0
+
+
+def test_sequence_outgrowing_the_cache_ends_with_length(hf_model_factory) -> None:
+    path, _ = hf_model_factory(arch="llama")
+    engine = _engine(path, pages=3)  # 12 tokens at most
+    engine.add_request(Request("r", (1, 2, 3, 4, 5), SamplingParams(max_tokens=50, ignore_eos=True), 0.0))
+    out = []
+    for _ in range(200):
+        out += engine.step()
+        if not engine.has_work():
+            break
+    assert out[-1].finished and out[-1].finish_reason == "length"
+    assert 0 < out[-1].completion_tokens < 50
+
+
+def test_back_pressure_and_impossible_prompts(hf_model_factory) -> None:
+    path, _ = hf_model_factory(arch="llama")
+    engine = _engine(path, pages=4, max_waiting=1)
+    with pytest.raises(PromptTooLongError, match="KV cache holds at most 15 tokens"):
+        engine.add_request(Request("big", tuple(range(20)), SamplingParams(), 0.0))
+    engine.add_request(Request("a", (1, 2), SamplingParams(), 0.0))
+    with pytest.raises(QueueFullError):
+        engine.add_request(Request("b", (1, 2), SamplingParams(), 0.0))
+
+
+def test_abort_frees_pages_at_once(hf_model_factory) -> None:
+    path, _ = hf_model_factory(arch="llama")
+    engine = _engine(path, pages=16)
+    engine.add_request(Request("a", (1, 2, 3, 4, 5, 6), SamplingParams(max_tokens=30, ignore_eos=True), 0.0))
+    engine.step()
+    engine.step()
+    assert engine.gen.cache.used_bytes > 0
+    out = engine.abort("a")
+    assert out is not None and out.finish_reason == "abort"
+    assert engine.gen.cache.used_bytes == 0 and not engine.has_work()
+
+
+async def test_async_engine_streams_concurrent_requests_and_survives_consumer_exit(hf_model_factory) -> None:
+    path, _ = hf_model_factory(arch="llama")
+    engine = _engine(path, pages=64)
+    runner = AsyncEngine(engine)
+    runner.start()
+    try:
+        async def consume(i: int, limit: int | None) -> list[int]:
+            toks: list[int] = []
+            agen = runner.generate(Request(f"r{i}", tuple(PROMPTS[i]),
+                                           SamplingParams(max_tokens=12, ignore_eos=True), time.perf_counter()))
+            async for o in agen:
+                toks.extend(o.new_token_ids)
+                if limit is not None and len(toks) >= limit:
+                    break  # the client goes away
+            await agen.aclose()
+            return toks
+
+        results = await asyncio.gather(*(consume(i, 3 if i == 1 else None) for i in range(4)))
+        expected = _expected(path, 12)
+        assert results[0] == expected[0] and results[2] == expected[2] and results[3] == expected[3]
+        assert results[1] == expected[1][:3]
+        for _ in range(50):  # the abort reaches the engine thread between steps
+            if engine.gen.cache.used_bytes == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.gen.cache.used_bytes == 0 and runner.alive
+    finally:
+        runner.shutdown()

@@ -1,0 +1,112 @@
+"""The official `openai` client against a real `kvdrive serve` process with the demo model."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from conftest import ADMIN_TOKEN, API_KEY, LiveServer
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(live_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+
+def test_chat_completion_with_usage(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens == 37 and r.usage.completion_tokens == 7 and r.usage.total_tokens == 44
+
+
+def test_streamed_chat_equals_non_streamed(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=QUESTION, max_tokens=16,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "The capital of France is Paris."
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
+
+
+def test_completion_length_limit_and_stop(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="demo", prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    s = client.completions.create(model="demo", prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"])
+    assert s.choices[0].finish_reason == "stop" and " 7" not in s.choices[0].text
+    assert s.choices[0].text.startswith(" 5, 6,")
+
+
+def test_streamed_completion(client: openai.OpenAI) -> None:
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="demo", prompt="The capital of France is", max_tokens=6, temperature=0, stream=True))
+    assert text == client.completions.create(model="demo", prompt="The capital of France is", max_tokens=6,
+                                             temperature=0).choices[0].text
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def ask(seed: int) -> str:
+        return client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=12, temperature=1.0,
+                                              seed=seed).choices[0].message.content or ""
+
+    assert ask(3) == ask(3)
+
+
+def test_missing_or_wrong_api_key_is_401(live_server: LiveServer) -> None:
+    bad = openai.OpenAI(base_url=live_server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(live_server.url + "/v1/models").status_code == 401
+
+
+def test_admin_requires_the_admin_token(live_server: LiveServer) -> None:
+    assert httpx.get(live_server.url + "/admin/tiers", headers=live_server.headers(API_KEY)).status_code == 401
+    r = httpx.get(live_server.url + "/admin/tiers", headers=live_server.headers(ADMIN_TOKEN))
+    assert r.status_code == 200
+    gpu = next(t for t in r.json()["tiers"] if t["tier"] == "gpu")
+    assert gpu["capacity_bytes"] > 0 and gpu["used_bytes"] <= gpu["capacity_bytes"]
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"model": "nope", "messages": QUESTION}, 404, "model 'nope' is not served"),
+    ({"model": "demo", "messages": QUESTION, "max_tokens": "many"}, 422, "max_tokens"),
+    ({"model": "demo", "messages": []}, 422, "messages"),
+    ({"model": "demo", "messages": QUESTION, "temperature": 7}, 422, "temperature"),
+    ({"model": "demo", "messages": QUESTION, "n": 2}, 422, "n"),
+    ({"model": "demo", "messages": [{"role": "wizard", "content": "x"}]}, 422, "role"),
+    ({"model": "demo", "messages": QUESTION, "max_tokens": 9000}, 400, "exceeds this model's context"),
+])
+def test_bad_chat_requests_get_clear_4xx(live_server: LiveServer, body: dict, status: int, fragment: str) -> None:
+    r = httpx.post(live_server.url + "/v1/chat/completions", json=body, headers=live_server.headers(), timeout=60)
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_prompt_longer_than_context_is_400(live_server: LiveServer) -> None:
+    r = httpx.post(live_server.url + "/v1/completions", json={"model": "demo", "prompt": [42] * 9000},
+                   headers=live_server.headers(), timeout=60)
+    assert r.status_code == 400 and "context is 8192 tokens" in r.json()["error"]["message"]
+
+
+def test_malformed_json_is_422(live_server: LiveServer) -> None:
+    r = httpx.post(live_server.url + "/v1/completions", content=b"{not json", headers={
+        **live_server.headers(), "content-type": "application/json"})
+    assert r.status_code == 422
+
+
+def test_metrics_expose_the_contract_names(live_server: LiveServer) -> None:
+    text = httpx.get(live_server.url + "/metrics").text
+    for name in ("kvdrive_tier_capacity_bytes", "kvdrive_tier_used_bytes", "kvdrive_page_reads_total",
+                 "kvdrive_requests_running", "kvdrive_requests_waiting", "kvdrive_generated_tokens_total",
+                 "kvdrive_time_to_first_token_seconds_bucket", "kvdrive_inter_token_latency_seconds_bucket",
+                 "kvdrive_prefetch_total"):
+        assert name in text, name
+    for tier in ("gpu", "dram", "ssd"):
+        assert f'kvdrive_tier_used_bytes{{tier="{tier}"}}' in text
