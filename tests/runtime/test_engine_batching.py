@@ -8,7 +8,14 @@ import time
 import pytest
 
 from kvdrive.runtime.engine import (
-    AsyncEngine, EngineConfig, Generator, LLMEngine, PromptTooLongError, QueueFullError, Request, SamplingParams,
+    AsyncEngine,
+    EngineConfig,
+    Generator,
+    LLMEngine,
+    PromptTooLongError,
+    QueueFullError,
+    Request,
+    SamplingParams,
     SchedulerConfig,
 )
 from kvdrive.runtime.model import load_model
