@@ -233,6 +233,11 @@ class TieredKVStore:
             persistent: bool = False) -> None:
         """Store blocks [n, block_bytes] uint8 in ``tier``, evicting as needed. Copies become readable when
         their write completed. A persistent (content-addressed) key already stored is only touched."""
+        cap = self.tiers[tier].allocator.capacity
+        if len(keys) > cap > 0:  # a batch bigger than the tier: in parts, so later parts can evict earlier
+            for i in range(0, len(keys), cap):
+                self.put(keys[i : i + cap], blocks[i : i + cap], tier, needed, persistent)
+            return
         todo: list[tuple[int, BlockKey, int]] = []
         with self._lock:
             for i, key in enumerate(keys):

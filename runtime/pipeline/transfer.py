@@ -1,0 +1,183 @@
+"""The async transfer engine: queued jobs that move blocks between tiers, by priority.
+
+Owns *when* bytes move (the store owns *where* they are, placement decides *which*). Jobs run on a
+small pool of worker threads in priority order: demand fetch > prefetch > write-back, FIFO within a
+priority. A job submitted again while still queued (same kind, keys and destination) is merged and
+upgraded to the higher priority, so a prefetch that becomes urgent jumps the queue. Every job
+completes its handle, with a result or the exception (logged and counted); workers never die
+silently: a dead worker is replaced on the next submit and counted. On CUDA each worker runs its
+jobs on its own stream and synchronizes it before completing (device <-> pinned DRAM copies overlap
+compute on the default stream).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from kvdrive.runtime.kvcache import BlockKey, TieredKVStore, TierName
+
+log = logging.getLogger(__name__)
+
+
+class Priority(IntEnum):
+    DEMAND = 0  # the current layer waits for it
+    PREFETCH = 1  # predicted pages for the next layer / step
+    WRITEBACK = 2  # demotion and persistence
+
+
+class TransferHandle:
+    """Completion of one job: ``wait()`` returns its result or raises its error."""
+
+    def __init__(self, priority: Priority) -> None:
+        self.priority = priority
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"transfer ({self.priority.name}) not done after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+
+@dataclass(order=True)
+class _Job:
+    priority: int
+    seq: int
+    fn: Callable[[], Any] = field(compare=False)
+    handle: TransferHandle = field(compare=False)
+    dedupe: tuple[Any, ...] | None = field(compare=False, default=None)
+    cancelled: bool = field(compare=False, default=False)
+
+
+class TransferEngine:
+    def __init__(self, store: TieredKVStore, workers: int = 2) -> None:
+        self.store = store
+        self.cuda = store.device.type == "cuda"
+        self._heap: list[_Job] = []
+        self._queued: dict[tuple[Any, ...], _Job] = {}
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        self._closed = False
+        self.submitted = {p.name: 0 for p in Priority}
+        self.completed = {p.name: 0 for p in Priority}
+        self.failed = {p.name: 0 for p in Priority}
+        self.upgraded = 0
+        self.worker_restarts = 0
+        self._threads: list[threading.Thread] = []
+        for i in range(workers):
+            self._threads.append(self._spawn(i))
+
+    # --- submission --------------------------------------------------------------------------
+    def submit(self, fn: Callable[[], Any], priority: Priority, dedupe: tuple[Any, ...] | None = None) -> TransferHandle:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("transfer engine is closed")
+            self._ensure_workers()
+            old = self._queued.get(dedupe) if dedupe is not None else None
+            if old is not None:
+                if priority < old.priority:  # re-queue at the higher priority, same handle
+                    old.cancelled = True
+                    job = _Job(int(priority), next(self._seq), old.fn, old.handle, dedupe)
+                    job.handle.priority = priority
+                    self._queued[dedupe] = job
+                    heapq.heappush(self._heap, job)
+                    self.upgraded += 1
+                return self._queued[dedupe].handle
+            job = _Job(int(priority), next(self._seq), fn, TransferHandle(priority), dedupe)
+            if dedupe is not None:
+                self._queued[dedupe] = job
+            heapq.heappush(self._heap, job)
+            self.submitted[priority.name] += 1
+            self._cv.notify()
+            return job.handle
+
+    def fetch(self, keys: list[BlockKey], priority: Priority = Priority.DEMAND) -> TransferHandle:
+        """Read blocks to the compute device; the handle yields (blocks [n, block_bytes], hit flags)."""
+        return self.submit(lambda: self.store.get(keys), priority)
+
+    def move(self, keys: list[BlockKey], dst: TierName, priority: Priority) -> TransferHandle:
+        """Move blocks to ``dst``; the handle yields one bool per key."""
+        return self.submit(lambda: [self.store.move(k, dst) for k in keys], priority,
+                           dedupe=("move", tuple(keys), dst))
+
+    def prefetch(self, keys: list[BlockKey], dst: TierName = "gpu") -> TransferHandle:
+        return self.move(keys, dst, Priority.PREFETCH)
+
+    def write_back(self, keys: list[BlockKey], dst: TierName = "ssd") -> TransferHandle:
+        return self.move(keys, dst, Priority.WRITEBACK)
+
+    @property
+    def queue_depth(self) -> int:
+        with self._cv:
+            return sum(1 for j in self._heap if not j.cancelled)
+
+    # --- workers -----------------------------------------------------------------------------
+    def _spawn(self, i: int) -> threading.Thread:
+        t = threading.Thread(target=self._worker, name=f"kvdrive-transfer-{i}", daemon=True)
+        t.start()
+        return t
+
+    def _ensure_workers(self) -> None:
+        for i, t in enumerate(self._threads):
+            if not t.is_alive():
+                log.error("transfer worker %s had died; restarted", t.name)
+                self.worker_restarts += 1
+                self._threads[i] = self._spawn(i)
+
+    def _worker(self) -> None:
+        stream = torch.cuda.Stream() if self.cuda else None
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                job = heapq.heappop(self._heap)
+                if job.cancelled:
+                    continue
+                if job.dedupe is not None:
+                    self._queued.pop(job.dedupe, None)
+            name = Priority(job.priority).name
+            try:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        result = job.fn()
+                    stream.synchronize()
+                else:
+                    result = job.fn()
+            except Exception as exc:  # the job fails, the worker lives on
+                log.exception("transfer job (%s) failed", name)
+                with self._cv:
+                    self.failed[name] += 1
+                job.handle._finish(error=exc)
+                continue
+            with self._cv:
+                self.completed[name] += 1
+            job.handle._finish(result)
+
+    def close(self) -> None:
+        """Finish queued jobs, then stop the workers."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
