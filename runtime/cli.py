@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--decode-context", type=int, nargs="+", default=[128, 2048], help="contexts for decode")
     m.add_argument("--decode-tokens", type=int, default=64)
     m.add_argument("--out", type=Path, default=None, help="write JSON here (and a PNG plot beside it)")
+    ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
+    ld.add_argument("--url", default="http://127.0.0.1:8000")
+    ld.add_argument("--clients", type=int, default=16)
+    ld.add_argument("--seconds", type=float, default=60.0)
+    ld.add_argument("--max-tokens", type=int, default=48)
+    ld.add_argument("--api-key-file", default=None)
+    ld.add_argument("--out", type=Path, default=None)
     return parser
 
 
@@ -145,6 +152,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from kvdrive.runtime.bench import model_bench
+
+    if args.bench == "load":
+        import asyncio
+
+        from kvdrive.runtime.bench import load_bench
+        from kvdrive.runtime.server.auth import read_secret
+
+        res = asyncio.run(load_bench.run_load(args.url, args.clients, args.seconds, args.max_tokens,
+                                              read_secret(args.api_key_file)))
+        text = json.dumps(load_bench.as_dict(res), indent=2)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text + "\n")
+        print(text)
+        return 0 if res.errors == 0 else 1
 
     result = model_bench.run_model_bench(
         args.model, tuple(args.prefill), tuple(args.decode_context), args.decode_tokens, device=args.device,
