@@ -144,6 +144,8 @@ def serve_args(spec: KVDriveSpec) -> list[str]:
     args += ["--ssd-dir", s["ssd_dir"], "--ssd-budget", str(s["ssd_budget"])]
     args += ["--token-budget", str(s["token_budget"]), "--page-size", str(s["page_size"])]
     args += ["--placement", s["placement"], "--admin-token-file", s["admin_token_file"]]
+    if spec.model.name:
+        args += ["--served-model-name", spec.model.name]
     return args
 
 

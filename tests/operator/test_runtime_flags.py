@@ -1,0 +1,25 @@
+"""The operator and the runtime agree: every pod's `kvdrive serve` command line parses with the
+runtime's own argument parser, and carries the values of the spec."""
+
+from __future__ import annotations
+
+import pytest
+from crdcheck import EXAMPLES, load_example
+
+from kvdrive.operator.manifests import render
+from kvdrive.operator.spec import parse_cr
+from kvdrive.runtime.cli import build_parser
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_pod_command_line_is_accepted_by_kvdrive_serve(example: str) -> None:
+    doc = load_example(example)
+    doc["metadata"] = {**doc["metadata"], "uid": "0b0c8e2e-1111-2222-3333-444455556666"}
+    cr = parse_cr(doc)
+    sts = next(c for c in render(cr, "t0ken") if c["kind"] == "StatefulSet")
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args(container["args"])  # SystemExit on any unknown flag
+    assert args.command == "serve" and args.port == 8000
+    assert args.page_size == cr.spec.attention.page_size and args.token_budget == cr.spec.attention.token_budget
+    assert args.served_model_name == cr.spec.model.name
+    assert args.admin_token_file and args.ssd_dir
