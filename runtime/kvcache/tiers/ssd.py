@@ -162,9 +162,11 @@ class SsdTier:
                         self.io.fallocate(fd, 0, size)
                 except OSError as exc:
                     self._fault(exc, f"sizing slab {i} to {rows} slots")
-                    if i < len(self._fds) and cur:  # keep what the slab had
-                        os.ftruncate(self._fds[i], cur)
-                        usable, nslabs = usable + cur // self.slot_bytes, i + 1
+                    if i < len(self._fds):  # keep what the slab had, plus what still fits on the disk
+                        got = self._fit(self._fds[i], cur, rows)
+                        if got:
+                            usable, nslabs = usable + got, i + 1
+                            log.warning("ssd tier: slab %d holds %d of %d slots (disk full)", i, got, rows)
                     break
                 usable, nslabs = usable + rows, i + 1
             for i in range(len(self._fds) - 1, nslabs - 1, -1):
@@ -177,6 +179,21 @@ class SsdTier:
                 self.allocator.release(slot)
             self.allocator.resize(usable)
         return usable
+
+    def _fit(self, fd: int, cur: int, rows: int) -> int:
+        """After ENOSPC: grow the slab to what the filesystem still has room for; returns its slots."""
+        st = os.statvfs(self.dir)
+        room = st.f_bavail * st.f_frsize - meta_reserve_bytes(rows, self.journal_cap)
+        size = min(rows * self.slot_bytes, max(cur, cur + room) // self.slot_bytes * self.slot_bytes)
+        try:
+            if size > cur:
+                self.io.fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+        except OSError:
+            size = cur - cur % self.slot_bytes
+            os.ftruncate(fd, size)
+        return size // self.slot_bytes
 
     def _recover(self) -> None:
         assert self.index is not None
