@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--decode-context", type=int, nargs="+", default=[128, 2048], help="contexts for decode")
     m.add_argument("--decode-tokens", type=int, default=64)
     m.add_argument("--out", type=Path, default=None, help="write JSON here (and a PNG plot beside it)")
+    tb = bsub.add_parser("tiers", help="read/write bandwidth of each KV tier vs raw O_DIRECT")
+    tb.add_argument("--ssd-dir", required=True, help="directory on the drive to measure (writes ~270 MiB)")
+    tb.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
+
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
     ld.add_argument("--url", default="http://127.0.0.1:8000")
     ld.add_argument("--clients", type=int, default=16)
@@ -153,6 +157,13 @@ def _serve(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from kvdrive.runtime.bench import model_bench
 
+    if args.bench == "tiers":
+        from kvdrive.runtime.bench import tier_bench
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        res = tier_bench.run_tier_bench(args.ssd_dir, out_json=str(args.out), out_png=str(args.out.with_suffix(".png")))
+        print(json.dumps(res, indent=2))
+        return 0
     if args.bench == "load":
         import asyncio
 

@@ -141,7 +141,13 @@ class LLMEngine:
             c.seq.num_computed += c.num_tokens
         for row, i in enumerate(completing):
             assert logits is not None
-            outputs.append(self._emit(chunks[i], logits[row]))
+            try:
+                outputs.append(self._emit(chunks[i], logits[row]))
+            except Exception as exc:  # one request's failure (e.g. sampling) never ends the others
+                log.exception("request %s failed", chunks[i].seq.request.request_id)
+                out = self._finish(chunks[i].seq, "error", new_tokens=(), delta="")
+                outputs.append(RequestOutput(out.request_id, (), "", out.prompt_tokens, out.completion_tokens,
+                                             finished=True, finish_reason="error", error=f"sampling failed: {exc}"))
         return outputs
 
     def _fail_unservable(self) -> list[RequestOutput]:

@@ -48,6 +48,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         return int(torch.argmax(logits).item())
     scores = logits.float().cpu() / params.temperature  # [V]
+    if not bool(torch.isfinite(scores).all()):  # a vanishing temperature overflows: its limit is greedy
+        return int(torch.argmax(logits).item())
     if params.top_k > 0:
         kth = torch.topk(scores, min(params.top_k, scores.shape[-1])).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

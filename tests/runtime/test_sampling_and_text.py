@@ -17,6 +17,13 @@ def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
         assert sample(logits, params, make_generator(params)) == 1
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324])
+def test_vanishing_temperature_is_greedy_not_nan(temperature: float) -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    params = SamplingParams(temperature=temperature, seed=1)
+    assert sample(logits, params, make_generator(params)) == 1
+
+
 def test_top_k_never_leaves_the_top_k() -> None:
     logits = torch.tensor([5.0, 4.0, 0.0, 0.0, 0.0])
     params = SamplingParams(temperature=10.0, top_k=2, seed=0)
