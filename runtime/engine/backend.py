@@ -32,14 +32,16 @@ class PagedAttentionBackend:
         self._all_slots = SlotMapping(
             torch.cat([s.slots.pages for s in sequences]), torch.cat([s.slots.offsets for s in sequences])
         )
+        # block tables do not change during a step: build each index once, not once per layer
+        self._indices = [cache.page_index(s.seq_id) for s in sequences]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]
         self.cache.write(layer, self._all_slots, k, v)
         outs = []
         start = 0
-        for s in self.sequences:
-            kk, vv = self.cache.gather(layer, s.seq_id)  # [T, Hkv, D]
+        for s, index in zip(self.sequences, self._indices, strict=True):
+            kk, vv = self.cache.gather(layer, s.seq_id, index)  # [T, Hkv, D]
             outs.append(causal_attention(q[start : start + s.num_new], kk, vv, s.positions))
             start += s.num_new
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -76,7 +76,7 @@ class Generator:
             ids.extend(tokens)
             positions.append(pos)
         self.page_reads += self.loaded.config.num_layers * sum(
-            len(self.cache.block_table(s.seq_id)) for s in steps
+            self.cache.num_pages_of(s.seq_id) for s in steps
         )
         backend = PagedAttentionBackend(self.cache, steps)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)

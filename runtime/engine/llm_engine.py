@@ -57,7 +57,7 @@ class LLMEngine:
         cache = self.gen.cache
         if seq_id is None:
             return cache.layout.pages_for(n)
-        return cache.layout.pages_for(cache.length(seq_id) + n) - len(cache.block_table(seq_id))
+        return cache.layout.pages_for(cache.length(seq_id) + n) - cache.num_pages_of(seq_id)
 
     # --- requests -----------------------------------------------------------------------------
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -134,7 +134,7 @@ class LLMEngine:
                 c.seq.seq_id = self.gen.new_sequence()
             batch.append((c.seq.seq_id, c.seq.pending[: c.num_tokens]))
         hidden = self.gen.forward_tokens(batch)  # [N, H]
-        ends = torch.tensor([n for n in _cumulative(c.num_tokens for c in chunks)]) - 1
+        ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1  # last row of each chunk
         completing = [i for i, c in enumerate(chunks) if c.completes]
         logits = self.gen.loaded.model.logits(hidden[ends[completing]]) if completing else None  # [B, V]
         for c in chunks:
@@ -198,10 +198,3 @@ class LLMEngine:
         return RequestOutput(seq.request.request_id, new_tokens, delta, len(seq.request.prompt_ids),
                              seq.num_generated, finished=True, finish_reason=reason)
 
-
-def _cumulative(values) -> list[int]:  # type: ignore[no-untyped-def]
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out

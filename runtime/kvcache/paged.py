@@ -88,6 +88,13 @@ class PagedKVCache:
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._tables[seq_id])
 
+    def num_pages_of(self, seq_id: int) -> int:
+        return len(self._tables[seq_id])
+
+    def page_index(self, seq_id: int) -> torch.Tensor:
+        """The block table of ``seq_id`` as an index tensor [pages] on the cache's device."""
+        return torch.tensor(self._tables[seq_id], dtype=torch.int64, device=self.device)
+
     def add_sequence(self, seq_id: int) -> None:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has a block table")
@@ -124,11 +131,13 @@ class PagedKVCache:
         self.k[layer, slots.pages, slots.offsets] = k.to(self.layout.dtype)
         self.v[layer, slots.pages, slots.offsets] = v.to(self.layout.dtype)
 
-    def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All K and V of ``seq_id`` in ``layer``: [T, Hkv, D] each, in token order."""
-        table = self._tables[seq_id]
+    def gather(self, layer: int, seq_id: int, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """All K and V of ``seq_id`` in ``layer``: [T, Hkv, D] each, in token order.
+
+        ``index`` is ``page_index(seq_id)`` when the caller gathers many layers of one step.
+        """
         n = self._lengths[seq_id]
-        idx = torch.tensor(table, dtype=torch.int64, device=self.device)
+        idx = self.page_index(seq_id) if index is None else index
         lay = self.layout
         k = self.k[layer, idx].reshape(-1, lay.num_kv_heads, lay.head_dim)[:n]
         v = self.v[layer, idx].reshape(-1, lay.num_kv_heads, lay.head_dim)[:n]
