@@ -127,13 +127,23 @@ class TuningBounds(_Model):
 
 class Tuning(_Model):
     enabled: bool = True
-    interval_seconds: int = Field(default=30, ge=5, le=3600)
+    interval_seconds: int = Field(default=30, ge=1, le=3600)
+    scrape_timeout_seconds: int = Field(default=5, ge=1, le=60)
+    stabilization_intervals: int = Field(default=3, ge=1, le=100)
+    min_step: Quantity = "64Mi"
     bounds: TuningBounds = TuningBounds()
+
+    @model_validator(mode="after")
+    def _positive_step(self) -> Tuning:
+        if parse_quantity(self.min_step) < 1:
+            raise _cross("minStep", "must be at least one byte")
+        return self
 
 
 class AutoscalingTargets(_Model):
     queue_depth: int = Field(default=8, ge=1, le=10000)
     kv_utilization: float = Field(default=0.8, gt=0, le=1)
+    tokens_per_second: float | None = Field(default=None, gt=0, le=1e9)
 
 
 class Autoscaling(_Model):
@@ -143,6 +153,7 @@ class Autoscaling(_Model):
     targets: AutoscalingTargets = AutoscalingTargets()
     scale_up_stabilization_seconds: int = Field(default=30, ge=0, le=3600)
     scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86400)
+    max_step: int = Field(default=2, ge=1, le=1000)
 
     @model_validator(mode="after")
     def _ordered(self) -> Autoscaling:
@@ -212,6 +223,36 @@ class Condition(_Model):
     observed_generation: int | None = None
 
 
+class PodStatus(_Model):
+    """One pod as the live tuner last saw it (budgets in bytes, as the pod reported them)."""
+
+    name: str
+    metrics: Literal["ok", "missing"]
+    last_scrape_time: str
+    scrape_error: str | None = None
+    gpu_bytes: int | None = None
+    dram_bytes: int | None = None
+    ssd_bytes: int | None = None
+    last_change_time: str | None = None
+    last_change: str | None = None
+
+
+class BudgetSummary(_Model):
+    """Per-tier budgets across the pods, for ``kubectl get`` (``12Mi``, or ``8Mi-12Mi`` when pods differ)."""
+
+    gpu: str = ""
+    dram: str = ""
+    ssd: str = ""
+
+
+class AutoscalingStatus(_Model):
+    mode: Literal["operator", "external", "none"]
+    desired_replicas: int | None = None
+    recommendation: int | None = None
+    last_scale_time: str | None = None
+    last_decision: str | None = None
+
+
 class KVDriveStatus(_Model):
     observed_generation: int | None = None
     replicas: int = 0
@@ -219,6 +260,9 @@ class KVDriveStatus(_Model):
     selector: str = ""
     endpoint: str = ""
     conditions: list[Condition] = Field(default_factory=list)
+    budgets: BudgetSummary | None = None
+    pods: list[PodStatus] = Field(default_factory=list)
+    autoscaling: AutoscalingStatus | None = None
 
 
 class SpecError(ValueError):

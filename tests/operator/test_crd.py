@@ -13,7 +13,8 @@ from kvdrive.operator.spec import SpecError, parse_cr
 
 # Spec fields that deliberately have no default (absence means something).
 NO_DEFAULT = {"model.source", "model.name", "replicas", "tuning.bounds.gpu.min", "tuning.bounds.gpu.max",
-              "tuning.bounds.dram.min", "tuning.bounds.dram.max", "tuning.bounds.ssd.min", "tuning.bounds.ssd.max"}
+              "tuning.bounds.dram.min", "tuning.bounds.dram.max", "tuning.bounds.ssd.min", "tuning.bounds.ssd.max",
+              "autoscaling.targets.tokensPerSecond"}
 NO_DEFAULT_PARENTS = {"model"}  # required objects
 
 
@@ -50,8 +51,9 @@ def test_crd_names_subresources_and_columns() -> None:
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["Replicas"] == ".status.replicas"
-    assert {columns["GPU"], columns["DRAM"], columns["SSD"]} == {
-        ".spec.tiers.gpu.budget", ".spec.tiers.dram.size", ".spec.tiers.ssd.size"}
+    # budgets as the pods report them (the live tuner moves them away from the spec's sizes)
+    assert (columns["GPU"], columns["DRAM"], columns["SSD"]) == (
+        ".status.budgets.gpu", ".status.budgets.dram", ".status.budgets.ssd")
     assert columns["Age"] == ".metadata.creationTimestamp"
 
 
@@ -96,6 +98,8 @@ DELETE = object()
 # (base example, field, value): accepted by the CRD and by the pydantic model.
 GOOD_VARIANTS = [
     ("minimal.yaml", "spec.tiers.dram.size", 0),
+    ("minimal.yaml", "spec.tuning", {"intervalSeconds": 1, "minStep": "1Mi", "stabilizationIntervals": 1}),
+    ("full.yaml", "spec.autoscaling.targets.tokensPerSecond", 250.5),
     ("minimal.yaml", "spec.tiers.dram.size", "0"),
     ("minimal.yaml", "spec.resources.cpu", "500m"),
     ("minimal.yaml", "spec.resources.memory", 17179869184),
@@ -118,7 +122,13 @@ BAD_VARIANTS = [
     ("minimal.yaml", "spec.tiers.dram.hugePageSize", "4Mi", "spec.tiers.dram.hugePageSize", "schema"),
     ("minimal.yaml", "spec.tiers.ssd.storageClassName", "", "spec.tiers.ssd.storageClassName", "schema"),
     ("minimal.yaml", "spec.service.type", "ExternalName", "spec.service.type", "schema"),
-    ("minimal.yaml", "spec.tuning.intervalSeconds", 1, "spec.tuning.intervalSeconds", "schema"),
+    ("minimal.yaml", "spec.tuning.intervalSeconds", 0, "spec.tuning.intervalSeconds", "schema"),
+    ("minimal.yaml", "spec.tuning.scrapeTimeoutSeconds", 0, "spec.tuning.scrapeTimeoutSeconds", "schema"),
+    ("minimal.yaml", "spec.tuning.stabilizationIntervals", 0, "spec.tuning.stabilizationIntervals", "schema"),
+    ("minimal.yaml", "spec.tuning.minStep", "lots", "spec.tuning.minStep", "schema"),
+    ("minimal.yaml", "spec.autoscaling.maxStep", 0, "spec.autoscaling.maxStep", "schema"),
+    ("minimal.yaml", "spec.autoscaling.targets.tokensPerSecond", 0, "spec.autoscaling.targets.tokensPerSecond",
+     "schema"),
     ("minimal.yaml", "spec.autoscaling.targets.kvUtilization", 0, "spec.autoscaling.targets.kvUtilization", "schema"),
     ("minimal.yaml", "spec.autoscaling.targets.kvUtilization", 1.5, "spec.autoscaling.targets.kvUtilization", "schema"),
     ("minimal.yaml", "spec.nodeSelector", {"zone": 3}, "spec.nodeSelector", "schema"),
@@ -131,6 +141,7 @@ BAD_VARIANTS = [
     ("minimal.yaml", "spec.attention", {"tokenBudget": 100, "pageSize": 16}, "spec.attention.tokenBudget", "cel"),
     ("full.yaml", "spec.autoscaling.minReplicas", 9, "spec.autoscaling.minReplicas", "cel"),
     ("full.yaml", "spec.tuning.bounds.gpu.min", "50Gi", "spec.tuning.bounds.gpu.min", "cel"),
+    ("minimal.yaml", "spec.tuning.minStep", "500m", "spec.tuning.minStep", "cel"),
     ("minimal.yaml", "metadata.name", "a" * 53, "metadata.name", "cel"),
 ]
 
