@@ -50,3 +50,13 @@ bench: install-test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# The Helm chart ships a copy of crds/ and docs/cr-reference.md is generated from the CRD;
+# tests/charts fails when either is stale.
+.PHONY: sync-crds docs
+sync-crds:
+	rm -f charts/kvdrive-operator/crds/*.yaml
+	cp crds/*.yaml charts/kvdrive-operator/crds/
+
+docs: sync-crds install
+	$(PY) scripts/gen_cr_reference.py
