@@ -56,3 +56,14 @@ def is_quantity(value: object) -> bool:
     except (QuantityError, TypeError):
         return False
     return True
+
+
+def format_bytes(value: int) -> str:
+    """Bytes as a short binary quantity: 16777216 -> ``16Mi``, 1610612736 -> ``1.5Gi``, 1000 -> ``1000``."""
+    if value < 1024:
+        return str(value)
+    for suffix, size in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if value >= size:
+            text = f"{value / size:.1f}".removesuffix(".0")
+            return f"{text}{suffix}"
+    return str(value)  # pragma: no cover - the loop always returns for value >= 1024
