@@ -1,8 +1,8 @@
-"""A single-process generation loop over the paged KV cache: chunked prefill, then decode.
+"""A single-process generation loop over the tiered KV cache: chunked prefill, then decode.
 
-``Generator`` owns one model, one KV cache and the sequences in it. It is the piece the CLI and
-benchmarks drive directly; the serving scheduler (continuous batching) builds on ``prefill`` and
-``decode`` for batches of sequences.
+``Generator`` owns one model, one ``TieredKVCache`` and the sequences in it. It is the piece the CLI and
+benchmarks drive directly; the serving scheduler (continuous batching) builds on ``forward_tokens`` for
+batches of sequences.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdrive.runtime.engine.backend import PagedAttentionBackend, StepSequence
 from kvdrive.runtime.engine.sampling import SamplingParams, make_generator, sample
-from kvdrive.runtime.kvcache import KVLayout, PagedKVCache
+from kvdrive.runtime.engine.tiered_backend import TieredAttentionBackend
+from kvdrive.runtime.engine.tiered_cache import TierConfig, TieredKVCache
+from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.model import LoadedModel
 
 
@@ -26,40 +27,63 @@ class PromptTooLongError(ValueError):
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
-    kv_budget_bytes: int | None = None  # None: room for one sequence of the model's full context
+    kv_budget_bytes: int | None = None  # gpu tier incl. open pages; None: one full-context sequence + open pages
     prefill_chunk: int = 512  # tokens per prefill forward (bounds activation memory)
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
+    dram_budget_bytes: int = 0
+    ssd_dir: str | None = None
+    ssd_budget_bytes: int = 0
+    hugetlbfs_dir: str | None = None
+    ssd_codec: str = "none"
+    placement: str = "kvdrive"  # kvdrive | lru | ondemand | fullfetch
+    full_attention: bool = False
+    token_budget: int = 1024
+    max_sequences: int = 16  # sequences with an open page at once (the scheduler's max_running)
+    persist: bool = True  # write sealed pages through to the SSD tier
 
 
 class Generator:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.loaded = loaded
-        self.config = config or EngineConfig()
+        self.config = c = config or EngineConfig()
         model, cfg = loaded.model, loaded.config
         self.device = model.embed_tokens.weight.device
         layout = KVLayout(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            page_size=self.config.page_size,
-            dtype=self.config.kv_dtype or model.embed_tokens.weight.dtype,
+            page_size=c.page_size,
+            dtype=c.kv_dtype or model.embed_tokens.weight.dtype,
         )
-        budget = self.config.kv_budget_bytes
-        if budget is None:
-            budget = layout.pages_for(cfg.context_length) * layout.page_bytes
-        self.cache = PagedKVCache.for_budget(layout, budget, self.device)
+        gpu = c.kv_budget_bytes
+        if gpu is None:
+            gpu = (layout.pages_for(cfg.context_length) + c.max_sequences) * layout.page_bytes
+        tiers = TierConfig(gpu_bytes=gpu, dram_bytes=c.dram_budget_bytes, ssd_bytes=c.ssd_budget_bytes,
+                           ssd_dir=c.ssd_dir, hugetlbfs_dir=c.hugetlbfs_dir, ssd_codec=c.ssd_codec,
+                           placement=c.placement, full_attention=c.full_attention, token_budget=c.token_budget,
+                           max_sequences=c.max_sequences, persist=c.persist)
+        fingerprint = f"{loaded.fingerprint}|kv={layout.dtype}|page={c.page_size}"
+        self.cache = TieredKVCache(layout, tiers, self.device, fingerprint)
         self._ids = itertools.count()
-        self.page_reads = 0  # pages read from the KV store by attention (all layers)
 
     @property
     def max_context(self) -> int:
         return self.loaded.config.context_length
 
+    @property
+    def page_reads(self) -> int:
+        """Blocks (one layer's page) read from the KV tiers by attention, all tiers."""
+        return sum(self.cache.store.page_reads.values())
+
     # --- sequences ---------------------------------------------------------------------------
     def new_sequence(self) -> int:
+        return self.open_sequence(())[0]
+
+    def open_sequence(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """A new sequence; returns (seq_id, prompt tokens whose KV was reused from the tiers)."""
         seq_id = next(self._ids)
-        self.cache.add_sequence(seq_id)
-        return seq_id
+        matched = self.cache.add_sequence(seq_id, list(prompt))
+        return seq_id, matched
 
     def release(self, seq_id: int) -> None:
         self.cache.free(seq_id)
@@ -67,20 +91,13 @@ class Generator:
     # --- forward steps -----------------------------------------------------------------------
     def forward_tokens(self, batch: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
         """Append tokens to sequences and run the model. Returns hidden states [N, H]."""
-        steps, ids, positions = [], [], []
-        for seq_id, tokens in batch:
-            start = self.cache.length(seq_id)
-            slots = self.cache.reserve(seq_id, len(tokens))
-            pos = torch.arange(start, start + len(tokens), device=self.device)
-            steps.append(StepSequence(seq_id, len(tokens), pos, slots))
-            ids.extend(tokens)
-            positions.append(pos)
-        self.page_reads += self.loaded.config.num_layers * sum(
-            self.cache.num_pages_of(s.seq_id) for s in steps
-        )
-        backend = PagedAttentionBackend(self.cache, steps)
+        steps = [self.cache.begin(seq_id, list(tokens)) for seq_id, tokens in batch]
+        ids = [t for _, tokens in batch for t in tokens]
+        backend = TieredAttentionBackend(self.cache, steps)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return self.loaded.model(input_ids, torch.cat(positions), backend)
+        hidden = self.loaded.model(input_ids, torch.cat([s.positions for s in steps]), backend)
+        self.cache.finish_step(backend.sealed, backend.decoded)
+        return hidden
 
     def prefill(self, seq_id: int, tokens: Sequence[int], all_logits: bool = False) -> torch.Tensor:
         """Feed a prompt in chunks. Returns the last position's logits [V] (or all: [T, V])."""
@@ -111,9 +128,9 @@ class Generator:
             )
         eos = set(self.loaded.tokenizer.eos_token_ids)
         gen = make_generator(params)
-        seq_id = self.new_sequence()
+        seq_id, reused = self.open_sequence(prompt)
         try:
-            logits = self.prefill(seq_id, prompt)
+            logits = self.prefill(seq_id, prompt[reused:])
             for i in range(params.max_tokens):
                 token = sample(logits, params, gen)
                 if token in eos and not params.ignore_eos:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +18,7 @@ from kvdrive.runtime.engine.generator import Generator, PromptTooLongError
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
 from kvdrive.runtime.engine.sampling import make_generator, sample
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from kvdrive.runtime.engine.tiered_cache import PageLostError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ class LLMEngine:
         self.gen = generator
         self.tokenizer = generator.loaded.tokenizer
         self.scheduler = Scheduler(config or SchedulerConfig())
+        if self.scheduler.config.max_running > generator.config.max_sequences:
+            raise ValueError(f"max_running={self.scheduler.config.max_running} exceeds the KV cache's open pages "
+                             f"(max_sequences={generator.config.max_sequences})")
         self._seqs: dict[str, SequenceState] = {}
         self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._generated = 0
@@ -54,10 +58,7 @@ class LLMEngine:
         return self.gen.cache.free_pages
 
     def pages_needed(self, seq_id: int | None, n: int) -> int:
-        cache = self.gen.cache
-        if seq_id is None:
-            return cache.layout.pages_for(n)
-        return cache.layout.pages_for(cache.length(seq_id) + n) - cache.num_pages_of(seq_id)
+        return self.gen.cache.pages_needed(seq_id, n)
 
     # --- requests -----------------------------------------------------------------------------
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -71,10 +72,10 @@ class LLMEngine:
                 f"(prompt + at least 1 generated token must fit)"
             )
         cache = self.gen.cache
-        if cache.layout.pages_for(num_prompt_tokens + 1) > cache.num_pages:
+        if cache.pages_needed(None, num_prompt_tokens + 1) > cache.num_pages:
             raise PromptTooLongError(
-                f"the prompt has {num_prompt_tokens} tokens; the KV cache holds at most "
-                f"{cache.num_pages * cache.layout.page_size - 1} tokens per request"
+                f"the prompt has {num_prompt_tokens} tokens; the KV tiers hold at most "
+                f"{(cache.num_pages + 1) * cache.layout.page_size - 1} tokens per request"
             )
 
     def add_request(self, request: Request) -> None:
@@ -129,11 +130,21 @@ class LLMEngine:
         if not chunks:
             return outputs
         batch = []
-        for c in chunks:
+        for i, c in enumerate(chunks):
             if c.seq.seq_id is None:
-                c.seq.seq_id = self.gen.new_sequence()
+                c.seq.seq_id, reused = self.gen.open_sequence(c.seq.tokens)
+                if reused:  # prefix pages found in the tiers: skip their tokens
+                    c.seq.num_computed += reused
+                    chunks[i] = c = replace(c, num_tokens=min(c.num_tokens, len(c.seq.pending)))
             batch.append((c.seq.seq_id, c.seq.pending[: c.num_tokens]))
-        hidden = self.gen.forward_tokens(batch)  # [N, H]
+        try:
+            hidden = self.gen.forward_tokens(batch)  # [N, H]
+        except PageLostError as exc:  # a needed page is unreadable in every tier: recompute, never serve it
+            log.warning("%s; recomputing the step's sequences", exc)
+            for c in chunks:
+                if c.seq in self.scheduler.running:
+                    self._preempt(c.seq)
+            return outputs
         ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1  # last row of each chunk
         completing = [i for i, c in enumerate(chunks) if c.completes]
         logits = self.gen.loaded.model.logits(hidden[ends[completing]]) if completing else None  # [B, V]
@@ -156,7 +167,7 @@ class LLMEngine:
         cache = self.gen.cache
         if waiting and not self.scheduler.running:
             head = waiting[0]
-            if cache.layout.pages_for(len(head.tokens) + 1) > cache.num_pages:
+            if cache.pages_needed(None, len(head.tokens) + 1) > cache.num_pages:
                 log.warning("%s outgrew the KV cache (%d tokens); ending it", head.request.request_id,
                             len(head.tokens))
                 return [self._finish(head, "length", new_tokens=(), delta=head.stream.flush())]

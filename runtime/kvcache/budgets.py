@@ -52,3 +52,4 @@ class TierUsage:
     backing: str  # e.g. "cpu", "cuda:0", "hugetlbfs:/mnt/huge", "anon-thp", "posix-odirect:/nvme"
     page_reads: int  # pages served from this tier
     errors: int  # I/O faults and corrupt pages counted by the tier
+    cached_bytes: int = 0  # part of used_bytes held by blocks no running sequence needs (reusable, evictable)

@@ -125,6 +125,15 @@ class TransferEngine:
     def write_back(self, keys: list[BlockKey], dst: TierName = "ssd") -> TransferHandle:
         return self.move(keys, dst, Priority.WRITEBACK)
 
+    def promote(self, keys: list[BlockKey], dst: TierName = "gpu", priority: Priority = Priority.PREFETCH) -> TransferHandle:
+        """Copy blocks up to ``dst`` in one batch (reads outside the store lock); yields how many were added."""
+        return self.submit(lambda: self.store.promote(keys, dst), priority, dedupe=("promote", tuple(keys), dst))
+
+    def replicate(self, keys: list[BlockKey], dst: TierName = "ssd") -> TransferHandle:
+        """Write-back: give blocks a ``dst`` copy (e.g. persistence on SSD) keeping theirs; yields the count."""
+        return self.submit(lambda: self.store.replicate(keys, dst), Priority.WRITEBACK,
+                           dedupe=("replicate", tuple(keys), dst))
+
     @property
     def queue_depth(self) -> int:
         with self._cv:

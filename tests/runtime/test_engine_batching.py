@@ -24,7 +24,9 @@ from kvdrive.runtime.model import load_model
 def _engine(path, pages: int, **sched) -> LLMEngine:  # type: ignore[no-untyped-def]
     loaded = load_model(str(path), progress=False)
     gen = Generator(loaded, EngineConfig(page_size=4))
-    gen = Generator(loaded, EngineConfig(page_size=4, kv_budget_bytes=pages * gen.cache.layout.page_bytes))
+    # the gpu budget holds `pages` sealed pages plus one open page per running sequence
+    budget = (pages + 16) * gen.cache.layout.page_bytes
+    gen = Generator(loaded, EngineConfig(page_size=4, kv_budget_bytes=budget))
     return LLMEngine(gen, SchedulerConfig(**sched))
 
 
@@ -85,7 +87,7 @@ def test_sequence_outgrowing_the_cache_ends_with_length(hf_model_factory) -> Non
 def test_back_pressure_and_impossible_prompts(hf_model_factory) -> None:
     path, _ = hf_model_factory(arch="llama")
     engine = _engine(path, pages=4, max_waiting=1)
-    with pytest.raises(PromptTooLongError, match="KV cache holds at most 15 tokens"):
+    with pytest.raises(PromptTooLongError, match="KV tiers hold at most 19 tokens"):
         engine.add_request(Request("big", tuple(range(20)), SamplingParams(), 0.0))
     engine.add_request(Request("a", (1, 2), SamplingParams(), 0.0))
     with pytest.raises(QueueFullError):

@@ -1,0 +1,55 @@
+"""Page selection under a token budget: which sealed pages a decode query attends to.
+
+Per (sequence, layer): the first ``sink_pages`` pages (attention sinks) and the last
+``recent_pages`` sealed pages are always kept; the rest of the budget goes to the pages with the
+highest upper bound of q.k (``summaries``). Pages are shared by all KV heads, so a page's score is the
+best over the query heads of its bound relative to that head's best page: a page matters when any
+head may attend to it strongly. The open (partial) tail page is always attended and not counted here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    token_budget: int = 1024  # tokens attended per decode query, sinks, recent window and tail included
+    page_size: int = 16
+    sink_pages: int = 1
+    recent_pages: int = 4
+
+    @property
+    def budget_pages(self) -> int:
+        """Sealed pages that may be selected (one page of the budget is the open tail)."""
+        return max(self.sink_pages + self.recent_pages, self.token_budget // self.page_size - 1)
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """q [Hq, D]; kmin, kmax [P, Hkv, D] -> score [P] (float32): max over heads of (bound - head's best bound)."""
+    hq, d = q.shape
+    hkv = kmin.shape[1]
+    qg = q.float().view(hkv, hq // hkv, d)  # [Hkv, G, D]
+    lo = torch.einsum("hgd,phd->phg", qg.clamp(max=0), kmin)  # negative q_d pair with kmin
+    hi = torch.einsum("hgd,phd->phg", qg.clamp(min=0), kmax)
+    bound = (lo + hi) / math.sqrt(d)  # [P, Hkv, G]: max over the page's keys of q.k / sqrt(D) is <= bound
+    rel = bound - bound.amax(dim=0, keepdim=True)
+    return rel.flatten(1).amax(dim=1)
+
+
+def select_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
+    """Indices of the selected sealed pages, ascending: [k] int64 (all pages when they fit the budget)."""
+    p = kmin.shape[0]
+    budget = cfg.budget_pages
+    if p <= budget:
+        return torch.arange(p, device=kmin.device)
+    scores = page_scores(q, kmin, kmax)
+    forced = torch.zeros(p, dtype=torch.bool, device=kmin.device)
+    forced[: cfg.sink_pages] = True
+    forced[max(0, p - cfg.recent_pages) :] = True
+    scores = scores.masked_fill(forced, float("inf"))
+    top = torch.topk(scores, budget).indices
+    return torch.sort(top).values

@@ -1,0 +1,298 @@
+"""The engine's KV cache over the three tiers: sequences, their pages, prefix reuse, budgets, counters.
+
+Each sequence is a list of *sealed* pages (full pages, content-addressed: digest = hash of the model
+fingerprint and all tokens up to the page end) plus an open tail page being filled, kept per
+sequence on the compute device. A sealed page is stored as one block per layer in the
+``TieredKVStore`` (gpu -> dram -> ssd) and summarised (key min/max) for page selection. Sealed
+pages are shared between sequences with identical token prefixes (reference counts; a block is
+``needed`` while any running sequence references it) and written through to the SSD tier, whose
+index survives restarts, so a prompt seen before is not recomputed.
+
+The gpu budget covers the store's device tier plus the tails (one page per running sequence,
+reserved up front). Scheduler-facing accounting is in logical pages (a page = all layers' blocks).
+The per-step attention work (selection, fetch, prefetch) lives in ``tiered_backend``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvdrive.runtime.attention import PageSummaries, SelectionConfig
+from kvdrive.runtime.kvcache import BlockKey, BudgetError, KVLayout, TierBudgets, TieredKVStore, TierUsage
+from kvdrive.runtime.kvcache.keys import DIGEST_BYTES
+from kvdrive.runtime.pipeline.transfer import TransferEngine
+from kvdrive.runtime.placement import Hotness, PlacementPolicy, PrefetchLedger, policy_for
+
+log = logging.getLogger(__name__)
+
+
+class PageLostError(RuntimeError):
+    """A page a running sequence needs could not be read from any tier (its KV must be recomputed)."""
+
+    def __init__(self, seq_id: int, what: str) -> None:
+        super().__init__(what)
+        self.seq_id = seq_id
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    gpu_bytes: int  # device tier for KV, tails included
+    dram_bytes: int = 0
+    ssd_bytes: int = 0
+    ssd_dir: str | None = None
+    hugetlbfs_dir: str | None = None
+    ssd_codec: str = "none"  # none | int8
+    placement: str = "kvdrive"
+    full_attention: bool = False
+    token_budget: int = 1024
+    max_sequences: int = 16  # open tail pages reserved in the gpu budget
+    persist: bool = True  # write sealed pages through to the SSD tier (prefix reuse across restarts)
+    io_threads: int = 4
+
+
+@dataclass
+class SeqKV:
+    tokens: list[int] = field(default_factory=list)  # tokens whose KV is stored (or being stored this step)
+    length: int = 0
+    digests: list[bytes] = field(default_factory=list)  # one per sealed page
+    tail_k: torch.Tensor | None = None  # [L, S, Hkv, D]
+    tail_v: torch.Tensor | None = None
+    summaries: PageSummaries | None = None
+    selected: list[list[BlockKey] | None] = field(default_factory=list)  # per layer, last decode step
+
+
+@dataclass(frozen=True)
+class StepSeq:
+    """One sequence's share of a forward step."""
+
+    seq_id: int
+    start: int  # tokens stored before this step
+    num_new: int
+    positions: torch.Tensor  # [num_new]
+    new_digests: tuple[bytes, ...]  # pages this step seals, in order
+
+
+def chain_digest(prev: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(prev + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=DIGEST_BYTES).digest()
+
+
+class TieredKVCache:
+    def __init__(self, layout: KVLayout, config: TierConfig, device: torch.device, fingerprint: str) -> None:
+        self.layout = layout
+        self.config = config
+        self.device = device
+        self.policy: PlacementPolicy = policy_for(config.placement, config.full_attention)
+        self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size)
+        self.hotness = Hotness()
+        self.ledger = PrefetchLedger()
+        self.root = hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
+        self.tail_reserve = config.max_sequences * layout.page_bytes
+        self.store = TieredKVStore(
+            layout, self._store_budgets(config.gpu_bytes, config.dram_bytes, config.ssd_bytes),
+            ssd_dir=config.ssd_dir, device=device, hugetlbfs_dir=config.hugetlbfs_dir, ssd_codec=config.ssd_codec,
+            victim_order=self.hotness.coldest_first if self.policy.hotness_eviction else None,
+            io_threads=config.io_threads)
+        self.transfers = TransferEngine(self.store, workers=2)
+        self._seqs: dict[int, SeqKV] = {}
+        self._refs: dict[bytes, int] = {}
+        self.fetch_wait_seconds = 0.0
+        self.decode_steps = 0
+        self.prefix_hit_pages = 0
+        self.recomputed_pages = 0
+        self.pages_lost = 0
+        log.info("KV tiers: %s; placement %s, %s attention (token budget %d)",
+                 ", ".join(f"{u.tier} {u.capacity_bytes >> 20} MiB ({u.backing})" for u in self.store.usage()),
+                 self.policy.name, "sparse" if self.policy.sparse else "full", config.token_budget)
+
+    def _store_budgets(self, gpu: int, dram: int, ssd: int) -> TierBudgets:
+        store_gpu = gpu - self.tail_reserve
+        if store_gpu < self.layout.page_bytes:
+            raise BudgetError(
+                f"gpu budget {gpu} bytes leaves no room for KV pages: {self.config.max_sequences} running "
+                f"sequences reserve {self.tail_reserve} bytes for their open pages, and one page of all layers "
+                f"is {self.layout.page_bytes} bytes (raise the budget or lower --max-running)")
+        return TierBudgets(gpu_bytes=store_gpu, dram_bytes=dram, ssd_bytes=ssd)
+
+    # --- scheduler-facing accounting (logical pages) ---------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        """Sealed pages all tiers can hold (the most one request may use)."""
+        return self.store.capacity_blocks // self.layout.num_layers
+
+    @property
+    def free_pages(self) -> int:
+        return max(0, self.num_pages - len(self._refs))
+
+    def pages_needed(self, seq_id: int | None, n: int) -> int:
+        s = self.layout.page_size
+        start = 0 if seq_id is None else self._seqs[seq_id].length
+        return (start + n) // s - start // s
+
+    def length(self, seq_id: int) -> int:
+        return self._seqs[seq_id].length
+
+    def num_pages_of(self, seq_id: int) -> int:
+        return len(self._seqs[seq_id].digests)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    # --- sequences ---------------------------------------------------------------------------------
+    def add_sequence(self, seq_id: int, prompt: list[int] | None = None) -> int:
+        """Open a sequence; reuse stored pages of the longest stored prefix of ``prompt`` (at least one
+        prompt token is left to compute). Returns the number of prompt tokens already in the cache."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id} already exists")
+        if len(self._seqs) >= self.config.max_sequences:
+            raise RuntimeError(f"{self.config.max_sequences} sequences already hold open pages")
+        lay = self.layout
+        shape = (lay.num_layers, lay.page_size, lay.num_kv_heads, lay.head_dim)
+        seq = SeqKV(tail_k=torch.zeros(shape, dtype=lay.dtype, device=self.device),
+                    tail_v=torch.zeros(shape, dtype=lay.dtype, device=self.device),
+                    summaries=PageSummaries(lay.num_layers, lay.num_kv_heads, lay.head_dim, self.device),
+                    selected=[None] * lay.num_layers)
+        self._seqs[seq_id] = seq
+        matched = self._reuse_prefix(seq, prompt or [])
+        self.prefix_hit_pages += matched
+        return matched * lay.page_size
+
+    def _reuse_prefix(self, seq: SeqKV, prompt: list[int]) -> int:
+        s, L = self.layout.page_size, self.layout.num_layers
+        digests, prev = [], self.root
+        for p in range((len(prompt) - 1) // s):
+            prev = chain_digest(prev, prompt[p * s : (p + 1) * s])
+            keys = [BlockKey(prev, layer) for layer in range(L)]
+            if prev not in self._refs and any(t is None for t in self.store.where_many(keys)):
+                break
+            digests.append(prev)
+        if not digests:
+            return 0
+        for d in digests:  # reference first, so nothing we read can be evicted as unneeded
+            self._ref(d)
+        for layer in range(L):  # summaries from the stored keys (the pages are read once)
+            raw, served = self.store.fetch([BlockKey(d, layer) for d in digests], count=False)
+            if None in served:  # a page went bad: keep the prefix before it
+                cut = served.index(None)
+                log.warning("stored prefix page %d unreadable; recomputing from there", cut)
+                for d in digests[cut:]:
+                    self._unref(d)
+                digests = digests[:cut]
+                if not digests:
+                    return 0
+                raw = raw[:cut]
+            kv = raw.view(self.layout.dtype).view(len(digests), 2, s, self.layout.num_kv_heads, -1)
+            assert seq.summaries is not None
+            seq.summaries.set(layer, 0, kv[:, 0])
+        seq.digests = list(digests)
+        seq.tokens = list(prompt[: len(digests) * s])
+        seq.length = len(seq.tokens)
+        log.info("prefix reuse: %d of %d prompt tokens already stored", seq.length, len(prompt))
+        return len(digests)
+
+    def _keys(self, digest: bytes) -> list[BlockKey]:
+        return [BlockKey(digest, layer) for layer in range(self.layout.num_layers)]
+
+    def _ref(self, d: bytes) -> None:
+        n = self._refs.get(d, 0)
+        self._refs[d] = n + 1
+        if n == 0:
+            self.store.set_needed(self._keys(d), True)
+
+    def _unref(self, d: bytes) -> None:
+        n = self._refs[d] - 1
+        if n:
+            self._refs[d] = n
+            return
+        del self._refs[d]
+        self.store.set_needed(self._keys(d), False)  # stays cached (and persisted) until evicted
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id)
+        for d in seq.digests:
+            self._unref(d)
+
+    def seq(self, seq_id: int) -> SeqKV:
+        return self._seqs[seq_id]
+
+    # --- steps -------------------------------------------------------------------------------------
+    def begin(self, seq_id: int, tokens: list[int]) -> StepSeq:
+        """Reserve room for ``tokens`` appended to ``seq_id`` this step; digests of the pages they seal."""
+        seq = self._seqs[seq_id]
+        s = self.layout.page_size
+        start = seq.length
+        seq.tokens.extend(tokens)
+        seq.length = start + len(tokens)
+        new: list[bytes] = []
+        prev = seq.digests[-1] if seq.digests else self.root
+        for p in range(start // s, seq.length // s):
+            prev = chain_digest(prev, seq.tokens[p * s : (p + 1) * s])
+            new.append(prev)
+            self._ref(prev)
+        seq.digests.extend(new)
+        pos = torch.arange(start, seq.length, device=self.device)
+        return StepSeq(seq_id, start, len(tokens), pos, tuple(new))
+
+    def finish_step(self, sealed: list[BlockKey], decoded: list[int]) -> None:
+        """After a forward step: write sealed blocks through to SSD, advance hotness, prefetch."""
+        if sealed and self.config.persist and "ssd" in self.store.tiers:
+            self.transfers.replicate(sealed, "ssd")
+        if not decoded:
+            return
+        self.decode_steps += 1
+        self.ledger.end_step()
+        self.hotness.advance()
+        if self.policy.prefetch:
+            self._prefetch(decoded)
+
+    def _prefetch(self, decoded: list[int]) -> None:
+        """Predicted blocks of the next step that are not in the device tier move up, layer by layer."""
+        for layer in range(self.layout.num_layers):
+            keys: list[BlockKey] = []
+            for seq_id in decoded:
+                seq = self._seqs.get(seq_id)
+                if seq is not None and seq.selected[layer]:
+                    keys.extend(seq.selected[layer] or [])
+            if not keys:
+                continue
+            where = self.store.where_many(keys)
+            todo = [k for k, t in zip(keys, where, strict=True) if t is not None and t != "gpu"]
+            if todo:
+                self.ledger.issued(todo, self.transfers.promote(todo, "gpu"))
+
+    # --- tiers -------------------------------------------------------------------------------------
+    def usage(self) -> list[TierUsage]:
+        out = []
+        tails = len(self._seqs) * self.layout.page_bytes
+        for u in self.store.usage():
+            if u.tier == "gpu":  # the gpu budget includes the reserved open pages
+                u = TierUsage(u.tier, u.budget_bytes + self.tail_reserve, u.capacity_bytes + self.tail_reserve,
+                              u.used_bytes + tails, u.pages, u.pinned_pages, u.backing, u.page_reads, u.errors,
+                              u.cached_bytes)
+            out.append(u)
+        return out
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(u.capacity_bytes for u in self.usage())
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held for running sequences (open pages and needed blocks; cached pages excluded)."""
+        return sum(u.used_bytes - u.cached_bytes for u in self.usage())
+
+    def set_budgets(self, gpu_bytes: int, dram_bytes: int, ssd_bytes: int) -> None:
+        """Apply new budgets live (BudgetError, nothing changed, when impossible)."""
+        if "ssd" not in self.store.tiers and ssd_bytes:
+            raise BudgetError("the server has no SSD tier (start it with --ssd-dir to use one)")
+        b = self._store_budgets(gpu_bytes, dram_bytes, ssd_bytes)
+        self.store.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if "ssd" in self.store.tiers else None)
+
+    def close(self) -> None:
+        self.transfers.close()
+        self.store.close()
