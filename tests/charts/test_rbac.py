@@ -25,13 +25,20 @@ from chartrender import render_chart
 from crdcheck import load_example
 from kopfenv import NAMESPACE, Cluster, eventually
 
-from kvdrive.operator import handlers
-from kvdrive.operator.handlers import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS, build_registry
+from kvdrive.operator.handlers import build_registry
 from kvdrive.operator.kubeapi import KubeApi, Ref
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "kvdrive-operator-under-test"
 EVENTS = Ref("v1", "events")
+CR = Ref("kvdrive.io/v1alpha1", "kvdrivedeployments")
+PODS = Ref("v1", "pods")
+CLAIMS = Ref("v1", "persistentvolumeclaims")
+STATEFULSETS = Ref("apps/v1", "statefulsets")
+CHILDREN = {
+    "ConfigMap": Ref("v1", "configmaps"), "Secret": Ref("v1", "secrets"), "Service": Ref("v1", "services"),
+    "StatefulSet": STATEFULSETS, "PodDisruptionBudget": Ref("policy/v1", "poddisruptionbudgets"),
+}
 KUBEAPI_VERBS = {"get": {"get"}, "list": {"list"}, "create": {"create"}, "patch": {"patch"}, "delete": {"delete"}}
 
 
@@ -139,8 +146,12 @@ def _operator_sources() -> list[Path]:
 
 def _refs_named_in_code() -> set[tuple[str, str]]:
     """(apiGroup, plural) of every ``Ref`` the operator's modules hold at module level."""
+    import importlib
+
     found = set()
-    for value in vars(handlers).values():
+    modules = [importlib.import_module(f"kvdrive.operator.{p.stem}") for p in _operator_sources() if p.stem != "__init__"]
+    module_values = [value for module in modules for value in vars(module).values()]
+    for value in module_values:
         values = value.values() if isinstance(value, dict) else [value]
         for item in values:
             if isinstance(item, Ref):
@@ -171,5 +182,5 @@ def _assert_scenario_covers_the_code(rules: set[Rule]) -> None:
     used_verbs = {verb for _, _, verb in rules}
     for method in _kubeapi_methods_called():
         assert KUBEAPI_VERBS[method] & used_verbs, f"KubeApi.{method} is called but never exercised"
-    assert "kopf.event" in (REPO / "operator" / "handlers.py").read_text()
-    assert ("", "events", "create") in rules
+    if any("kopf.event(" in path.read_text() for path in _operator_sources()):
+        assert ("", "events", "create") in rules
