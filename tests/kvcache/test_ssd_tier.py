@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 from pathlib import Path
 
 import torch
@@ -12,6 +13,9 @@ from kvstore_helpers import BB, blocks_for, make_keys
 
 from kvdrive.runtime.kvcache import BlockKey
 from kvdrive.runtime.kvcache.tiers import SsdTier
+from kvdrive.runtime.kvcache.tiers.aligned import AlignedBuffer
+from kvdrive.runtime.kvcache.tiers.checksum import CRC32_IMPL, slot_crcs
+from kvdrive.runtime.kvcache.tiers.ssd_io import iovecs, plan
 
 
 def _fill(tier: SsdTier, n: int, persist: bool = True) -> tuple[list[int], list[BlockKey]]:
@@ -103,3 +107,37 @@ def test_flipped_bytes_are_always_detected(tmp_path: Path) -> None:
         assert all(ok[i] for i in range(96) if i not in victims)
         assert t.corrupt == 64
         t.close()
+
+
+def test_plan_coalesces_runs_and_cuts_at_slabs_and_piece_size() -> None:
+    pieces = plan([5, 6, 7, 8, 9, 10], slab_slots=8, max_slots=2)  # one run in batch order
+    assert [(p.slab, p.row, list(p.pos)) for p in pieces] == [(0, 5, [0, 1]), (0, 7, [2]), (1, 0, [3, 4]),
+                                                              (1, 2, [5])]
+    assert all(isinstance(p.pos, range) for p in pieces)
+    pieces = plan([9, 3, 4, 8, 2], slab_slots=8, max_slots=4)  # shuffled: sorted runs, batch positions kept
+    assert [(p.slab, p.row, list(p.pos)) for p in pieces] == [(0, 2, [4, 1, 2]), (1, 0, [3, 0])]
+    mv = memoryview(bytearray(5 * 4))
+    assert [len(v) for v in iovecs(mv, [4, 1, 2], 4)] == [4, 8]  # positions 1, 2 merged into one iovec
+
+
+def test_reads_into_unaligned_and_strided_memory_and_writes_from_aligned(tmp_path: Path) -> None:
+    tier = SsdTier(str(tmp_path), BB, 4 << 20, max_io_bytes=4 * BB)  # several pieces per batch
+    keys = make_keys(24)
+    slots = [tier.allocator.alloc() for _ in keys]
+    src = AlignedBuffer(24 * BB).tensor[: 24 * BB].view(24, BB)  # page aligned: written without staging
+    src.copy_(blocks_for(keys))
+    assert tier._zero_copy(src)
+    tier.write(slots, src, keys, [False] * 24)  # type: ignore[arg-type]
+    raw = torch.empty(24 * BB + 1, dtype=torch.uint8)
+    out = raw[1:].view(24, BB)  # odd address: staged, then each piece copies its rows out
+    assert not tier._zero_copy(out)
+    order = random.Random(3).sample(range(24), 24)
+    assert all(tier.read([slots[i] for i in order], out))  # type: ignore[misc]
+    assert torch.equal(out, blocks_for([keys[i] for i in order]))
+    tier.close()
+
+
+def test_checksum_is_zlib_crc32_whichever_implementation() -> None:
+    data = memoryview(os.urandom(3 * BB))
+    assert slot_crcs(data, 0, 3, BB) == [zlib.crc32(data[i * BB : (i + 1) * BB]) for i in range(3)]
+    assert CRC32_IMPL in ("isal", "zlib")

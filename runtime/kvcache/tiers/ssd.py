@@ -1,10 +1,11 @@
-"""The SSD tier: preallocated slab files, O_DIRECT aligned I/O from a thread pool, per-block CRCs.
+"""The SSD tier: preallocated slab files, O_DIRECT aligned I/O, per-block CRCs.
 
 Owns the bytes on the NVMe volume: slab files ``slab-NNNNN.kv`` of ``slab_slots`` slots each
 (preallocated with posix_fallocate, so a full disk shows up when the budget is set, not mid-write),
-adjacent slots coalesced into one preadv/pwritev (split into pieces run in parallel), a CRC32 of
-every slot recorded when its write completes and verified on every read (a mismatch is a miss, never
-served), and the persisted index of content-addressed blocks (``ssd_index``). The on-disk total
+adjacent slots coalesced into one preadv/pwritev per piece (``ssd_io``: the caller runs the first
+piece, a pool the others; aligned caller memory is read into / written from directly), a CRC32 of
+every slot (``checksum``) recorded when its write completes and verified on every read (a mismatch
+is a miss, never served), and the persisted index of content-addressed blocks (``ssd_index``). The on-disk total
 (slabs + index files) never exceeds the byte budget. Faults (ENOSPC, EIO, read-only) are logged,
 counted in ``faults`` and surface as TierIOError / a miss; the tier keeps serving what it can.
 """
@@ -15,9 +16,7 @@ import errno
 import logging
 import os
 import threading
-import zlib
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
@@ -26,38 +25,13 @@ from kvdrive.runtime.kvcache.compression import BlockCodec, IdentityCodec
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.tiers.aligned import AlignedBuffer, AlignedBufferPool
 from kvdrive.runtime.kvcache.tiers.base import SlotAllocator, TierIOError
+from kvdrive.runtime.kvcache.tiers.checksum import slot_crcs
 from kvdrive.runtime.kvcache.tiers.ssd_index import REC_BYTES, IndexEntry, SsdIndex, meta_reserve_bytes
+from kvdrive.runtime.kvcache.tiers.ssd_io import IOV_MAX, Borrowed, Piece, PieceRunner, PosixIO, iovecs, plan
 
 log = logging.getLogger(__name__)
 
-
-class PosixIO:
-    """The system calls the tier uses; tests substitute one that injects faults."""
-
-    def preadv(self, fd: int, bufs: list[memoryview], offset: int) -> int:
-        return os.preadv(fd, bufs, offset)
-
-    def pwritev(self, fd: int, bufs: list[memoryview], offset: int) -> int:
-        return os.pwritev(fd, bufs, offset)
-
-    def fallocate(self, fd: int, offset: int, length: int) -> None:
-        os.posix_fallocate(fd, offset, length)
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """One I/O call: ``rows`` consecutive slots of one slab; ``pos`` their places in the batch."""
-
-    slab: int
-    row: int
-    pos: tuple[int, ...]
-
-
-class _Borrowed:
-    """A caller's aligned CPU tensor used as the I/O buffer (same ``mv`` as AlignedBuffer)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.mv = memoryview(t.numpy()).cast("B")
+__all__ = ["PosixIO", "SsdTier"]
 
 
 class SsdTier:
@@ -86,7 +60,7 @@ class SsdTier:
         self._fds: list[int] = []
         self._lock = threading.Lock()
         self._bufs = AlignedBufferPool()
-        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvdrive-ssd")
+        self._runner = PieceRunner(io_threads)
         self.index: SsdIndex | None = None
         self._budget = budget_bytes
         try:
@@ -94,7 +68,7 @@ class SsdTier:
             self.align, self.direct = self._probe()
             self.slot_bytes = -(-self.codec.payload_bytes // self.align) * self.align
             self.slab_slots = max(1, slab_bytes // self.slot_bytes)
-            self.max_io_slots = max(1, max_io_bytes // self.slot_bytes)
+            self.max_io_slots = max(1, min(IOV_MAX, max_io_bytes // self.slot_bytes))
             geometry = {"block_bytes": block_bytes, "codec": self.codec.name, "slot_bytes": self.slot_bytes,
                         "slab_slots": self.slab_slots}
             self.index = SsdIndex(directory, geometry, journal_cap=journal_cap, durable=durable)
@@ -228,43 +202,42 @@ class SsdTier:
         log.error("ssd tier %s: %s failed: %s (%s)", self.dir, what, exc, name)
 
     # --- I/O ---------------------------------------------------------------------------------
-    def _pieces(self, slots: list[int]) -> list[_Piece]:
-        order = sorted(range(len(slots)), key=lambda p: slots[p])
-        pieces: list[_Piece] = []
-        run: list[int] = []
-        for p in order:
-            s = slots[p]
-            if run and (s == slots[run[-1]] + 1 and s // self.slab_slots == slots[run[0]] // self.slab_slots
-                        and len(run) < self.max_io_slots):
-                run.append(p)
-                continue
-            if run:
-                pieces.append(_Piece(slots[run[0]] // self.slab_slots, slots[run[0]] % self.slab_slots, tuple(run)))
-            run = [p]
-        if run:
-            pieces.append(_Piece(slots[run[0]] // self.slab_slots, slots[run[0]] % self.slab_slots, tuple(run)))
-        return pieces
+    def _pieces(self, slots: list[int]) -> list[Piece]:
+        return plan(slots, self.slab_slots, self.max_io_slots)
 
-    def _iov(self, buf: AlignedBuffer | _Borrowed, pos: tuple[int, ...]) -> list[memoryview]:
-        sb = self.slot_bytes
-        return [buf.mv[p * sb : (p + 1) * sb] for p in pos]
-
-    def _do(self, piece: _Piece, buf: AlignedBuffer | _Borrowed, write: bool) -> list[int]:
-        """Run one piece; returns the CRC of each of its slots (computed in this worker thread)."""
-        iov = self._iov(buf, piece.pos)
-        off, n = piece.row * self.slot_bytes, len(piece.pos) * self.slot_bytes
+    def _do(self, piece: Piece, buf: AlignedBuffer | Borrowed, write: bool,
+            dest: torch.Tensor | None = None) -> list[int]:
+        """Run one piece; returns the CRC of each of its slots, computed in this thread right after
+        the read (before the write), so that it overlaps the other pieces' I/O. A read also copies
+        the piece's slots from the staging buffer to ``dest`` when given (overlapped the same way)."""
+        sb, pos = self.slot_bytes, piece.pos
+        iov = iovecs(buf.mv, pos, sb)
+        off, n = piece.row * sb, len(pos) * sb
         fd = self._fds[piece.slab]
         if write:
-            crcs = [zlib.crc32(v) for v in iov]
+            crcs = self._crcs(buf.mv, pos)
             done = self.io.pwritev(fd, iov, off)
             if self.durable:
                 os.fdatasync(fd)
         else:
             done = self.io.preadv(fd, iov, off)
-            crcs = [zlib.crc32(v) for v in iov]
+            crcs = self._crcs(buf.mv, pos)
         if done != n:
             raise OSError(errno.EIO, f"short {'write' if write else 'read'}: {done} of {n} bytes")
+        if dest is not None:
+            rows = buf.tensor[: dest.shape[0] * sb].view(-1, sb)
+            if isinstance(pos, range):
+                dest[pos.start : pos.stop].copy_(rows[pos.start : pos.stop])
+            else:
+                idx = torch.tensor(pos)
+                dest.index_copy_(0, idx, rows.index_select(0, idx))
         return crcs
+
+    def _crcs(self, mv: memoryview, pos: Sequence[int]) -> list[int]:
+        sb = self.slot_bytes
+        if isinstance(pos, range):
+            return slot_crcs(mv, pos.start * sb, len(pos), sb)
+        return [c for p in pos for c in slot_crcs(mv, p * sb, 1, sb)]
 
     def write(self, slots: list[int], blocks: torch.Tensor, keys: list[BlockKey], persist: list[bool]) -> None:
         """Store blocks [n, block_bytes]; each slot becomes readable (and persisted) only when done."""
@@ -273,24 +246,28 @@ class SsdTier:
         if not self.available:
             raise TierIOError(errno.EROFS, "ssd tier unavailable")
         n, sb, pb = len(slots), self.slot_bytes, self.codec.payload_bytes
-        payload = self.codec.encode(blocks.cpu())  # [n, payload_bytes]
-        buf = self._bufs.acquire(n * sb)
-        try:
+        if self._zero_copy(blocks):  # write straight from the caller's aligned memory
+            buf: AlignedBuffer | Borrowed = Borrowed(blocks)
+        else:
+            payload = self.codec.encode(blocks.cpu())  # [n, payload_bytes]
+            buf = self._bufs.acquire(n * sb)
             staged = buf.tensor[: n * sb].view(n, sb)
             staged[:, :pb].copy_(payload)
             if sb > pb:
                 staged[:, pb:].zero_()
+        try:
             pieces = self._pieces(slots)
-            futs = [self._pool.submit(self._do, pc, buf, True) for pc in pieces]
-            failure: OSError | None = None
-            crcs: dict[int, int] = {}
-            for pc, f in zip(pieces, futs, strict=True):
-                try:
-                    crcs.update(zip(pc.pos, f.result(), strict=True))
-                except OSError as exc:
-                    failure = exc
+            results = self._runner.run(lambda pc: self._do(pc, buf, True), pieces)
         finally:
-            self._bufs.release(buf)
+            if isinstance(buf, AlignedBuffer):
+                self._bufs.release(buf)
+        crcs: list[int] = [0] * n
+        failure: OSError | None = None
+        for pc, res in zip(pieces, results, strict=True):
+            if isinstance(res, OSError):
+                failure = res
+            else:
+                _scatter(crcs, pc.pos, res)
         if failure is not None:
             self._fault(failure, f"writing {n} blocks")
             raise TierIOError(failure.errno, f"ssd write failed: {failure}")
@@ -303,37 +280,48 @@ class SsdTier:
             self.page_writes += n
             self.bytes_written += n * sb
 
+    def _zero_copy(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` can be the I/O buffer itself: aligned contiguous CPU bytes, stored as they are."""
+        return (t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous()
+                and self.slot_bytes == self.codec.payload_bytes == self.block_bytes
+                and t.data_ptr() % self.align == 0)
+
     def read(self, slots: list[int], out: torch.Tensor) -> list[bool]:
-        """Load blocks into out [n, block_bytes]; False for a block that is unreadable or fails its CRC."""
+        """Load blocks into out [n, block_bytes]; False for a block that is unreadable or fails its CRC
+        (its row of ``out`` then holds unspecified bytes: never use it)."""
         n, sb, pb = len(slots), self.slot_bytes, self.codec.payload_bytes
         if n == 0:
             return []
         with self._lock:
             expect = [self._crc.get(s) for s in slots]
-        ok = [e is not None for e in expect]
-        direct = (out.device.type == "cpu" and out.is_contiguous() and sb == pb == self.block_bytes
-                  and out.data_ptr() % self.align == 0)  # zero-copy: read straight into the caller's memory
-        buf = _Borrowed(out) if direct else self._bufs.acquire(n * sb)
+        direct = self._zero_copy(out)  # zero-copy: read straight into the caller's memory
+        buf: AlignedBuffer | Borrowed = Borrowed(out) if direct else self._bufs.acquire(n * sb)
+        # stored as they are into CPU memory: each piece copies its own rows out of the staging buffer
+        dest = (out if not direct and sb == pb == self.block_bytes and out.device.type == "cpu"
+                and out.dtype == torch.uint8 else None)
+        got: list[int | None] = [None] * n
         try:
             pieces = self._pieces(slots)
-            futs = [self._pool.submit(self._do, pc, buf, False) for pc in pieces]
-            for pc, f in zip(pieces, futs, strict=True):
-                try:
-                    for p, crc in zip(pc.pos, f.result(), strict=True):
-                        if ok[p] and crc != expect[p]:
-                            ok[p] = False
-                            self.corrupt += 1
-                            self.errors += 1
-                            log.warning("ssd tier: block in slot %d failed its CRC; treated as a miss", slots[p])
-                except OSError as exc:
-                    self._fault(exc, f"reading {len(pc.pos)} blocks at slot {slots[pc.pos[0]]}")
-                    for p in pc.pos:
-                        ok[p] = False
-            if not direct:
+            results = self._runner.run(lambda pc: self._do(pc, buf, False, dest), pieces)
+            for pc, res in zip(pieces, results, strict=True):
+                if isinstance(res, OSError):
+                    self._fault(res, f"reading {len(pc.pos)} blocks at slot {slots[pc.pos[0]]}")
+                else:
+                    _scatter(got, pc.pos, res)
+            if not direct and dest is None:
                 out.copy_(self.codec.decode(buf.tensor[: n * sb].view(n, sb)[:, :pb]))
         finally:
-            if not direct:
-                self._bufs.release(buf)  # type: ignore[arg-type]
+            if isinstance(buf, AlignedBuffer):
+                self._bufs.release(buf)
+        if got == expect and None not in got:  # all verified (one C-level comparison)
+            ok = [True] * n
+        else:
+            ok = [g is not None and g == e for g, e in zip(got, expect, strict=True)]
+            for p, (g, e) in enumerate(zip(got, expect, strict=True)):
+                if g is not None and e is not None and g != e:
+                    self.corrupt += 1
+                    self.errors += 1
+                    log.warning("ssd tier: block in slot %d failed its CRC; treated as a miss", slots[p])
         self.page_reads += sum(ok)
         self.bytes_read += n * sb
         return ok
@@ -361,9 +349,18 @@ class SsdTier:
         return total
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._runner.shutdown()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
         if self.index is not None:
             self.index.close()
+
+
+def _scatter(dst: list, pos: Sequence[int], values: list[int]) -> None:
+    """dst[pos[i]] = values[i] (a slice assignment when ``pos`` is a range)."""
+    if isinstance(pos, range):
+        dst[pos.start : pos.stop] = values
+    else:
+        for p, v in zip(pos, values, strict=True):
+            dst[p] = v

@@ -1,0 +1,127 @@
+"""How the SSD tier turns a batch of slots into system calls.
+
+Owns the I/O plan of one batch and its execution: the slots are coalesced into pieces (consecutive
+slots of one slab, at most ``max_slots`` each: one preadv/pwritev per piece), each piece's buffer
+ranges are merged into as few iovecs as the batch layout allows (one when the batch positions are
+consecutive too), and ``PieceRunner`` runs the pieces: the calling thread runs the first one itself
+(no hand-off for a one-piece batch), a thread pool runs the others in parallel, so that a piece's
+checksum pass overlaps the other pieces' I/O. The system calls go through ``PosixIO`` (tests and the
+KvikIO backend substitute their own).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+R = TypeVar("R")
+IOV_MAX = 1024  # Linux UIO_MAXIOV: the most iovecs one preadv/pwritev takes
+
+
+class PosixIO:
+    """The system calls the tier uses; tests substitute one that injects faults."""
+
+    def preadv(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        return os.preadv(fd, bufs, offset)
+
+    def pwritev(self, fd: int, bufs: list[memoryview], offset: int) -> int:
+        return os.pwritev(fd, bufs, offset)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One I/O call: ``len(pos)`` consecutive slots of one slab from ``row``; ``pos`` their places in
+    the batch (a ``range`` when those are consecutive as well)."""
+
+    slab: int
+    row: int
+    pos: Sequence[int]
+
+
+class Borrowed:
+    """A caller's aligned, contiguous CPU tensor used as the I/O buffer (same ``mv`` as AlignedBuffer)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.mv = memoryview(t.numpy()).cast("B")
+        self.tensor = t.view(-1)
+
+
+def plan(slots: list[int], slab_slots: int, max_slots: int) -> list[Piece]:
+    """Coalesce a batch of slots into pieces (ascending slot order)."""
+    n, s0 = len(slots), slots[0]
+    if slots == list(range(s0, s0 + n)):  # the common case: one run, in batch order (C-speed check)
+        pieces: list[Piece] = []
+        p = 0
+        while p < n:
+            slab, row = divmod(s0 + p, slab_slots)
+            k = min(n - p, slab_slots - row, max_slots)
+            pieces.append(Piece(slab, row, range(p, p + k)))
+            p += k
+        return pieces
+    order = sorted(range(n), key=slots.__getitem__)
+    pieces = []
+    run: list[int] = []
+    for p in order:
+        s = slots[p]
+        if run and s == slots[run[-1]] + 1 and s % slab_slots != 0 and len(run) < max_slots:
+            run.append(p)
+            continue
+        if run:
+            pieces.append(_piece(slots, run, slab_slots))
+        run = [p]
+    pieces.append(_piece(slots, run, slab_slots))
+    return pieces
+
+
+def _piece(slots: list[int], run: list[int], slab_slots: int) -> Piece:
+    slab, row = divmod(slots[run[0]], slab_slots)
+    pos: Sequence[int] = run
+    if run[-1] - run[0] == len(run) - 1 and run == list(range(run[0], run[-1] + 1)):
+        pos = range(run[0], run[-1] + 1)
+    return Piece(slab, row, pos)
+
+
+def iovecs(mv: memoryview, pos: Sequence[int], slot_bytes: int) -> list[memoryview]:
+    """The buffer ranges of ``pos`` (in slot order), consecutive positions merged into one iovec."""
+    if isinstance(pos, range):
+        return [mv[pos.start * slot_bytes : pos.stop * slot_bytes]]
+    out: list[memoryview] = []
+    start = prev = pos[0]
+    for p in pos[1:]:
+        if p != prev + 1:
+            out.append(mv[start * slot_bytes : (prev + 1) * slot_bytes])
+            start = p
+        prev = p
+    out.append(mv[start * slot_bytes : (prev + 1) * slot_bytes])
+    return out
+
+
+class PieceRunner:
+    """Runs a batch's pieces: the first in the calling thread, the rest on a pool, all in parallel."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvdrive-ssd")
+
+    def run(self, fn: Callable[[Piece], R], pieces: list[Piece]) -> list[R | OSError]:
+        """fn(piece) for every piece; an OSError a piece raised is returned in its place."""
+        futs = [self._pool.submit(_call, fn, pc) for pc in pieces[1:]]
+        first = _call(fn, pieces[0])
+        return [first, *(f.result() for f in futs)]
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _call(fn: Callable[[Piece], R], piece: Piece) -> R | OSError:
+    try:
+        return fn(piece)
+    except OSError as exc:
+        return exc
