@@ -10,8 +10,6 @@ else), then create-or-repair of the children from ``manifests`` and the status f
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import inspect
 import logging
 import secrets
@@ -29,21 +27,12 @@ from kvdrive.operator.conditions import (
     status_differs,
 )
 from kvdrive.operator.kubeapi import ApiError, KubeApi, Ref
-from kvdrive.operator.manifests import MANAGER, Names, render, selector_labels
+from kvdrive.operator.live import LiveController
+from kvdrive.operator.manifests import MANAGER, Names, admin_token_of, render, selector_labels
+from kvdrive.operator.objects import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS, STORAGE_CLASSES, pod_ready
 from kvdrive.operator.spec import GROUP, PLURAL, VERSION, KVDriveDeployment, SpecError, parse_cr
 
-CR = Ref(f"{GROUP}/{VERSION}", PLURAL)
-PODS = Ref("v1", "pods")
-CLAIMS = Ref("v1", "persistentvolumeclaims")
-STORAGE_CLASSES = Ref("storage.k8s.io/v1", "storageclasses")
-STATEFULSETS = Ref("apps/v1", "statefulsets")
-CHILDREN = {
-    "ConfigMap": Ref("v1", "configmaps"),
-    "Secret": Ref("v1", "secrets"),
-    "Service": Ref("v1", "services"),
-    "StatefulSet": STATEFULSETS,
-    "PodDisruptionBudget": Ref("policy/v1", "poddisruptionbudgets"),
-}
+__all__ = ["CHILDREN", "CLAIMS", "CR", "PODS", "STATEFULSETS", "STORAGE_CLASSES", "Reconciler", "build_registry"]
 # StatefulSet spec fields an update may change; the others need the object re-created.
 STS_MUTABLE = ("replicas", "template", "updateStrategy", "persistentVolumeClaimRetentionPolicy", "minReadySeconds")
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
@@ -68,13 +57,6 @@ def _controller_uid(obj: Mapping[str, Any]) -> str | None:
         if ref.get("controller"):
             return str(ref.get("uid"))
     return None
-
-
-def _pod_ready(pod: Mapping[str, Any]) -> bool:
-    if pod.get("metadata", {}).get("deletionTimestamp"):
-        return False
-    conditions = pod.get("status", {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def _current_problem(status: Mapping[str, Any]) -> Problem | None:
@@ -104,6 +86,10 @@ class Reconciler:
     def _api(self) -> KubeApi:
         if self.api is None:
             raise kopf.TemporaryError("not logged in to the API server yet", delay=1)
+        return self.api
+
+    def session(self) -> KubeApi | None:
+        """The API session once Kopf has logged in (None before)."""
         return self.api
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
@@ -164,7 +150,7 @@ class Reconciler:
         existing_sts = await api.get(STATEFULSETS, namespace, names.statefulset)
         current = (existing_sts or {}).get("spec", {}).get("replicas")
         secret = await api.get(CHILDREN["Secret"], namespace, names.secret)
-        token = _token(secret) or secrets.token_urlsafe(32)
+        token = admin_token_of(secret) or secrets.token_urlsafe(32)
         for child in render(model, token, current):
             ref, child_name = CHILDREN[child["kind"]], child["metadata"]["name"]
             actual = existing_sts if child["kind"] == "StatefulSet" else await api.get(ref, namespace, child_name)
@@ -172,7 +158,7 @@ class Reconciler:
                 logger.info("creating %s %s", child["kind"], child_name)
                 await _create(api, ref, namespace, child)
             elif child["kind"] == "Secret":
-                if _token(actual) is None or not is_subset(child["metadata"], actual["metadata"]):
+                if admin_token_of(actual) is None or not is_subset(child["metadata"], actual["metadata"]):
                     await api.patch(ref, namespace, child_name, child)
             elif child["kind"] == "StatefulSet":
                 await _apply_statefulset(api, namespace, child, actual, logger)
@@ -191,7 +177,7 @@ class Reconciler:
         observed = Observed(
             generation=meta.get("generation"),
             replicas=int((sts or {}).get("spec", {}).get("replicas") or 0),
-            ready=sum(1 for pod in pods if _pod_ready(pod)),
+            ready=sum(1 for pod in pods if pod_ready(pod)),
         )
         port = int(cr.get("spec", {}).get("service", {}).get("port") or 8000)
         previous = cr.get("status") or {}
@@ -205,13 +191,6 @@ class Reconciler:
             kopf.event(dict(cr), type="Warning", reason=problem.reason, message=problem.message)
         if status_differs(previous, status):
             await api.patch(CR, namespace, name, {"status": status}, subresource="status")
-
-
-def _token(secret: Mapping[str, Any] | None) -> str | None:
-    try:
-        return base64.b64decode((secret or {}).get("data", {}).get("token", ""), validate=True).decode() or None
-    except (binascii.Error, UnicodeDecodeError):
-        return None
 
 
 async def _create(api: KubeApi, ref: Ref, namespace: str, body: dict[str, Any]) -> None:
@@ -256,6 +235,7 @@ def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> ko
     """A fresh registry with every handler; ``connect`` is the login (tests point it at kmock)."""
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler()
+    live = LiveController(reconciler.session)
 
     @kopf.on.login(registry=registry)
     async def log_in(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -268,6 +248,7 @@ def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> ko
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        await live.close()
         await reconciler.close()
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
@@ -282,6 +263,21 @@ def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> ko
     @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
     async def resync(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
         await reconciler.reconcile(namespace, name, logger)
+
+    # The metrics loop: a daemon per CR rather than a fixed-interval timer, so that its period follows
+    # spec.tuning.intervalSeconds when the spec changes. Async daemons are cancelled when the CR goes.
+    @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, id="live")
+    async def live_loop(namespace: str, name: str, logger: logging.Logger, stopped: Any, **_: Any) -> None:
+        try:
+            while not stopped:
+                try:
+                    interval = await live.round(namespace, name, logger)
+                except (ApiError, kopf.TemporaryError) as exc:
+                    logger.warning("live round failed: %s", exc)
+                    interval = 5.0
+                await stopped.wait(interval)
+        finally:
+            live.forget(namespace, name)
 
     async def child_changed(type: str | None, body: Mapping[str, Any], logger: logging.Logger, **_: Any) -> None:
         instance = (body.get("metadata", {}).get("labels") or {}).get(INSTANCE_LABEL)

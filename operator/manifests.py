@@ -10,6 +10,7 @@ PodDisruptionBudget. No Kubernetes API and no Kopf here: the same function backs
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
 from dataclasses import dataclass
@@ -168,6 +169,14 @@ def secret(cr: KVDriveDeployment, admin_token: str) -> dict[str, Any]:
         "type": "Opaque",
         "data": {"token": base64.b64encode(admin_token.encode()).decode()},
     }
+
+
+def admin_token_of(secret: dict[str, Any] | None) -> str | None:
+    """The admin token held by a Secret made by ``secret()`` (None when absent or not decodable)."""
+    try:
+        return base64.b64decode((secret or {}).get("data", {}).get("token", ""), validate=True).decode() or None
+    except (binascii.Error, UnicodeDecodeError):
+        return None
 
 
 def _ports() -> list[dict[str, Any]]:

@@ -1,0 +1,203 @@
+"""The live loop of one KVDriveDeployment: read every ready pod's metrics, tune, autoscale, report.
+
+Split from ``handlers`` (which registers it as a Kopf daemon per CR, so that its period follows
+``spec.tuning.intervalSeconds``). Each round: list the CR's ready pods (explicit ``KubeApi`` calls:
+list pods, get the admin Secret, patch the StatefulSet's replicas, patch the CR's status), read each
+pod's ``/metrics`` with a timeout, let ``tuning.decide`` and ``autoscale.decide`` judge, apply
+budgets through ``PUT /admin/tiers`` and replicas on the StatefulSet, post an Event for every change
+with the numbers behind it, and write ``status.pods``, ``status.budgets`` and ``status.autoscaling``.
+The memory it keeps (metric histories, past recommendations) is per controller instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdrive.operator import autoscale, tuning
+from kvdrive.operator.conditions import now_rfc3339
+from kvdrive.operator.kubeapi import ApiError, KubeApi
+from kvdrive.operator.livestatus import budget_event, budget_summary, last_budgets, pod_entry, scale_event
+from kvdrive.operator.manifests import Names, admin_token_of, runtime_settings, selector_labels
+from kvdrive.operator.objects import CR, EVENTS, PODS, SECRETS, STATEFULSETS, pod_ready, pod_url
+from kvdrive.operator.podclient import PodClient
+from kvdrive.operator.podmetrics import Scrape, rates
+from kvdrive.operator.spec import KVDriveSpec, SpecError, parse_cr
+
+IDLE_SECONDS = 30.0  # period of a CR that cannot be read or parsed
+Logger = logging.Logger | logging.LoggerAdapter
+
+
+@dataclass
+class _Memory:
+    """What the controller remembers of one CR between rounds."""
+
+    pods: dict[str, tuning.PodHistory] = field(default_factory=dict)  # by pod uid
+    changed_at: dict[str, str] = field(default_factory=dict)  # pod uid -> wall time of its last change
+    scale: tuple[autoscale.Recommendation, ...] = ()
+    last_scale_time: str | None = None
+    last_decision: str | None = None
+
+
+@dataclass(frozen=True)
+class _Pod:
+    uid: str
+    name: str
+    url: str
+
+
+class LiveController:
+    """Runs rounds for any number of CRs; ``session`` gives the Kubernetes API once logged in."""
+
+    def __init__(self, session: Callable[[], KubeApi | None], clock: Callable[[], float] = time.monotonic) -> None:
+        self._session, self._clock = session, clock
+        self._pods = PodClient()
+        self._memory: dict[tuple[str, str], _Memory] = {}
+
+    async def close(self) -> None:
+        await self._pods.close()
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._memory.pop((namespace, name), None)
+
+    async def round(self, namespace: str, name: str, logger: Logger) -> float:
+        """One round for one CR; returns the seconds to wait before the next."""
+        api = self._session()
+        if api is None:
+            return 1.0
+        cr = await api.get(CR, namespace, name)
+        if cr is None or cr.get("metadata", {}).get("deletionTimestamp"):
+            self.forget(namespace, name)
+            return IDLE_SECONDS
+        try:
+            spec = parse_cr({**cr, "metadata": {**cr["metadata"], "namespace": namespace}}).spec
+        except SpecError:
+            return IDLE_SECONDS  # the reconciler reports it (Degraded)
+        memory = self._memory.setdefault((namespace, name), _Memory())
+        status: dict[str, Any] = {"autoscaling": {"mode": spec.autoscaling.mode}}
+        if spec.tuning.enabled or spec.autoscaling.mode == "operator":
+            pods = await self._ready_pods(api, namespace, name)
+            scrapes = await asyncio.gather(*(self._pods.scrape(p.url, spec.tuning.scrape_timeout_seconds) for p in pods))
+            for pod, scrape in zip(pods, scrapes, strict=True):
+                memory.pods[pod.uid] = memory.pods.get(pod.uid, tuning.PodHistory()).add(scrape, keep=64)
+            for uid in set(memory.pods) - {p.uid for p in pods}:
+                memory.pods.pop(uid)
+                memory.changed_at.pop(uid, None)
+            applied: dict[str, Mapping[str, int]] = {}
+            if spec.tuning.enabled:
+                applied = await self._tune(api, cr, spec, pods, memory, logger)
+            status["pods"] = [self._entry(p, s, memory, applied.get(p.uid)) for p, s in zip(pods, scrapes, strict=True)]
+            if spec.autoscaling.mode == "operator":
+                status["autoscaling"] = await self._autoscale(api, cr, spec, pods, memory, logger)
+        else:
+            status["pods"] = []
+        start = runtime_settings(spec)
+        status["budgets"] = budget_summary(status["pods"], {"gpu": start["gpu_budget"], "dram": start["dram_budget"],
+                                                            "ssd": start["ssd_budget"]})
+        await api.patch(CR, namespace, name, {"status": status}, subresource="status")
+        return float(spec.tuning.interval_seconds)
+
+    async def _ready_pods(self, api: KubeApi, namespace: str, name: str) -> list[_Pod]:
+        found = []
+        for pod in await api.list(PODS, namespace, selector_labels(name)):
+            url = pod_url(pod)
+            if pod_ready(pod) and url:
+                meta = pod["metadata"]
+                found.append(_Pod(uid=str(meta.get("uid") or meta["name"]), name=meta["name"], url=url))
+        return sorted(found, key=lambda p: p.name)
+
+    def _entry(self, pod: _Pod, scrape: Scrape, memory: _Memory, applied: Mapping[str, int] | None) -> dict[str, Any]:
+        history = memory.pods[pod.uid]
+        budgets = applied or last_budgets(history)
+        return pod_entry(pod.name, scrape, history, budgets, now_rfc3339(), memory.changed_at.get(pod.uid))
+
+    async def _tune(self, api: KubeApi, cr: dict[str, Any], spec: KVDriveSpec, pods: list[_Pod], memory: _Memory,
+                    logger: Logger) -> dict[str, Mapping[str, int]]:
+        """Decide and apply each pod's budgets; returns the budgets pods accepted this round."""
+        limits, policy = tuning.limits_from_spec(spec), tuning.policy_from_spec(spec)
+        decisions = {p.uid: tuning.decide(memory.pods[p.uid], limits, policy) for p in pods}
+        if not any(d.changes for d in decisions.values()):
+            return {}
+        meta = cr["metadata"]
+        secret = await api.get(SECRETS, meta["namespace"], Names(meta["name"]).secret)
+        token = admin_token_of(secret)
+        accepted: dict[str, Mapping[str, int]] = {}
+        for pod in pods:
+            decision = decisions[pod.uid]
+            if not decision.changes:
+                continue
+            now, history = self._clock(), memory.pods[pod.uid]
+            if token is None:
+                logger.warning("no admin token in Secret %s: cannot change budgets", Names(meta["name"]).secret)
+                return accepted
+            result = await self._pods.set_tiers(pod.url, token, decision.budgets, spec.tuning.scrape_timeout_seconds)
+            if result.ok:
+                memory.pods[pod.uid] = history.changed(now, decision.summary)
+                memory.changed_at[pod.uid] = now_rfc3339()
+                accepted[pod.uid] = decision.budgets
+                logger.info("pod %s budgets: %s", pod.name, decision.summary)
+                await post_event(api, cr, "Normal", "TierBudgetsChanged", budget_event(pod.name, decision.summary))
+            else:
+                refused = result.status == 422
+                what = f"refused ({result.status}): {result.detail}" if result.status else f"not applied: {result.detail}"
+                summary = f"{decision.summary} -- {what}"
+                memory.pods[pod.uid] = history.refused(decision.changes, now, summary) if refused \
+                    else history.changed(now, summary)
+                memory.changed_at[pod.uid] = now_rfc3339()
+                logger.warning("pod %s budgets %s", pod.name, summary)
+                await post_event(api, cr, "Warning", "TierBudgetsRefused" if refused else "TierBudgetsNotApplied",
+                                 budget_event(pod.name, summary))
+        return accepted
+
+    async def _autoscale(self, api: KubeApi, cr: dict[str, Any], spec: KVDriveSpec, pods: list[_Pod],
+                         memory: _Memory, logger: Logger) -> dict[str, Any]:
+        meta = cr["metadata"]
+        namespace, sts_name = meta["namespace"], Names(meta["name"]).statefulset
+        sts = await api.get(STATEFULSETS, namespace, sts_name)
+        report: dict[str, Any] = {"mode": "operator"}
+        if sts is None:
+            return report  # the reconciler creates it first
+        current = int(sts.get("spec", {}).get("replicas") or 0)
+        loads: list[autoscale.PodLoad | None] = []
+        for pod in pods:
+            scrapes = memory.pods[pod.uid].scrapes
+            latest = scrapes[-1]
+            rate = rates(scrapes[-2], latest) if len(scrapes) > 1 else None
+            loads.append(None if latest.metrics is None else autoscale.load_of(latest.metrics, rate))
+        decision = autoscale.decide(loads, current, autoscale.policy_from_spec(spec), memory.scale, self._clock())
+        memory.scale = decision.history
+        if decision.changed(current):
+            await api.patch(STATEFULSETS, namespace, sts_name, {"spec": {"replicas": decision.replicas}})
+            reason, message = scale_event(current, decision.replicas, decision.reason)
+            logger.info("%s", message)
+            await post_event(api, cr, "Normal", reason, message)
+            memory.last_scale_time, memory.last_decision = now_rfc3339(), message
+        report.update(desiredReplicas=decision.replicas, recommendation=decision.recommendation)
+        if memory.last_scale_time:
+            report["lastScaleTime"] = memory.last_scale_time
+        report["lastDecision"] = memory.last_decision or f"replicas {current}: {decision.reason}"[:1024]
+        return report
+
+
+async def post_event(api: KubeApi, cr: dict[str, Any], kind: str, reason: str, message: str) -> None:
+    """A core/v1 Event on the CR (``kubectl describe kvd`` shows it); a failure to post is only logged."""
+    meta = cr["metadata"]
+    now = now_rfc3339()
+    body = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": cr.get("apiVersion"), "kind": cr.get("kind"), "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "type": kind, "reason": reason, "message": message[:1024],
+        "source": {"component": "kvdrive-operator"}, "reportingComponent": "kvdrive-operator",
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    try:
+        await api.create(EVENTS, meta["namespace"], body)
+    except ApiError as exc:
+        logging.getLogger(__name__).warning("could not post Event %s: %s", reason, exc)

@@ -1,0 +1,63 @@
+"""Shared pieces of the live-loop tests: the CR, Pod objects that point at loopback servers, Events."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from kopfenv import NAMESPACE, Cluster
+
+from kvdrive.operator.handlers import CHILDREN, CR
+from kvdrive.operator.kubeapi import Ref
+
+EVENTS = Ref("v1", "events")
+LABELS = {"app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance": "chat",
+          "app.kubernetes.io/managed-by": "kvdrive-operator"}
+
+
+def live_cr(autoscaling: dict[str, Any] | None = None, **tuning: Any) -> dict[str, Any]:
+    """A demo-model CR with small tiers (as the test servers have) and a 1 s metrics interval."""
+    return {
+        "apiVersion": "kvdrive.io/v1alpha1", "kind": "KVDriveDeployment", "metadata": {"name": "chat"},
+        "spec": {
+            "model": {"source": "demo"},
+            "resources": {"gpus": 0},
+            "tiers": {"gpu": {"budget": "8Mi"}, "dram": {"size": "64Mi"}, "ssd": {"size": "300Mi"}},
+            "tuning": {"enabled": True, "intervalSeconds": 1, "scrapeTimeoutSeconds": 1, "stabilizationIntervals": 2,
+                       "minStep": "1Mi", "bounds": {"gpu": {"min": "4Mi", "max": "16Mi"},
+                                                    "dram": {"min": "8Mi", "max": "64Mi"}}, **tuning},
+            "autoscaling": autoscaling or {"mode": "operator", "minReplicas": 1, "maxReplicas": 4,
+                                           "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 0,
+                                           "maxStep": 1, "targets": {"queueDepth": 4}},
+        },
+    }
+
+
+def pod_object(name: str, port: int, ready: bool = True, ip: str = "127.0.0.1") -> dict[str, Any]:
+    """A Pod of the StatefulSet as the kubelet would report it, its server on ``ip:port``."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": dict(LABELS)},
+        "spec": {"containers": [{"name": "kvdrive", "image": "x",
+                                 "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}]},
+        "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
+
+
+async def admin_token(cluster: Cluster) -> str | None:
+    secret = await cluster.get(CHILDREN["Secret"], "chat-admin")
+    return base64.b64decode(secret["data"]["token"]).decode() if secret else None
+
+
+async def events(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
+    items = await cluster.api.list(EVENTS, NAMESPACE, {})
+    return [e for e in items if e.get("reason") == reason and e.get("involvedObject", {}).get("name") == "chat"]
+
+
+async def status(cluster: Cluster) -> dict[str, Any]:
+    cr = await cluster.get(CR, "chat")
+    return (cr or {}).get("status") or {}
+
+
+def pod_status(st: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((p for p in st.get("pods") or [] if p["name"] == name), None)
