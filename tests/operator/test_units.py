@@ -89,8 +89,8 @@ def _imports(path: Path) -> set[str]:
 
 def test_only_handlers_and_its_transport_talk_to_kopf() -> None:
     talkers = {p.name for p in OPERATOR_DIR.glob("*.py") if {"kopf", "aiohttp", "kubernetes"} & _imports(p)}
-    # cli only calls kopf.run(); live is the metrics loop split from handlers; podclient talks to pods, not the API
-    assert talkers == {"handlers.py", "live.py", "kubeapi.py", "podclient.py", "cli.py"}
+    # cli only calls kopf.run(); podclient talks HTTP to the pods, not to the API server
+    assert talkers == {"handlers.py", "kubeapi.py", "podclient.py", "cli.py"}
     users_of_transport = {p.name for p in OPERATOR_DIR.glob("*.py") if "kvdrive.operator.kubeapi" in _imports(p)}
     assert users_of_transport == {"handlers.py", "live.py", "objects.py"}  # objects: only the Ref addresses
 
