@@ -39,7 +39,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--gpu-budget", type=_size, default=None,
-                   help="bytes of KV in the device tier, e.g. 256MiB (default: one full-context sequence)")
+                   help="bytes of KV in the device tier incl. one open page per running sequence, e.g. 256MiB "
+                        "(default: one full-context sequence)")
+    p.add_argument("--dram-budget", type=_size, default=0, help="bytes of KV in host DRAM (default 0)")
+    p.add_argument("--dram-hugepage-dir", default=None,
+                   help="hugetlbfs mount backing the DRAM tier (else anonymous memory with transparent hugepages)")
+    p.add_argument("--ssd-dir", default=None, help="directory on the NVMe drive for the SSD tier (default: none)")
+    p.add_argument("--ssd-budget", type=_size, default=None, help="bytes of the SSD tier on disk (default 1GiB)")
+    p.add_argument("--ssd-compression", choices=["none", "int8"], default="none",
+                   help="int8 halves the SSD tier's bytes (per page and head scales)")
+    p.add_argument("--token-budget", type=int, default=1024, help="tokens each decode query attends to")
+    p.add_argument("--full-attention", action="store_true", help="attend to every page (exact; no selection)")
+    p.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive",
+                   help="tier policy: kvdrive, or a baseline it is measured against")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,16 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-running", type=int, default=16, help="sequences in the running batch")
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     s.add_argument("--step-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
-    # Tier and attention flags of ARCHITECTURE.md: accepted (the operator passes them) and reported at start;
-    # see README "Status" for which are in effect.
-    s.add_argument("--dram-budget", type=_size, default=None)
-    s.add_argument("--dram-hugepage-dir", default=None)
-    s.add_argument("--ssd-dir", default=None)
-    s.add_argument("--ssd-budget", type=_size, default=None)
-    s.add_argument("--token-budget", type=int, default=None)
-    s.add_argument("--full-attention", action="store_true")
-    s.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive")
-    s.add_argument("--config", default=None)
+    s.add_argument("--config", default=None,
+                   help="YAML/JSON file of flag values (keys as the long flags, e.g. gpu_budget: 512MiB); "
+                        "flags given on the command line win")
 
     b = sub.add_parser("bench", help="benchmarks (JSON to stdout or --out)")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -105,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kvdrive.runtime.engine import EngineConfig, Generator, SamplingParams, TextStream
+    from kvdrive.runtime.engine import Generator, SamplingParams, TextStream
     from kvdrive.runtime.model import ChatMessage, load_model
 
     params = SamplingParams(
@@ -116,7 +121,7 @@ def _generate(args: argparse.Namespace) -> int:
                         progress=sys.stderr.isatty() or args.verbose)
     tok = loaded.tokenizer
     ids = tok.encode_chat([ChatMessage("user", args.prompt)]) if args.chat else tok.encode(args.prompt)
-    gen = Generator(loaded, EngineConfig(page_size=args.page_size, kv_budget_bytes=args.gpu_budget))
+    gen = Generator(loaded, engine_config(args, max_sequences=1))
     stream = TextStream(tok, params.stop)
     for token in gen.generate(ids, params):
         sys.stdout.write(stream.push(token))
@@ -127,7 +132,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-_NOT_YET = ("dram_budget", "dram_hugepage_dir", "ssd_dir", "ssd_budget", "token_budget", "config")
+def engine_config(args: argparse.Namespace, max_sequences: int):  # type: ignore[no-untyped-def]
+    """The engine's KV configuration from the model/tier flags."""
+    from kvdrive.runtime.engine import EngineConfig
+
+    if args.token_budget < 2 * args.page_size:
+        raise ValueError(f"--token-budget {args.token_budget} is below two pages of {args.page_size} tokens")
+    ssd_budget = args.ssd_budget if args.ssd_budget is not None else (1 << 30 if args.ssd_dir else 0)
+    return EngineConfig(
+        page_size=args.page_size, kv_budget_bytes=args.gpu_budget, dram_budget_bytes=args.dram_budget,
+        ssd_dir=args.ssd_dir, ssd_budget_bytes=ssd_budget, hugetlbfs_dir=args.dram_hugepage_dir,
+        ssd_codec=args.ssd_compression, placement=args.placement, full_attention=args.full_attention,
+        token_budget=args.token_budget, max_sequences=max_sequences, kv_dtype=_dtype(args.dtype),
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -135,16 +152,9 @@ def _serve(args: argparse.Namespace) -> int:
     from kvdrive.runtime.server.auth import read_secret
     from kvdrive.runtime.server.serve import ServeOptions, serve
 
-    ignored = [f"--{n.replace('_', '-')}" for n in _NOT_YET if getattr(args, n) is not None]
-    if args.full_attention:
-        ignored.append("--full-attention (attention is always full for now)")
-    if args.placement != "kvdrive":
-        ignored.append("--placement")
-    if ignored:
-        log.warning("not in effect yet (single device tier, dense attention): %s", ", ".join(ignored))
     opts = ServeOptions(
         model=args.model, host=args.host, port=args.port, device=args.device, dtype=_dtype(args.dtype),
-        page_size=args.page_size, gpu_budget=args.gpu_budget, served_model_name=args.served_model_name,
+        engine=engine_config(args, max_sequences=args.max_running), served_model_name=args.served_model_name,
         api_key=read_secret(args.api_key_file), admin_token=read_secret(args.admin_token_file),
         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                   step_token_budget=args.step_tokens),
@@ -152,6 +162,23 @@ def _serve(args: argparse.Namespace) -> int:
     )
     serve(opts)
     return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line; ``serve --config FILE`` supplies flags that the command line does not."""
+    from kvdrive.runtime.config_file import ConfigFileError, config_flags
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.config:
+        try:
+            extra = config_flags(args.config)
+        except ConfigFileError as exc:
+            parser.error(str(exc))
+        at = argv.index("serve") + 1
+        args = parser.parse_args(argv[:at] + extra + argv[at:])  # later (command-line) flags win
+    return args
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -202,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvdrive.runtime.model import ModelLoadError
     from kvdrive.runtime.model.tokenizer import TokenizerError
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     verbose = args.verbose or args.command == "serve"
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

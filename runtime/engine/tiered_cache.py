@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -290,8 +292,22 @@ class TieredKVCache:
         """Apply new budgets live (BudgetError, nothing changed, when impossible)."""
         if "ssd" not in self.store.tiers and ssd_bytes:
             raise BudgetError("the server has no SSD tier (start it with --ssd-dir to use one)")
+        for tier, want, limit in (("gpu", gpu_bytes, self._memory_limit(self.device)),
+                                  ("dram", dram_bytes, self._memory_limit(torch.device("cpu"))),
+                                  ("ssd", ssd_bytes, self._disk_limit())):
+            if want > limit:
+                raise BudgetError(f"{tier} budget {want} bytes exceeds the {limit} bytes this host has for it")
         b = self._store_budgets(gpu_bytes, dram_bytes, ssd_bytes)
         self.store.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if "ssd" in self.store.tiers else None)
+
+    @staticmethod
+    def _memory_limit(device: torch.device) -> int:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[1])
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def _disk_limit(self) -> int:
+        return shutil.disk_usage(self.config.ssd_dir).total if self.config.ssd_dir else 0
 
     def close(self) -> None:
         self.transfers.close()

@@ -7,9 +7,10 @@ nothing a client sends can produce a 5xx or stop the engine thread.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,8 @@ from kvdrive.runtime.model.tokenizer import TokenizerError
 from kvdrive.runtime.server import schemas as s
 from kvdrive.runtime.server.auth import bearer_ok
 from kvdrive.runtime.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class ServerState:
     max_context: int
     metrics: ServerMetrics
     tiers: Callable[[], list[s.TierUsage]]
+    set_tiers: Callable[[int, int, int], Awaitable[list[s.TierUsage]]]
     ready: Callable[[], bool]
     started: int
 
@@ -195,6 +199,18 @@ def create_app(state: ServerState) -> FastAPI:
     async def get_tiers(request: Request) -> s.TiersResponse:
         require_admin(request)
         return s.TiersResponse(tiers=state.tiers())
+
+    @app.put("/admin/tiers", response_model=s.TiersResponse,
+             responses={422: {"model": s.ErrorResponse, "description": "impossible budgets (the reason)"}})
+    async def put_tiers(request: Request, body: s.TiersUpdate) -> s.TiersResponse:
+        require_admin(request)
+        try:
+            tiers = await state.set_tiers(body.gpu_bytes, body.dram_bytes, body.ssd_bytes)
+        except ValueError as exc:  # BudgetError: nothing changed
+            raise ApiError(422, f"budgets not applied: {exc}", param="tiers") from exc
+        log.info("tier budgets set via admin API: gpu=%d dram=%d ssd=%d bytes", body.gpu_bytes, body.dram_bytes,
+                 body.ssd_bytes)
+        return s.TiersResponse(tiers=tiers)
 
     return app
 

@@ -22,6 +22,10 @@ class TierCounters:
     page_reads: dict[str, int]  # tier -> pages read from that tier
     transfer_bytes: dict[tuple[str, str], int]  # (src, dst) -> bytes
     prefetch: dict[str, int]  # outcome (hit|late|wasted) -> count
+    fetch_wait_seconds: float = 0.0  # time steps spent waiting for tier reads
+    decode_steps: int = 0
+    prefix_hit_pages: int = 0  # pages reused from the tiers instead of recomputed
+    misses: int = 0  # needed pages no tier could serve (recomputed)
 
 
 class _LiveCollector(Collector):
@@ -41,11 +45,18 @@ class _LiveCollector(Collector):
         prompt.add_metric([], s.prompt_tokens_total)
         preempt = CounterMetricFamily("kvdrive_preemptions", "sequences preempted for lack of KV pages")
         preempt.add_metric([], s.preemptions_total)
-        cap = GaugeMetricFamily("kvdrive_tier_capacity_bytes", "KV budget of a tier", labels=["tier", "backing"])
-        used = GaugeMetricFamily("kvdrive_tier_used_bytes", "KV bytes held by a tier", labels=["tier"])
+        cap = GaugeMetricFamily("kvdrive_tier_capacity_bytes", "KV bytes a tier can hold now",
+                                labels=["tier", "backing"])
+        budget = GaugeMetricFamily("kvdrive_tier_budget_bytes", "configured KV budget of a tier", labels=["tier"])
+        used = GaugeMetricFamily("kvdrive_tier_used_bytes", "KV bytes a tier holds for running sequences",
+                                 labels=["tier"])
+        cached = GaugeMetricFamily("kvdrive_tier_cached_bytes", "KV bytes of reusable pages no running sequence "
+                                   "needs (evictable)", labels=["tier"])
         for t in self._tiers():
             cap.add_metric([t.tier, t.backing], t.capacity_bytes)
+            budget.add_metric([t.tier], t.budget_bytes)
             used.add_metric([t.tier], t.used_bytes)
+            cached.add_metric([t.tier], t.cached_bytes)
         c = self._counters()
         reads = CounterMetricFamily("kvdrive_page_reads", "needed pages, by the tier they were found in",
                                     labels=["tier"])
@@ -57,7 +68,16 @@ class _LiveCollector(Collector):
         prefetch = CounterMetricFamily("kvdrive_prefetch", "prefetched pages by outcome", labels=["outcome"])
         for outcome, n in c.prefetch.items():
             prefetch.add_metric([outcome], n)
-        yield from (running, waiting, generated, prompt, preempt, cap, used, reads, moved, prefetch)
+        wait = CounterMetricFamily("kvdrive_fetch_wait_seconds", "time engine steps waited for KV reads from the tiers")
+        wait.add_metric([], c.fetch_wait_seconds)
+        steps = CounterMetricFamily("kvdrive_decode_steps", "engine steps that decoded at least one token")
+        steps.add_metric([], c.decode_steps)
+        hits = CounterMetricFamily("kvdrive_prefix_hit_pages", "prompt pages reused from the tiers, not recomputed")
+        hits.add_metric([], c.prefix_hit_pages)
+        misses = CounterMetricFamily("kvdrive_page_misses", "needed pages no tier could serve (recomputed)")
+        misses.add_metric([], c.misses)
+        yield from (running, waiting, generated, prompt, preempt, cap, budget, used, cached, reads, moved, prefetch,
+                    wait, steps, hits, misses)
 
 
 class ServerMetrics:

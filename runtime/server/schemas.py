@@ -160,9 +160,22 @@ class ErrorResponse(BaseModel):
 
 class TierUsage(BaseModel):
     tier: Literal["gpu", "dram", "ssd"]
-    capacity_bytes: int
-    used_bytes: int
+    budget_bytes: int = Field(description="the configured budget (gpu: includes the open pages' reserve)")
+    capacity_bytes: int = Field(description="bytes of pages the tier can hold now (<= budget)")
+    used_bytes: int = Field(description="bytes held for running sequences")
+    cached_bytes: int = Field(0, description="bytes of reusable pages no running sequence needs (evictable)")
+    pages: int = Field(0, description="blocks (one layer's page) stored")
     backing: str
+    errors: int = 0
+
+
+class TiersUpdate(BaseModel):
+    """PUT /admin/tiers: new budgets, applied live."""
+
+    model_config = ConfigDict(extra="forbid")
+    gpu_bytes: int = Field(ge=0, description="device tier, including one open page per running sequence")
+    dram_bytes: int = Field(ge=0)
+    ssd_bytes: int = Field(ge=0)
 
 
 class TiersResponse(BaseModel):

@@ -25,8 +25,7 @@ class ServeOptions:
     port: int = 8000
     device: str = "cpu"
     dtype: object = None  # torch.dtype | None
-    page_size: int = 16
-    gpu_budget: int | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_name: str | None = None
     api_key: str | None = None
     admin_token: str | None = None
@@ -37,42 +36,52 @@ class ServeOptions:
 def build_state(opts: ServeOptions) -> ServerState:
     loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, progress=opts.progress,  # type: ignore[arg-type]
                         model_id=opts.served_model_name)
-    gen = Generator(loaded, EngineConfig(page_size=opts.page_size, kv_budget_bytes=opts.gpu_budget))
+    gen = Generator(loaded, opts.engine)
     engine = LLMEngine(gen, opts.scheduler)
     async_engine = AsyncEngine(engine)
     aliases = (DEMO_ALIAS,) if opts.model == DEMO_ALIAS else ()
-    backing = "cuda" if gen.cache.device.type == "cuda" else "cpu-device"
+    cache = gen.cache
 
     def tiers() -> list[TierUsage]:
-        cache = gen.cache
-        return [TierUsage(tier="gpu", capacity_bytes=cache.capacity_bytes, used_bytes=cache.used_bytes,
-                          backing=backing),
-                TierUsage(tier="dram", capacity_bytes=0, used_bytes=0, backing="disabled"),
-                TierUsage(tier="ssd", capacity_bytes=0, used_bytes=0, backing="disabled")]
+        out = [TierUsage(tier=u.tier, budget_bytes=u.budget_bytes, capacity_bytes=u.capacity_bytes,
+                         used_bytes=u.used_bytes - u.cached_bytes, cached_bytes=u.cached_bytes, pages=u.pages,
+                         backing=u.backing, errors=u.errors) for u in cache.usage()]
+        if "ssd" not in cache.store.tiers:  # every tier is always reported; this one is off
+            out.append(TierUsage(tier="ssd", budget_bytes=0, capacity_bytes=0, used_bytes=0, backing="disabled"))
+        return out
 
     def counters() -> TierCounters:
-        return TierCounters(page_reads={"gpu": gen.page_reads, "dram": 0, "ssd": 0},
-                            transfer_bytes={}, prefetch={"hit": 0, "late": 0, "wasted": 0})
+        reads = {t: cache.store.page_reads.get(t, 0) for t in ("gpu", "dram", "ssd")}
+        return TierCounters(page_reads=reads, transfer_bytes=dict(cache.store.transfer_bytes),
+                            prefetch=cache.ledger.counts(), fetch_wait_seconds=cache.fetch_wait_seconds,
+                            decode_steps=cache.decode_steps, prefix_hit_pages=cache.prefix_hit_pages,
+                            misses=cache.store.misses)
+
+    async def set_tiers(gpu: int, dram: int, ssd: int) -> list[TierUsage]:
+        await async_engine.call(lambda _e: cache.set_budgets(gpu, dram, ssd))
+        return tiers()
 
     metrics = ServerMetrics(engine.stats, tiers, counters)
     config = ServerConfig(model_id=loaded.model_id, aliases=aliases, api_key=opts.api_key,
                           admin_token=opts.admin_token)
     return ServerState(config=config, engine=async_engine, tokenizer=loaded.tokenizer, max_context=gen.max_context,
-                       metrics=metrics, tiers=tiers, ready=lambda: async_engine.alive, started=int(time.time()))
+                       metrics=metrics, tiers=tiers, set_tiers=set_tiers, ready=lambda: async_engine.alive,
+                       started=int(time.time()))
 
 
 def serve(opts: ServeOptions) -> None:
     state = build_state(opts)
     app = create_app(state)
     state.engine.start()
-    log.info("serving %s on http://%s:%d (KV: %d pages of %d tokens)", state.config.model_id, opts.host, opts.port,
-             state.engine.engine.gen.cache.num_pages, opts.page_size)
+    log.info("serving %s on http://%s:%d (KV: %d pages of %d tokens over the tiers)", state.config.model_id,
+             opts.host, opts.port, state.engine.engine.gen.cache.num_pages, opts.engine.page_size)
     server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
                                            timeout_graceful_shutdown=30))
     try:
         server.run()
     finally:
         state.engine.shutdown()
+        state.engine.engine.gen.cache.close()  # finish write-backs, flush the SSD index
         log.info("stopped")
 
 
