@@ -2,8 +2,8 @@
 
 Owns how many pods a KVDriveDeployment should have (``autoscaling.mode: operator``). Each signal
 asks for ``ceil(sum over pods / per-pod target)`` pods: requests waiting (``targets.queueDepth``),
-KV utilisation of the fast tiers of pods that are serving (``targets.kvUtilization``; an idle
-pod's cached pages do not count) and generated tokens/s (``targets.tokensPerSecond``, optional).
+KV utilisation of the fast tiers by running sequences (``targets.kvUtilization``; cached
+prefix pages do not count: a cache is meant to be full) and generated tokens/s (``targets.tokensPerSecond``, optional).
 The recommendation is the largest, within a 10% tolerance of the current count, clamped to
 [minReplicas, maxReplicas]. As in the HPA, scaling up goes to the *lowest* recommendation of the
 last ``scaleUpStabilizationSeconds`` and down to the *highest* of the last
@@ -27,7 +27,7 @@ TOLERANCE = 0.1
 class PodLoad:
     waiting: float
     running: float
-    kv_utilization: float  # used / budget of the gpu + dram tiers, 0 when the pod serves nothing
+    kv_utilization: float  # bytes of running sequences / capacity of the gpu + dram tiers
     tokens_per_second: float | None  # None until two scrapes give a rate
 
 
@@ -71,9 +71,8 @@ def policy_from_spec(spec: KVDriveSpec) -> ScalePolicy:
 def load_of(metrics: PodMetrics, rate: Rates | None) -> PodLoad:
     """One pod's load from its latest scrape (and the rate over the last interval, when there is one)."""
     fast = [metrics.tiers[t] for t in ("gpu", "dram") if t in metrics.tiers]
-    room = sum(t.capacity or t.budget for t in fast)
-    serving = metrics.requests_running + metrics.requests_waiting > 0
-    kv = sum(t.used for t in fast) / room if room and serving else 0.0
+    room = sum(t.room for t in fast)
+    kv = sum(t.used for t in fast) / room if room else 0.0
     return PodLoad(waiting=metrics.requests_waiting, running=metrics.requests_running, kv_utilization=min(1.0, kv),
                    tokens_per_second=None if rate is None else rate.tokens_per_second)
 

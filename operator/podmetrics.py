@@ -26,14 +26,22 @@ class TierState:
     """One tier of one pod at one instant (bytes)."""
 
     budget: int
-    used: int
+    used: int  # pages of running sequences
     capacity: int | None = None  # slots actually allocated (may be below the budget)
+    cached: int = 0  # reusable pages no running sequence holds (prefix cache)
+
+    @property
+    def room(self) -> int:
+        return self.capacity if self.capacity else self.budget
 
     @property
     def fill(self) -> float:
-        """Used fraction of what the tier can hold now (0 when it holds nothing)."""
-        room = self.capacity if self.capacity else self.budget
-        return self.used / room if room > 0 else 0.0
+        """Share of the tier holding pages, running or cached (0 when it can hold nothing)."""
+        return min(1.0, (self.used + self.cached) / self.room) if self.room > 0 else 0.0
+
+    @property
+    def held(self) -> int:
+        return self.used + self.cached
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,7 @@ def parse_metrics(text: str) -> PodMetrics:
     budgets: dict[str, int] = {}
     capacities: dict[str, int] = {}
     used: dict[str, int] = {}
+    cached: dict[str, int] = {}
     reads: dict[str, float] = {}
     prefetch: dict[str, float] = {}
     scalars: dict[str, float] = {}
@@ -103,8 +112,12 @@ def parse_metrics(text: str) -> PodMetrics:
                 capacities[tier] = capacities.get(tier, 0) + int(value)
             elif name == "kvdrive_tier_used_bytes" and tier in TIERS:
                 used[tier] = int(value)
+            elif name == "kvdrive_tier_cached_bytes" and tier in TIERS:
+                cached[tier] = int(value)
             elif name == "kvdrive_page_reads_total" and tier in READ_SOURCES:
                 reads[tier] = value
+            elif name == "kvdrive_page_misses_total":
+                reads["miss"] = value
             elif name == "kvdrive_prefetch_total" and "outcome" in labels:
                 prefetch[labels["outcome"]] = value
             elif name in ("kvdrive_fetch_wait_seconds_total", "kvdrive_decode_steps_total",
@@ -115,7 +128,7 @@ def parse_metrics(text: str) -> PodMetrics:
     # Older runtimes report only capacity (their budget); newer ones report both.
     tiers = {
         tier: TierState(budget=budgets.get(tier, capacities.get(tier, 0)), used=used.get(tier, 0),
-                        capacity=capacities.get(tier))
+                        capacity=capacities.get(tier), cached=cached.get(tier, 0))
         for tier in TIERS
         if tier in budgets or tier in capacities
     }

@@ -11,7 +11,7 @@ physical limits (``TierLimits``), moves in whole granules (hugepages for DRAM) a
 
 Against flapping: a signal must hold in every interval of a window of ``window`` intervals, all
 measured at the current budgets (a change restarts the evidence); shrinking needs
-``idle_windows`` windows; full (>= 90%) and idle (<= 50%) leave a dead band between them; and a
+``idle_windows`` windows; full (>= 80%) and idle (<= 50%) leave a dead band between them; and a
 shrink stops at peak use x ``headroom``, inside that band. Missing data (a failed scrape, a counter
 reset) breaks the window, so it never changes anything.
 """
@@ -45,7 +45,7 @@ class TuningPolicy:
     window: int = 3  # intervals a growth signal must hold (spec.tuning.stabilizationIntervals)
     min_step: int = 64 * MiB  # smallest change worth making (spec.tuning.minStep)
     step_fraction: float = 0.25  # a step is this share of the budget, at least min_step
-    full_fill: float = 0.9  # a tier at or above this fill is full
+    full_fill: float = 0.8  # a tier at or above this fill is full (runtimes keep room for open pages)
     idle_fill: float = 0.5  # ... at or below this, idle
     idle_windows: int = 2  # windows a tier must stay idle before it shrinks
     min_share: float = 0.05  # reads from below: at least this share of all needed pages ...
@@ -227,7 +227,7 @@ def decide(history: PodHistory, limits: Mapping[str, TierLimits], policy: Tuning
         if all(r is not None for r in idle_window) and idle_scrapes:
             states = [s.metrics.tiers[tier] for s in idle_scrapes if s.metrics and tier in s.metrics.tiers]
             if len(states) == idle_count:
-                peak = max(state.used for state in states)
+                peak = max(state.held for state in states)
                 change = _shrink(tier, budget, lim, idle_window, [s.fill for s in states], peak,  # type: ignore[arg-type]
                                  policy)
                 if change is not None:

@@ -72,12 +72,12 @@ def test_missing_metrics_never_scale_down() -> None:
     assert s.round([busy(40), None, None]) == 5
 
 
-def test_kv_utilisation_of_busy_pods_scales_up_but_an_idle_pods_cache_does_not() -> None:
+def test_kv_utilisation_of_running_sequences_scales_up_but_a_full_prefix_cache_does_not() -> None:
     s = Autoscaler(replicas=2, policy=ScalePolicy(min_replicas=1, max_replicas=8, up_window_s=0))
     assert s.round([busy(0, kv=1.0), busy(0, kv=1.0)]) == 3  # 2.0 / 0.8 -> 3
-    full_but_idle = PodMetrics(tiers={"gpu": TierState(budget=8 * MiB, used=8 * MiB)}, requests_running=0,
+    full_of_cache = PodMetrics(tiers={"gpu": TierState(budget=8 * MiB, used=0, cached=8 * MiB)}, requests_running=0,
                                requests_waiting=0)
-    assert load_of(full_but_idle, None).kv_utilization == 0.0
+    assert load_of(full_of_cache, None).kv_utilization == 0.0
     serving = PodMetrics(tiers={"gpu": TierState(8 * MiB, 6 * MiB), "dram": TierState(8 * MiB, 2 * MiB),
                                 "ssd": TierState(1 << 30, 1 << 30)}, requests_running=1, requests_waiting=0)
     assert load_of(serving, None).kv_utilization == 0.5  # gpu + dram only: the SSD tier is expected to fill
