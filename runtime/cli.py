@@ -99,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--ssd-dir", required=True, help="directory on the drive to measure (writes ~270 MiB)")
     tb.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
 
+    dc = bsub.add_parser("decode", help="decode throughput of kvdrive vs the baselines across the tiers")
+    dc.add_argument("--model", default="demo")
+    dc.add_argument("--ssd-dir", required=True, help="SSD tier directory (prompts are prefilled into it once)")
+    dc.add_argument("--contexts", type=int, nargs="+", default=[4096, 7168])
+    dc.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    dc.add_argument("--modes", nargs="+", default=None, help="subset of full sparse-gpu kvdrive lru ondemand fullfetch")
+    dc.add_argument("--steps", type=int, default=16)
+    dc.add_argument("--warmup", type=int, default=4)
+    dc.add_argument("--token-budget", type=int, default=1024)
+    dc.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
     ld.add_argument("--url", default="http://127.0.0.1:8000")
     ld.add_argument("--clients", type=int, default=16)
@@ -123,12 +133,15 @@ def _generate(args: argparse.Namespace) -> int:
     ids = tok.encode_chat([ChatMessage("user", args.prompt)]) if args.chat else tok.encode(args.prompt)
     gen = Generator(loaded, engine_config(args, max_sequences=1))
     stream = TextStream(tok, params.stop)
-    for token in gen.generate(ids, params):
-        sys.stdout.write(stream.push(token))
-        sys.stdout.flush()
-        if stream.stopped:
-            break
-    sys.stdout.write(stream.flush() + "\n")
+    try:
+        for token in gen.generate(ids, params):
+            sys.stdout.write(stream.push(token))
+            sys.stdout.flush()
+            if stream.stopped:
+                break
+        sys.stdout.write(stream.flush() + "\n")
+    finally:
+        gen.close()
     return 0
 
 
@@ -190,6 +203,18 @@ def _bench(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         res = tier_bench.run_tier_bench(args.ssd_dir, out_json=str(args.out), out_png=str(args.out.with_suffix(".png")))
         print(json.dumps(res, indent=2))
+        return 0
+    if args.bench == "decode":
+        from kvdrive.runtime.bench import decode_bench
+
+        res = decode_bench.run_decode_bench(
+            args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
+            tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(decode_bench.table(res) + "\n")
+        decode_bench.plot(res, str(args.out.with_suffix(".png")))
+        print(decode_bench.table(res))
         return 0
     if args.bench == "load":
         import asyncio

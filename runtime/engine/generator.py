@@ -88,6 +88,10 @@ class Generator:
     def release(self, seq_id: int) -> None:
         self.cache.free(seq_id)
 
+    def close(self) -> None:
+        """Finish queued write-backs (prefix pages reach the SSD tier) and close the tiers."""
+        self.cache.close()
+
     # --- forward steps -----------------------------------------------------------------------
     def forward_tokens(self, batch: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
         """Append tokens to sequences and run the model. Returns hidden states [N, H]."""

@@ -177,24 +177,37 @@ class TieredKVCache:
             return 0
         for d in digests:  # reference first, so nothing we read can be evicted as unneeded
             self._ref(d)
-        for layer in range(L):  # summaries from the stored keys (the pages are read once)
-            raw, served = self.store.fetch([BlockKey(d, layer) for d in digests], count=False)
-            if None in served:  # a page went bad: keep the prefix before it
-                cut = served.index(None)
-                log.warning("stored prefix page %d unreadable; recomputing from there", cut)
-                for d in digests[cut:]:
-                    self._unref(d)
-                digests = digests[:cut]
-                if not digests:
-                    return 0
-                raw = raw[:cut]
-            kv = raw.view(self.layout.dtype).view(len(digests), 2, s, self.layout.num_kv_heads, -1)
-            assert seq.summaries is not None
-            seq.summaries.set(layer, 0, kv[:, 0])
+        kept = self._load_prefix(seq, digests)
+        for d in digests[kept:]:
+            self._unref(d)
+        digests = digests[:kept]
+        if not digests:
+            return 0
         seq.digests = list(digests)
         seq.tokens = list(prompt[: len(digests) * s])
         seq.length = len(seq.tokens)
         log.info("prefix reuse: %d of %d prompt tokens already stored", seq.length, len(prompt))
+        return len(digests)
+
+    def _load_prefix(self, seq: SeqKV, digests: list[bytes], chunk: int = 32) -> int:
+        """Read the stored prefix pages once, page-major in chunks: summarise their keys and give them a
+        device-tier copy, as a prefill of these tokens would have left them. Returns how many leading
+        pages were readable (a corrupt or lost page ends the prefix there)."""
+        lay = self.layout
+        assert seq.summaries is not None
+        for p0 in range(0, len(digests), chunk):
+            part = digests[p0 : p0 + chunk]
+            for layer in range(lay.num_layers):
+                keys = [BlockKey(d, layer) for d in part]
+                raw, served = self.store.fetch(keys, count=False)
+                good = served.index(None) if None in served else len(part)
+                if good:
+                    kv = raw[:good].view(lay.dtype).view(good, 2, lay.page_size, lay.num_kv_heads, lay.head_dim)
+                    seq.summaries.set(layer, p0, kv[:, 0])
+                    self.store.admit(keys[:good], raw[:good], "gpu", served[:good])
+                if good < len(part):
+                    log.warning("stored prefix page %d unreadable; recomputing from there", p0 + good)
+                    return p0 + good
         return len(digests)
 
     def _keys(self, digest: bytes) -> list[BlockKey]:

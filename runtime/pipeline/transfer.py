@@ -16,6 +16,7 @@ import heapq
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -80,6 +81,7 @@ class TransferEngine:
         self.submitted = {p.name: 0 for p in Priority}
         self.completed = {p.name: 0 for p in Priority}
         self.failed = {p.name: 0 for p in Priority}
+        self.busy_seconds = {p.name: 0.0 for p in Priority}  # worker time spent in jobs
         self.upgraded = 0
         self.worker_restarts = 0
         self._threads: list[threading.Thread] = []
@@ -166,6 +168,7 @@ class TransferEngine:
                 if job.dedupe is not None:
                     self._queued.pop(job.dedupe, None)
             name = Priority(job.priority).name
+            started = time.perf_counter()
             try:
                 if stream is not None:
                     with torch.cuda.stream(stream):
@@ -181,6 +184,7 @@ class TransferEngine:
                 continue
             with self._cv:
                 self.completed[name] += 1
+                self.busy_seconds[name] += time.perf_counter() - started
             job.handle._finish(result)
 
     def close(self) -> None:

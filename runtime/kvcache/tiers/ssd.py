@@ -226,11 +226,14 @@ class SsdTier:
             raise OSError(errno.EIO, f"short {'write' if write else 'read'}: {done} of {n} bytes")
         if dest is not None:
             rows = buf.tensor[: dest.shape[0] * sb].view(-1, sb)
-            if isinstance(pos, range):
-                dest[pos.start : pos.stop].copy_(rows[pos.start : pos.stop])
-            else:
-                idx = torch.tensor(pos)
-                dest.index_copy_(0, idx, rows.index_select(0, idx))
+            # a pool thread does not inherit the caller's inference mode; the destination may be an
+            # inference tensor (allocated inside the model's forward)
+            with torch.inference_mode(dest.is_inference()):
+                if isinstance(pos, range):
+                    dest[pos.start : pos.stop].copy_(rows[pos.start : pos.stop])
+                else:
+                    idx = torch.tensor(pos)
+                    dest.index_copy_(0, idx, rows.index_select(0, idx))
         return crcs
 
     def _crcs(self, mv: memoryview, pos: Sequence[int]) -> list[int]:
