@@ -2,9 +2,10 @@
 
 Per (sequence, layer): the first ``sink_pages`` pages (attention sinks) and the last
 ``recent_pages`` sealed pages are always kept; the rest of the budget goes to the pages with the
-highest upper bound of q.k (``summaries``). Pages are shared by all KV heads, so a page's score is the
-best over the query heads of its bound relative to that head's best page: a page matters when any
-head may attend to it strongly. The open (partial) tail page is always attended and not counted here.
+highest upper bound of q.k (``summaries``). Pages are shared by all KV heads, so a page's score adds up,
+over the query heads, the attention mass the head's bounds give it (a softmax of the bounds over the
+pages): a head that attends sharply puts its whole weight on few pages, a head that attends evenly
+spreads it thin, so a page matters when some head may attend to it strongly. The open (partial) tail page is always attended and not counted here.
 """
 
 from __future__ import annotations
@@ -29,15 +30,14 @@ class SelectionConfig:
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """q [Hq, D]; kmin, kmax [P, Hkv, D] -> score [P] (float32): max over heads of (bound - head's best bound)."""
+    """q [Hq, D]; kmin, kmax [P, Hkv, D] -> score [P] (float32): estimated attention mass, summed over heads."""
     hq, d = q.shape
     hkv = kmin.shape[1]
     qg = q.float().view(hkv, hq // hkv, d)  # [Hkv, G, D]
     lo = torch.einsum("hgd,phd->phg", qg.clamp(max=0), kmin)  # negative q_d pair with kmin
     hi = torch.einsum("hgd,phd->phg", qg.clamp(min=0), kmax)
     bound = (lo + hi) / math.sqrt(d)  # [P, Hkv, G]: max over the page's keys of q.k / sqrt(D) is <= bound
-    rel = bound - bound.amax(dim=0, keepdim=True)
-    return rel.flatten(1).amax(dim=1)
+    return torch.softmax(bound.flatten(1), dim=0).sum(dim=1)  # per head: mass estimate over pages; summed
 
 
 def select_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:

@@ -199,7 +199,7 @@ class TieredKVCache:
             part = digests[p0 : p0 + chunk]
             for layer in range(lay.num_layers):
                 keys = [BlockKey(d, layer) for d in part]
-                raw, served = self.store.fetch(keys, count=False)
+                raw, served = self.store.fetch(keys)  # needed reads: counted per tier
                 good = served.index(None) if None in served else len(part)
                 if good:
                     kv = raw[:good].view(lay.dtype).view(good, 2, lay.page_size, lay.num_kv_heads, lay.head_dim)
@@ -225,7 +225,9 @@ class TieredKVCache:
             self._refs[d] = n
             return
         del self._refs[d]
-        self.store.set_needed(self._keys(d), False)  # stays cached (and persisted) until evicted
+        keys = self._keys(d)
+        self.store.set_needed(keys, False)  # stays cached (and persisted) until evicted
+        self.hotness.forget(keys)
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id)

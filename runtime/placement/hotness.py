@@ -51,5 +51,7 @@ class Hotness:
         """A victim order for the store: coldest blocks first (ties keep the store's LRU order)."""
         return sorted(keys, key=self.score)
 
-    def __len__(self) -> int:
+    @property
+    def tracked(self) -> int:
+        """Blocks with a score."""
         return len(self._scores)

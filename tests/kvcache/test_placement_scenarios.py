@@ -1,0 +1,91 @@
+"""Narrated placement scenarios: attention hotness decides which blocks stay on the device tier.
+
+The store evicts in the order placement gives (coldest first); LRU is the contrast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
+
+from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
+from kvdrive.runtime.placement import Hotness, PrefetchLedger, policy_for
+
+
+def _store(tmp_path: Path, hot: Hotness | None) -> TieredKVStore:
+    return TieredKVStore(LAYOUT, TierBudgets(3 * BB, 3 * BB, 2 << 20), ssd_dir=str(tmp_path / "ssd"),
+                         victim_order=hot.coldest_first if hot is not None else None)
+
+
+def test_a_page_that_keeps_receiving_attention_stays_on_the_device_tier(tmp_path: Path) -> None:
+    """Three blocks fill the device tier. Block A was stored first but receives attention every step;
+    B and C receive none. A new block arrives: the coldest (B) is demoted to DRAM, A stays, although
+    plain LRU would have evicted A (the least recently stored)."""
+    hot = Hotness()
+    s = _store(tmp_path, hot)
+    a, b, c, d = make_keys(4)
+    s.put([a, b, c], blocks_for([a, b, c]))
+    for _ in range(5):
+        hot.record([a], [2.5])
+        hot.advance()
+    s.put([d], blocks_for([d]))
+    assert [s.where(k) for k in (a, b, c, d)] == ["gpu", "dram", "gpu", "gpu"]
+
+    lru = _store(tmp_path / "lru", None)
+    lru.put([a, b, c], blocks_for([a, b, c]))
+    lru.put([d], blocks_for([d]))
+    assert lru.where(a) == "dram"  # the contrast: recency alone demotes the attended block
+
+
+def test_a_page_that_stops_receiving_attention_cools_down_and_is_demoted(tmp_path: Path) -> None:
+    """A was hot, then attention moved to B and C; a few steps later A is the coldest and goes first."""
+    hot = Hotness()
+    s = _store(tmp_path, hot)
+    a, b, c, d = make_keys(4)
+    s.put([a, b, c], blocks_for([a, b, c]))
+    hot.record([a], [3.0])
+    for _ in range(8):
+        hot.advance()
+        hot.record([b, c], [0.5, 0.5])
+    assert hot.score(a) < hot.score(b)
+    s.put([d], blocks_for([d]))
+    assert s.where(a) == "dram" and s.where(b) == "gpu" and s.where(c) == "gpu"
+
+
+def test_promotion_puts_a_demoted_hot_block_back_and_keeps_its_lower_copy(tmp_path: Path) -> None:
+    hot = Hotness()
+    s = _store(tmp_path, hot)
+    keys = make_keys(5)
+    s.put(keys, blocks_for(keys))  # 3 on gpu, 2 demoted to dram
+    low = [k for k in keys if s.where(k) == "dram"]
+    hot.record(low, [4.0] * len(low))
+    assert s.promote(low, "gpu") == len(low)
+    assert all(s.where(k) == "gpu" for k in low)
+    assert all("dram" in s.tiers_of(k) for k in low)  # inclusive: the clean copy stays below
+
+
+def test_prefetch_ledger_classifies_hits_late_and_wasted() -> None:
+    class Done:
+        def __init__(self, done: bool) -> None:
+            self._done = done
+
+        def done(self) -> bool:
+            return self._done
+
+    a, b, c = make_keys(3)
+    ledger = PrefetchLedger()
+    ledger.issued([a], Done(True))
+    running = Done(False)
+    ledger.issued([b], running)
+    ledger.issued([c], Done(True))
+    assert ledger.claim([a, b]) == [running]  # a was ready (hit); the step must wait for b (late)
+    ledger.end_step()  # c was never needed
+    assert ledger.counts() == {"hit": 1, "late": 1, "wasted": 1}
+
+
+def test_policies_are_switches_of_one_binary() -> None:
+    assert policy_for("kvdrive").prefetch and policy_for("kvdrive").hotness_eviction
+    assert not policy_for("lru").prefetch and policy_for("lru").promote_on_read
+    assert not policy_for("ondemand").promote_on_read and policy_for("ondemand").sparse
+    assert not policy_for("fullfetch").sparse and not policy_for("kvdrive", full_attention=True).sparse

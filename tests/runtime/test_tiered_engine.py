@@ -1,0 +1,172 @@
+"""The engine on the three tiers, narrated on a tiny random model: sparse attention, prefix reuse and
+its isolation, persistence across restarts, every placement policy, lost pages, live budgets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdrive.runtime.engine import (
+    EngineConfig,
+    Generator,
+    LLMEngine,
+    Request,
+    SamplingParams,
+    SchedulerConfig,
+)
+from kvdrive.runtime.model import LoadedModel, load_model
+
+PAGE = 4
+
+
+@pytest.fixture
+def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=1024)
+    return load_model(str(path), progress=False)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def _gen(loaded: LoadedModel, **kw: object) -> Generator:
+    return Generator(loaded, EngineConfig(page_size=PAGE, max_sequences=2, **kw))  # type: ignore[arg-type]
+
+
+def _greedy(gen: Generator, prompt: list[int], n: int = 12) -> list[int]:
+    return list(gen.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+
+
+def _decode_logits(gen: Generator, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    seq, reused = gen.open_sequence(prompt)
+    out = [gen.prefill(seq, prompt[reused:])]
+    for t in tokens:
+        out.append(gen.decode([(seq, t)])[0])
+    gen.release(seq)
+    return torch.stack(out)
+
+
+def test_sparse_attention_with_a_covering_budget_equals_full_attention(tiny: LoadedModel) -> None:
+    prompt = _prompt(150)
+    ref = _greedy(_gen(tiny, full_attention=True), prompt)
+    full = _decode_logits(_gen(tiny, full_attention=True), prompt, ref)
+    sparse = _decode_logits(_gen(tiny, token_budget=1024), prompt, ref)
+    torch.testing.assert_close(sparse, full, atol=1e-5, rtol=1e-5)
+
+
+def test_a_small_token_budget_reads_only_the_selected_pages(tiny: LoadedModel) -> None:
+    """300 tokens = 75 pages; a 32-token budget attends to 7 sealed pages + the open one per layer."""
+    gen = _gen(tiny, token_budget=32)
+    seq, _ = gen.open_sequence([])
+    gen.prefill(seq, _prompt(300))
+    layers = tiny.config.num_layers
+    before = gen.page_reads
+    gen.decode([(seq, 5)])
+    assert gen.page_reads - before == layers * gen.cache.selection.budget_pages == layers * 7
+    full = _gen(tiny, full_attention=True)
+    s2, _ = full.open_sequence([])
+    full.prefill(s2, _prompt(300))
+    before = full.page_reads
+    full.decode([(s2, 5)])
+    assert full.page_reads - before == layers * 75
+
+
+def test_prefix_pages_are_shared_only_by_identical_token_prefixes(tiny: LoadedModel) -> None:
+    """A second request with the same 40-token prefix reuses 10 pages and gets the same output as a
+    fresh cache; a prompt that differs in its very first token reuses nothing."""
+    base = _prompt(40, seed=1)
+    gen = _gen(tiny)
+    first = _greedy(gen, base + [7, 8, 9])
+    assert gen.cache.prefix_hit_pages == 0
+    again = _greedy(gen, base + [7, 8, 9])
+    assert again == first and gen.cache.prefix_hit_pages == 10
+    other = [base[0] + 1] + base[1:] + [7, 8, 9]
+    hits = gen.cache.prefix_hit_pages
+    assert _greedy(gen, other) == _greedy(_gen(tiny), other)
+    assert gen.cache.prefix_hit_pages == hits  # not one page of the other prompt was reused
+
+
+def test_prefix_pages_survive_a_restart_on_the_same_ssd_dir(tiny: LoadedModel, tmp_path: Path) -> None:
+    prompt = _prompt(120, seed=2)
+    g1 = _gen(tiny, ssd_dir=str(tmp_path), ssd_budget_bytes=8 << 20)
+    out1 = _greedy(g1, prompt)
+    g1.close()
+    g2 = _gen(tiny, ssd_dir=str(tmp_path), ssd_budget_bytes=8 << 20)
+    assert _greedy(g2, prompt) == out1
+    assert g2.cache.prefix_hit_pages == 29  # (120 - 1) // 4 pages reused, the rest recomputed
+    assert g2.cache.store.page_reads["ssd"] >= 29 * tiny.config.num_layers
+
+
+@pytest.mark.parametrize("placement", ["kvdrive", "lru", "ondemand", "fullfetch"])
+def test_every_placement_uses_all_three_tiers_and_changes_no_output(tiny: LoadedModel, tmp_path: Path,
+                                                                     placement: str) -> None:
+    """A 600-token sequence in a device tier of ~8 pages and a DRAM tier of ~16: pages are read from all
+    three tiers and the greedy output equals the all-on-device reference (covering token budget)."""
+    prompt = _prompt(600, seed=3)
+    ref = _greedy(_gen(tiny, full_attention=True), prompt, 16)
+    probe = _gen(tiny)
+    page = probe.cache.layout.page_bytes
+    gen = _gen(tiny, kv_budget_bytes=10 * page, dram_budget_bytes=16 * page, ssd_dir=str(tmp_path),
+               ssd_budget_bytes=64 << 20, placement=placement, token_budget=2048)
+    assert _greedy(gen, prompt, 16) == ref
+    reads = gen.cache.store.page_reads
+    assert reads["gpu"] > 0 and reads["dram"] > 0 and reads["ssd"] > 0, reads
+    for u in gen.cache.usage():
+        assert u.used_bytes <= u.capacity_bytes <= u.budget_bytes
+    if placement == "kvdrive":
+        assert sum(gen.cache.ledger.counts().values()) > 0  # it prefetched
+
+
+def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Every SSD slab is scribbled over between two steps; the pages that lived only there fail their
+    checksum, the engine recomputes the sequence and the output is unchanged."""
+    prompt = _prompt(200, seed=4)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = _greedy(_gen(tiny, full_attention=True), prompt, 20)
+    probe = _gen(tiny)
+    page = probe.cache.layout.page_bytes
+    gen = _gen(tiny, kv_budget_bytes=6 * page, ssd_dir=str(tmp_path), ssd_budget_bytes=16 << 20,
+               placement="ondemand", token_budget=4096)
+    engine = LLMEngine(gen, SchedulerConfig(max_running=2))
+    engine.add_request(Request("r", tuple(prompt), params, 0.0))
+    out: list[int] = []
+    corrupted = False
+    while engine.has_work():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+        if out and not corrupted:
+            gen.cache.transfers.close()  # let pending write-backs land, then corrupt what they wrote
+            gen.cache.transfers = type(gen.cache.transfers)(gen.cache.store)
+            for slab in tmp_path.glob("slab*"):
+                data = bytearray(slab.read_bytes())
+                data[::997] = bytes(len(data[::997]))
+                slab.write_bytes(bytes(d ^ 0x5A for d in data))
+            corrupted = True
+    assert out == ref
+    assert gen.cache.pages_lost >= 1 and engine.stats().preemptions_total >= 1
+
+
+def test_budgets_shrink_live_without_changing_outputs(tiny: LoadedModel, tmp_path: Path) -> None:
+    prompt = _prompt(300, seed=5)
+    ref = _greedy(_gen(tiny, full_attention=True), prompt, 24)
+    page = _gen(tiny).cache.layout.page_bytes
+    gen = _gen(tiny, kv_budget_bytes=120 * page, dram_budget_bytes=60 * page, ssd_dir=str(tmp_path),
+               ssd_budget_bytes=32 << 20, token_budget=4096)
+    engine = LLMEngine(gen, SchedulerConfig(max_running=2))
+    engine.add_request(Request("r", tuple(prompt), SamplingParams(max_tokens=24, ignore_eos=True), 0.0))
+    out: list[int] = []
+    shrunk = False
+    while engine.has_work():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+        if len(out) == 8 and not shrunk:
+            gen.cache.set_budgets(10 * page, 12 * page, 32 << 20)
+            shrunk = True
+            for u in gen.cache.usage():
+                assert u.used_bytes <= u.budget_bytes
+    assert out == ref
+    gpu = next(u for u in gen.cache.usage() if u.tier == "gpu")
+    assert gpu.budget_bytes == 10 * page and gpu.used_bytes <= gpu.capacity_bytes
