@@ -1,0 +1,74 @@
+"""Run the accuracy benchmark (issue #4) on the demo model; write bench/results/accuracy.{json,md,png}.
+
+Usage (from any directory; the repository's operator/ folder shadows the stdlib when it is the cwd):
+    cd /tmp && /work/main/.venv/bin/python /work/main/bench/run_accuracy.py --ssd-dir /work/.kvbench-acc
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from kvdrive.runtime.bench.accuracy_bench import (
+    CHAT_PROMPTS,
+    DEPTHS,
+    as_dict,
+    plot,
+    run_accuracy_bench,
+    table,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def provenance() -> dict[str, object]:
+    """The commit and the runtime files that differ from it (the engine may change under the benchmark)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False).stdout
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "runtime").splitlines()]
+    return {"commit": git("rev-parse", "HEAD").strip(), "runtime_changes_not_committed": dirty}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ssd-dir", default="/work/.kvbench-acc")
+    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--token-budget", type=int, default=1024)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
+    ap.add_argument("--depths", type=float, nargs="+", default=list(DEPTHS))
+    ap.add_argument("--keys-per-depth", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=len(CHAT_PROMPTS), help="chat prompts used (first N)")
+    ap.add_argument("--doc-tokens", type=int, nargs=2, default=[2048, 4096])
+    ap.add_argument("--chat-tokens", type=int, default=48)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    before = provenance()
+    result = run_accuracy_bench(args.ssd_dir, model=args.model, contexts=tuple(args.contexts),
+                                depths=tuple(args.depths), keys_per_depth=args.keys_per_depth,
+                                chat_prompts=CHAT_PROMPTS[: args.prompts], token_budget=args.token_budget,
+                                doc_tokens=tuple(args.doc_tokens), chat_tokens=args.chat_tokens)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = {**as_dict(result), "provenance": before}
+    (out / "accuracy.json").write_text(json.dumps(data, indent=2) + "\n")
+    md = table(result)
+    cmd = "cd /tmp && /work/main/.venv/bin/python /work/main/bench/run_accuracy.py " + " ".join(argv or sys.argv[1:])
+    (out / "accuracy.md").write_text(
+        f"# Accuracy: sparse decoding vs full attention ({result.model})\n\n{md}\n\n"
+        f"Command: `{cmd.strip()}`; commit {before['commit']}; runtime files changed and not committed at the "
+        f"start: {before['runtime_changes_not_committed'] or 'none'}. Phase seconds: {result.seconds} "
+        f"({result.threads} threads); prefill computed {result.prefill_tokens_computed} tokens "
+        f"(shared prefixes once).\n")
+    plot(result, str(out / "accuracy.png"))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
