@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--warmup", type=int, default=4)
     dc.add_argument("--token-budget", type=int, default=1024)
     dc.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
+    rs = bsub.add_parser("rss", help="resident memory of a demo server as its DRAM tier fills")
+    rs.add_argument("--ssd-dir", required=True)
+    rs.add_argument("--gpu-budget", type=_size, default=32 << 20)
+    rs.add_argument("--dram-budget", type=_size, default=128 << 20)
+    rs.add_argument("--out", type=Path, default=Path("bench/results/rss.json"))
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
     ld.add_argument("--url", default="http://127.0.0.1:8000")
     ld.add_argument("--clients", type=int, default=16)
@@ -215,6 +220,15 @@ def _bench(args: argparse.Namespace) -> int:
         args.out.with_suffix(".md").write_text(decode_bench.table(res) + "\n")
         decode_bench.plot(res, str(args.out.with_suffix(".png")))
         print(decode_bench.table(res))
+        return 0
+    if args.bench == "rss":
+        from kvdrive.runtime.bench import rss_bench
+
+        exe = str(Path(sys.executable).parent / "kvdrive")
+        rss = rss_bench.as_dict(rss_bench.run_rss_bench(exe, args.ssd_dir, args.gpu_budget, args.dram_budget))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rss, indent=2) + "\n")
+        print(json.dumps(rss, indent=2))
         return 0
     if args.bench == "load":
         import asyncio
