@@ -16,6 +16,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 
 from kvdrive.operator.conditions import (
@@ -272,8 +273,8 @@ def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> ko
             while not stopped:
                 try:
                     interval = await live.round(namespace, name, logger)
-                except (ApiError, kopf.TemporaryError) as exc:
-                    logger.warning("live round failed: %s", exc)
+                except (ApiError, kopf.TemporaryError, aiohttp.ClientError, TimeoutError) as exc:
+                    logger.warning("live round failed: %s", exc)  # the API server is away: try again later
                     interval = 5.0
                 await stopped.wait(interval)
         finally:

@@ -20,6 +20,7 @@ MiB = 1 << 20
 class ScriptedPod:
     budgets: dict[str, int] = field(default_factory=lambda: {"gpu": 8 * MiB, "dram": 16 * MiB, "ssd": 256 * MiB})
     fill: dict[str, float] = field(default_factory=lambda: {"gpu": 0.5, "dram": 0.5, "ssd": 0.1})
+    running_fill: float = 0.0  # share of each tier that running sequences hold (the rest is cache)
     read_rates: dict[str, float] = field(default_factory=dict)  # pages/s per source, accumulated per scrape
     wait_per_scrape: float = 0.2  # seconds decode waited for reads, accumulated per scrape
     waited: float = 0.0
@@ -39,7 +40,11 @@ class ScriptedPod:
         for tier, budget in self.budgets.items():
             lines.append(f'kvdrive_tier_budget_bytes{{tier="{tier}"}} {budget}')
             lines.append(f'kvdrive_tier_capacity_bytes{{tier="{tier}",backing="test"}} {budget}')
-            lines.append(f'kvdrive_tier_used_bytes{{tier="{tier}"}} {int(budget * self.fill.get(tier, 0))}')
+            # pages held: those of running sequences (used) and reusable ones (cached); the test sets the total
+            held = int(budget * self.fill.get(tier, 0))
+            used = min(held, int(budget * self.running_fill))
+            lines.append(f'kvdrive_tier_used_bytes{{tier="{tier}"}} {used}')
+            lines.append(f'kvdrive_tier_cached_bytes{{tier="{tier}"}} {held - used}')
         for source, count in self.reads.items():
             lines.append(f'kvdrive_page_reads_total{{tier="{source}"}} {count}')
         lines += [f"kvdrive_requests_waiting {self.waiting}", f"kvdrive_requests_running {self.running}",
