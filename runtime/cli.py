@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--steps", type=int, default=16)
     dc.add_argument("--warmup", type=int, default=4)
     dc.add_argument("--token-budget", type=int, default=1024)
+    dc.add_argument("--ssd-budget", type=_size, default=4 << 30,
+                    help="SSD tier size, the same in every run on this directory (a smaller one drops stored pages)")
     dc.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
     rs = bsub.add_parser("rss", help="resident memory of a demo server as its DRAM tier fills")
     rs.add_argument("--ssd-dir", required=True)
@@ -214,7 +216,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         res = decode_bench.run_decode_bench(
             args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
-            tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget)
+            tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
         args.out.with_suffix(".md").write_text(decode_bench.table(res) + "\n")

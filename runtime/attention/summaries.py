@@ -35,8 +35,9 @@ class PageSummaries:
         L, H, D = self.shape
         for name in ("kmin", "kmax"):
             old = getattr(self, name)
-            grown = torch.zeros((L, new_cap, H, D), dtype=old.dtype, device=self.device)
-            grown[:, :cap] = old
+            with torch.inference_mode(False):  # stays writable outside the model's forward
+                grown = torch.zeros((L, new_cap, H, D), dtype=old.dtype, device=self.device)
+                grown[:, :cap] = old
             setattr(self, name, grown)
 
     def set(self, layer: int, first_page: int, k: torch.Tensor) -> None:

@@ -96,6 +96,8 @@ class Generator:
     def forward_tokens(self, batch: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
         """Append tokens to sequences and run the model. Returns hidden states [N, H]."""
         steps = [self.cache.begin(seq_id, list(tokens)) for seq_id, tokens in batch]
+        if self.cache.policy.hotness_eviction:
+            self.cache.update_floors()
         ids = [t for _, tokens in batch for t in tokens]
         backend = TieredAttentionBackend(self.cache, steps)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)

@@ -75,8 +75,16 @@ class TieredAttentionBackend:
             raise PageLostError(seq_id, f"{served.count(None)} KV pages of sequence {seq_id} could not be read")
         if promote:
             lower = [i for i, t in enumerate(served) if t != "gpu"]
-            if lower:
-                cache.store.admit([keys[i] for i in lower], raw[lower], "gpu", [served[i] for i in lower])
+            if cache.policy.hotness_eviction:  # kvdrive: admission by hotness, per destination
+                dest: dict[str, list[int]] = {}
+                for i in lower:
+                    dst = cache.target_tier(keys[i], str(served[i]))
+                    if dst is not None and dst != served[i]:
+                        dest.setdefault(dst, []).append(i)
+            else:  # lru: everything read goes to the device tier
+                dest = {"gpu": lower} if lower else {}
+            for dst, rows in dest.items():
+                cache.store.admit([keys[i] for i in rows], raw[rows], dst, [served[i] for i in rows])
         kv = raw.view(lay.dtype).view(len(keys), 2, lay.page_size, lay.num_kv_heads, lay.head_dim)
         return kv[:, 0].reshape(-1, lay.num_kv_heads, lay.head_dim), kv[:, 1].reshape(-1, lay.num_kv_heads, lay.head_dim)
 

@@ -102,6 +102,7 @@ class TieredKVCache:
         self.transfers = TransferEngine(self.store, workers=2)
         self._seqs: dict[int, SeqKV] = {}
         self._refs: dict[bytes, int] = {}
+        self.floors: dict[str, float] = {}  # tier -> hotness a block needs to be admitted there this step
         self.fetch_wait_seconds = 0.0
         self.decode_steps = 0
         self.prefix_hit_pages = 0
@@ -164,7 +165,9 @@ class TieredKVCache:
         self.prefix_hit_pages += matched
         return matched * lay.page_size
 
-    def _reuse_prefix(self, seq: SeqKV, prompt: list[int]) -> int:
+    def stored_prefix(self, prompt: list[int]) -> list[bytes]:
+        """Digests of the longest run of ``prompt``'s leading pages stored in the tiers (all layers), leaving
+        at least one token to compute. Reads nothing."""
         s, L = self.layout.page_size, self.layout.num_layers
         digests, prev = [], self.root
         for p in range((len(prompt) - 1) // s):
@@ -173,6 +176,11 @@ class TieredKVCache:
             if prev not in self._refs and any(t is None for t in self.store.where_many(keys)):
                 break
             digests.append(prev)
+        return digests
+
+    def _reuse_prefix(self, seq: SeqKV, prompt: list[int]) -> int:
+        s = self.layout.page_size
+        digests = self.stored_prefix(prompt)
         if not digests:
             return 0
         for d in digests:  # reference first, so nothing we read can be evicted as unneeded
@@ -255,6 +263,24 @@ class TieredKVCache:
         pos = torch.arange(start, seq.length, device=self.device)
         return StepSeq(seq_id, start, len(tokens), pos, tuple(new))
 
+    def update_floors(self) -> None:
+        """Admission floors for this step: a tier with free slots admits anything; a full one admits a
+        block only when it is hotter than the coldest block it holds (so a working set larger than the
+        tier is read in place instead of thrashing it)."""
+        score = self.hotness.score
+        for tier in ("gpu", "dram"):
+            keys, free = self.store.residents(tier)
+            self.floors[tier] = float("-inf") if free or not keys else min(score(k) for k in keys)
+
+    def target_tier(self, key: BlockKey, served: str) -> str | None:
+        """Where a block read from ``served`` should get a copy under the kvdrive policy (None: stay)."""
+        s = self.hotness.score(key)
+        if s > self.floors.get("gpu", float("-inf")):
+            return "gpu"
+        if served == "ssd" and self.store.tiers["dram"].allocator.capacity and s > self.floors.get("dram", 0.0) - 1e-9:
+            return "dram"
+        return None
+
     def finish_step(self, sealed: list[BlockKey], decoded: list[int]) -> None:
         """After a forward step: write sealed blocks through to SSD, advance hotness, prefetch."""
         if sealed and self.config.persist and "ssd" in self.store.tiers:
@@ -268,7 +294,8 @@ class TieredKVCache:
             self._prefetch(decoded)
 
     def _prefetch(self, decoded: list[int]) -> None:
-        """Predicted blocks of the next step that are not in the device tier move up, layer by layer."""
+        """Predicted blocks of the next step move up where admission allows, layer by layer."""
+        self.update_floors()
         for layer in range(self.layout.num_layers):
             keys: list[BlockKey] = []
             for seq_id in decoded:
@@ -278,9 +305,14 @@ class TieredKVCache:
             if not keys:
                 continue
             where = self.store.where_many(keys)
-            todo = [k for k, t in zip(keys, where, strict=True) if t is not None and t != "gpu"]
-            if todo:
-                self.ledger.issued(todo, self.transfers.promote(todo, "gpu"))
+            up: dict[str, list[BlockKey]] = {}
+            for k, t in zip(keys, where, strict=True):
+                if t is not None and t != "gpu":
+                    dst = self.target_tier(k, t)
+                    if dst is not None and dst != t:
+                        up.setdefault(dst, []).append(k)
+            for dst, todo in up.items():
+                self.ledger.issued(todo, self.transfers.promote(todo, dst))
 
     # --- tiers -------------------------------------------------------------------------------------
     def usage(self) -> list[TierUsage]:

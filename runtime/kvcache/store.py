@@ -97,6 +97,12 @@ class TieredKVStore(Residency):
                                      t.errors, cached * t.slot_bytes))
             return out
 
+    def residents(self, tier: TierName) -> tuple[list[BlockKey], int]:
+        """Blocks with a ready copy in ``tier``, and the tier's free slots."""
+        with self._lock:
+            keys = [k for (t, _), k in self._owner.items() if t == tier]
+            return keys, self.tiers[tier].allocator.free_count if tier in self.tiers else 0
+
     @property
     def capacity_blocks(self) -> int:
         return sum(t.allocator.capacity for t in self.tiers.values())

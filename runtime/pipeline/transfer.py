@@ -170,12 +170,10 @@ class TransferEngine:
             name = Priority(job.priority).name
             started = time.perf_counter()
             try:
-                if stream is not None:
-                    with torch.cuda.stream(stream):
-                        result = job.fn()
-                    stream.synchronize()
-                else:
-                    result = job.fn()
+                # jobs write into buffers the engine allocated inside the model's forward (inference
+                # tensors); in inference mode they may, and the long-lived pools are normal tensors
+                with torch.inference_mode():
+                    result = self._run(job, stream)
             except Exception as exc:  # the job fails, the worker lives on
                 log.exception("transfer job (%s) failed", name)
                 with self._cv:
@@ -186,6 +184,15 @@ class TransferEngine:
                 self.completed[name] += 1
                 self.busy_seconds[name] += time.perf_counter() - started
             job.handle._finish(result)
+
+    @staticmethod
+    def _run(job: _Job, stream: torch.cuda.Stream | None) -> Any:
+        if stream is None:
+            return job.fn()
+        with torch.cuda.stream(stream):
+            result = job.fn()
+        stream.synchronize()
+        return result
 
     def close(self) -> None:
         """Finish queued jobs, then stop the workers."""

@@ -21,7 +21,8 @@ class AlignedBuffer:
         self.nbytes = nbytes
         self.mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.mv = memoryview(self.mm)
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes)
+        with torch.inference_mode(False):  # a normal tensor: any thread may write it, in or out of inference mode
+            self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes)
 
 
 class AlignedBufferPool:

@@ -57,7 +57,8 @@ class ChunkedMemoryTier:
                 usable += rows
                 continue
             try:
-                chunk = self._new_chunk(rows)
+                with torch.inference_mode(False):  # long-lived: writable from any thread and mode
+                    chunk = self._new_chunk(rows)
             except (OSError, RuntimeError, MemoryError) as exc:
                 self.errors += 1
                 log.error("%s tier: could not allocate %d slots (%s); capacity stays at %d slots",
