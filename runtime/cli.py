@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--steps", type=int, default=16)
     dc.add_argument("--warmup", type=int, default=4)
     dc.add_argument("--token-budget", type=int, default=1024)
+    dc.add_argument("--threads", type=int, default=None,
+                    help="torch threads (on a shared host, 1 avoids waiting on descheduled worker threads)")
     dc.add_argument("--ssd-budget", type=_size, default=4 << 30,
                     help="SSD tier size, the same in every run on this directory (a smaller one drops stored pages)")
     dc.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
@@ -213,6 +215,11 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     if args.bench == "decode":
         from kvdrive.runtime.bench import decode_bench
+
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
 
         res = decode_bench.run_decode_bench(
             args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),

@@ -62,7 +62,7 @@ def _config(mode: str, total: int, batch: int, page_bytes: int, ssd_dir: str, ss
     if mode in ("full", "sparse-gpu"):
         gpu, dram, placement = int(total * 1.1) + tails + 4 * page_bytes, 0, "kvdrive"
     else:
-        gpu, dram, placement = int(total * 0.10) + tails, int(total * 0.25), mode
+        gpu, dram, placement = max(int(total * 0.10), 2 * page_bytes) + tails, int(total * 0.25), mode
     return EngineConfig(kv_budget_bytes=gpu, dram_budget_bytes=dram, ssd_dir=ssd_dir, ssd_budget_bytes=ssd_budget,
                         placement=placement, full_attention=mode == "full", token_budget=token_budget,
                         max_sequences=batch)

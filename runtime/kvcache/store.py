@@ -16,6 +16,7 @@ bookkeeping and eviction live in ``Residency``. The async scheduling of moves be
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -164,13 +165,29 @@ class TieredKVStore(Residency):
             self._evict(tier, max(short, t.allocator.capacity // 64))
 
     def put(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName = "gpu", needed: bool = True,
-            persistent: bool = False) -> None:
+            persistent: bool = False, pin_wait_s: float = 2.0) -> None:
         """Store blocks [n, block_bytes] uint8 in ``tier``, evicting as needed. Copies become readable when
-        their write completed. A persistent (content-addressed) key already stored is only touched."""
+        their write completed. A persistent (content-addressed) key already stored is only touched. When
+        every evictable block is pinned by in-flight transfers, waits up to ``pin_wait_s`` for them."""
+        deadline = time.monotonic() + pin_wait_s
+        while True:
+            try:
+                return self._put(keys, blocks, tier, needed, persistent)
+            except CacheFullError:
+                if time.monotonic() > deadline or not self._any_pinned():
+                    raise
+            time.sleep(0.002)
+
+    def _any_pinned(self) -> bool:
+        with self._lock:
+            return any(b.pins for b in self._blocks.values())
+
+    def _put(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName, needed: bool,
+             persistent: bool) -> None:
         cap = self.tiers[tier].allocator.capacity
         if len(keys) > cap > 0:  # a batch bigger than the tier: in parts, so later parts can evict earlier
             for i in range(0, len(keys), cap):
-                self.put(keys[i : i + cap], blocks[i : i + cap], tier, needed, persistent)
+                self._put(keys[i : i + cap], blocks[i : i + cap], tier, needed, persistent)
             return
         todo: list[tuple[int, BlockKey, int]] = []
         with self._lock:
