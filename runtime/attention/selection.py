@@ -42,14 +42,22 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
 
 def select_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
     """Indices of the selected sealed pages, ascending: [k] int64 (all pages when they fit the budget)."""
+    return select_with_runners_up(q, kmin, kmax, cfg, 0)[0]
+
+
+def select_with_runners_up(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cfg: SelectionConfig,
+                           runners_up: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected pages (ascending, [k] int64) and the next ``runners_up`` pages by score: the pages most
+    likely to enter the selection at the next step (what prefetch fetches from the slow tiers)."""
     p = kmin.shape[0]
     budget = cfg.budget_pages
+    empty = torch.empty(0, dtype=torch.int64, device=kmin.device)
     if p <= budget:
-        return torch.arange(p, device=kmin.device)
+        return torch.arange(p, device=kmin.device), empty
     scores = page_scores(q, kmin, kmax)
     forced = torch.zeros(p, dtype=torch.bool, device=kmin.device)
     forced[: cfg.sink_pages] = True
     forced[max(0, p - cfg.recent_pages) :] = True
     scores = scores.masked_fill(forced, float("inf"))
-    top = torch.topk(scores, budget).indices
-    return torch.sort(top).values
+    top = torch.topk(scores, min(p, budget + runners_up)).indices
+    return torch.sort(top[:budget]).values, top[budget:]

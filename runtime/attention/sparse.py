@@ -22,8 +22,11 @@ def decode_attention(
     lens = [t.shape[0] for t in k]
     tmax = max(lens)
     dtype = q.dtype
-    kp = torch.nn.utils.rnn.pad_sequence([t.to(dtype) for t in k], batch_first=True)  # [B, T, Hkv, D]
-    vp = torch.nn.utils.rnn.pad_sequence([t.to(dtype) for t in v], batch_first=True)
+    if b == 1:  # nothing to pad
+        kp, vp = k[0].to(dtype).unsqueeze(0), v[0].to(dtype).unsqueeze(0)  # [1, T, Hkv, D]
+    else:
+        kp = torch.nn.utils.rnn.pad_sequence([t.to(dtype) for t in k], batch_first=True)  # [B, T, Hkv, D]
+        vp = torch.nn.utils.rnn.pad_sequence([t.to(dtype) for t in v], batch_first=True)
     qg = q.view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     scores = torch.einsum("bhgd,bthd->bhgt", qg, kp) / math.sqrt(d)  # [B, Hkv, G, T]
     if min(lens) != tmax:

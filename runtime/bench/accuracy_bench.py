@@ -316,7 +316,7 @@ def summary(result: AccuracyBenchResult) -> dict[str, object]:
     assert isinstance(chat, dict)
     out["acceptance"] = {
         "passkey_cases_ge_30": len(pk) >= 30,
-        "retrieval_within_2_points": p["candidate_accuracy"] >= p["reference_accuracy"] - 2.0,
+        "retrieval_within_2_points": abs(p["candidate_accuracy"] - p["reference_accuracy"]) <= 2.0,
         "chat_prompts_ge_20": chat["prompts"] >= 20,
         "chat_identical_ge_90pct": chat["identical_rate"] >= 0.9,
     }

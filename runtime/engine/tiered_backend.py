@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvdrive.runtime.attention import causal_attention, decode_attention, select_pages
+from kvdrive.runtime.attention import causal_attention, decode_attention, select_with_runners_up
 from kvdrive.runtime.engine.tiered_cache import PageLostError, StepSeq, TieredKVCache
 from kvdrive.runtime.kvcache import BlockKey
 
@@ -120,9 +120,11 @@ class TieredAttentionBackend:
             sealed = len(seq.digests)
             assert seq.summaries is not None
             kmin, kmax = seq.summaries.of(layer, sealed)
-            idx = select_pages(q[rows][0], kmin, kmax, cache.selection).tolist() if sealed else []
-            keys = [BlockKey(seq.digests[p], layer) for p in idx]
+            idx, near = select_with_runners_up(q[rows][0], kmin, kmax, cache.selection, cache.runners_up) \
+                if sealed else ([], [])
+            keys = [BlockKey(seq.digests[p], layer) for p in (idx.tolist() if sealed else [])]
             seq.selected[layer] = keys
+            seq.runners_up[layer] = [BlockKey(seq.digests[p], layer) for p in (near.tolist() if sealed else [])]
             sk, sv = self._read(st.seq_id, keys, promote=cache.policy.promote_on_read)
             nt = len(st.new_digests) * s
             dec_rows.append(i)

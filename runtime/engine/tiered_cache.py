@@ -66,6 +66,7 @@ class SeqKV:
     tail_v: torch.Tensor | None = None
     summaries: PageSummaries | None = None
     selected: list[list[BlockKey] | None] = field(default_factory=list)  # per layer, last decode step
+    runners_up: list[list[BlockKey]] = field(default_factory=list)  # per layer: next pages by score
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,33 @@ class StepSeq:
     num_new: int
     positions: torch.Tensor  # [num_new]
     new_digests: tuple[bytes, ...]  # pages this step seals, in order
+
+
+PROMOTE_MARGIN = 1.5  # a block replaces the device tier's coldest only when 1.5x hotter
+PROMOTE_MIN_GAIN = 0.05  # ... and by at least this much attention mass (scores are in [0, Hq] per step)
+
+
+@dataclass
+class Admission:
+    """A tier's admission state during one step (see ``TieredKVCache.update_floors``)."""
+
+    free: int
+    scores: list[float]  # residents' hotness, ascending
+    margin: float
+    gain: float
+    displaced: int = 0
+
+    def admit(self, score: float) -> bool:
+        if self.free > 0:
+            self.free -= 1
+            return True
+        if self.displaced >= len(self.scores):
+            return False
+        floor = self.scores[self.displaced]
+        if score > max(floor * self.margin, floor + self.gain):
+            self.displaced += 1
+            return True
+        return False
 
 
 def chain_digest(prev: bytes, tokens: list[int]) -> bytes:
@@ -91,6 +119,10 @@ class TieredKVCache:
         self.policy: PlacementPolicy = policy_for(config.placement, config.full_attention)
         self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size)
         self.hotness = Hotness()
+        # the device tier is worth promoting into only when it is faster memory than DRAM (CUDA); on a
+        # CPU device both are host memory and only reads from the SSD tier are worth moving up
+        self.promote_from = ("dram", "ssd") if device.type == "cuda" else ("ssd",)
+        self.runners_up = 4 if self.policy.prefetch else 0  # pages beyond the budget prefetched per layer
         self.ledger = PrefetchLedger()
         self.root = hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
         self.tail_reserve = config.max_sequences * layout.page_bytes
@@ -102,7 +134,7 @@ class TieredKVCache:
         self.transfers = TransferEngine(self.store, workers=2)
         self._seqs: dict[int, SeqKV] = {}
         self._refs: dict[bytes, int] = {}
-        self.floors: dict[str, float] = {}  # tier -> hotness a block needs to be admitted there this step
+        self._admission: dict[str, Admission] = {}  # tier -> this step's admission state
         self.fetch_wait_seconds = 0.0
         self.decode_steps = 0
         self.prefix_hit_pages = 0
@@ -159,7 +191,7 @@ class TieredKVCache:
         seq = SeqKV(tail_k=torch.zeros(shape, dtype=lay.dtype, device=self.device),
                     tail_v=torch.zeros(shape, dtype=lay.dtype, device=self.device),
                     summaries=PageSummaries(lay.num_layers, lay.num_kv_heads, lay.head_dim, self.device),
-                    selected=[None] * lay.num_layers)
+                    selected=[None] * lay.num_layers, runners_up=[[] for _ in range(lay.num_layers)])
         self._seqs[seq_id] = seq
         matched = self._reuse_prefix(seq, prompt or [])
         self.prefix_hit_pages += matched
@@ -264,20 +296,26 @@ class TieredKVCache:
         return StepSeq(seq_id, start, len(tokens), pos, tuple(new))
 
     def update_floors(self) -> None:
-        """Admission floors for this step: a tier with free slots admits anything; a full one admits a
-        block only when it is hotter than the coldest block it holds (so a working set larger than the
-        tier is read in place instead of thrashing it)."""
+        """This step's admission state per tier: its free slots and its residents' scores, coldest first.
+        A tier admits freely while it has free slots; after that each admission displaces the coldest
+        resident not yet displaced, and only a block hotter than that one (with hysteresis on the device
+        tier) is admitted. A working set larger than the tier is then read in place instead of being
+        swapped through it every step."""
         score = self.hotness.score
-        for tier in ("gpu", "dram"):
+        for tier, margin, gain in (("gpu", PROMOTE_MARGIN, PROMOTE_MIN_GAIN), ("dram", 1.0, 0.0)):
             keys, free = self.store.residents(tier)
-            self.floors[tier] = float("-inf") if free or not keys else min(score(k) for k in keys)
+            self._admission[tier] = Admission(free, sorted(score(k) for k in keys), margin, gain)
 
     def target_tier(self, key: BlockKey, served: str) -> str | None:
         """Where a block read from ``served`` should get a copy under the kvdrive policy (None: stay)."""
         s = self.hotness.score(key)
-        if s > self.floors.get("gpu", float("-inf")):
+        if served not in self.promote_from:
+            return None
+        gpu = self._admission.get("gpu")
+        if gpu is not None and (served == "ssd" or self.device.type == "cuda") and gpu.admit(s):
             return "gpu"
-        if served == "ssd" and self.store.tiers["dram"].allocator.capacity and s > self.floors.get("dram", 0.0) - 1e-9:
+        dram = self._admission.get("dram")
+        if served == "ssd" and dram is not None and self.store.tiers["dram"].allocator.capacity and dram.admit(s):
             return "dram"
         return None
 
@@ -295,19 +333,19 @@ class TieredKVCache:
 
     def _prefetch(self, decoded: list[int]) -> None:
         """Predicted blocks of the next step move up where admission allows, layer by layer."""
-        self.update_floors()
         for layer in range(self.layout.num_layers):
             keys: list[BlockKey] = []
             for seq_id in decoded:
                 seq = self._seqs.get(seq_id)
                 if seq is not None and seq.selected[layer]:
                     keys.extend(seq.selected[layer] or [])
+                    keys.extend(seq.runners_up[layer])
             if not keys:
                 continue
             where = self.store.where_many(keys)
             up: dict[str, list[BlockKey]] = {}
             for k, t in zip(keys, where, strict=True):
-                if t is not None and t != "gpu":
+                if t in self.promote_from:
                     dst = self.target_tier(k, t)
                     if dst is not None and dst != t:
                         up.setdefault(dst, []).append(k)

@@ -100,9 +100,13 @@ class TieredKVStore(Residency):
 
     def residents(self, tier: TierName) -> tuple[list[BlockKey], int]:
         """Blocks with a ready copy in ``tier``, and the tier's free slots."""
+        if tier not in self.tiers:
+            return [], 0
         with self._lock:
-            keys = [k for (t, _), k in self._owner.items() if t == tier]
-            return keys, self.tiers[tier].allocator.free_count if tier in self.tiers else 0
+            owner = self._owner
+            alloc = self.tiers[tier].allocator
+            keys = [k for k in (owner.get((tier, s)) for s in range(alloc.capacity)) if k is not None]
+            return keys, alloc.free_count
 
     @property
     def capacity_blocks(self) -> int:

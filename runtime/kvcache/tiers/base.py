@@ -45,9 +45,14 @@ class SlotAllocator:
 
     def take(self, slot: int) -> None:
         """Mark a specific slot used (recovery of a persisted index)."""
-        self._free.remove(slot)
+        self.take_many([slot])
+
+    def take_many(self, slots: list[int]) -> None:
+        """Mark slots used in one pass (O(capacity), not O(capacity) per slot)."""
+        taken = set(slots)
+        self._free = [s for s in self._free if s not in taken]
         heapq.heapify(self._free)
-        self._used.add(slot)
+        self._used |= taken
 
     def release(self, slot: int) -> None:
         self._used.remove(slot)

@@ -99,7 +99,18 @@ class ChunkedMemoryTier:
 
     def read(self, slots: list[int], out: torch.Tensor) -> list[bool]:
         """out: [n, block_bytes] uint8 on any device."""
-        for ci, (pos, rows) in self._groups(slots).items():
+        groups = self._groups(slots)
+        if len(groups) == 1 and out.shape[0] == len(slots) and out.is_contiguous():
+            (ci, (_, rows)), = groups.items()  # one chunk, batch order: gather straight into ``out``
+            chunk = self._chunks[ci][0]
+            idx = torch.tensor(rows, device=chunk.device)
+            if chunk.device == out.device:
+                torch.index_select(chunk, 0, idx, out=out)
+            else:
+                out.copy_(chunk.index_select(0, idx), non_blocking=True)
+            self.page_reads += len(slots)
+            return [True] * len(slots)
+        for ci, (pos, rows) in groups.items():
             chunk = self._chunks[ci][0]
             got = chunk.index_select(0, torch.tensor(rows, device=chunk.device))
             out.index_copy_(0, torch.tensor(pos, device=out.device), got.to(out.device))

@@ -181,8 +181,8 @@ class SsdTier:
         cap = self.allocator.capacity
         for slot in [s for s in self.index.entries if s >= cap]:
             self.index.delete(slot)
+        self.allocator.take_many(list(self.index.entries))
         for slot, entry in self.index.entries.items():
-            self.allocator.take(slot)
             self._crc[slot] = entry.crc
 
     def recovered(self) -> list[tuple[int, BlockKey]]:
