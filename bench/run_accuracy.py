@@ -12,10 +12,13 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvdrive.runtime.bench.accuracy_bench import (
     CHAT_PROMPTS,
     DEPTHS,
+    AccuracyBenchResult,
+    CaseResult,
     as_dict,
     plot,
     run_accuracy_bench,
@@ -25,7 +28,7 @@ from kvdrive.runtime.bench.accuracy_bench import (
 REPO = Path(__file__).resolve().parent.parent
 
 
-def provenance() -> dict[str, object]:
+def provenance() -> dict[str, Any]:
     """The commit and the runtime files that differ from it (the engine may change under the benchmark)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=False).stdout
@@ -46,23 +49,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=len(CHAT_PROMPTS), help="chat prompts used (first N)")
     ap.add_argument("--doc-tokens", type=int, nargs=2, default=[2048, 4096])
     ap.add_argument("--chat-tokens", type=int, default=48)
+    ap.add_argument("--render", metavar="JSON", help="only rewrite the table and plot from a saved accuracy.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        return write(load_result(saved), saved["provenance"], saved.get("command", ""), Path(args.out_dir))
     before = provenance()
+    cmd = "cd /tmp && /work/main/.venv/bin/python /work/main/bench/run_accuracy.py " + " ".join(argv or sys.argv[1:])
     result = run_accuracy_bench(args.ssd_dir, model=args.model, contexts=tuple(args.contexts),
                                 depths=tuple(args.depths), keys_per_depth=args.keys_per_depth,
                                 chat_prompts=CHAT_PROMPTS[: args.prompts], token_budget=args.token_budget,
                                 doc_tokens=tuple(args.doc_tokens), chat_tokens=args.chat_tokens)
-    out = Path(args.out_dir)
+    return write(result, before, cmd.strip(), Path(args.out_dir))
+
+
+def load_result(saved: dict[str, Any]) -> AccuracyBenchResult:
+    fields = {k: v for k, v in saved.items() if k in AccuracyBenchResult.__dataclass_fields__}
+    cases = tuple(CaseResult(**{**c, "kl": tuple(c["kl"])}) for c in saved["cases"])
+    return AccuracyBenchResult(**{**fields, "cases": cases})
+
+
+def write(result: AccuracyBenchResult, prov: dict[str, Any], cmd: str, out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    data = {**as_dict(result), "provenance": before}
-    (out / "accuracy.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / "accuracy.json").write_text(json.dumps({**as_dict(result), "provenance": prov, "command": cmd}, indent=2)
+                                       + "\n")
     md = table(result)
-    cmd = "cd /tmp && /work/main/.venv/bin/python /work/main/bench/run_accuracy.py " + " ".join(argv or sys.argv[1:])
     (out / "accuracy.md").write_text(
         f"# Accuracy: sparse decoding vs full attention ({result.model})\n\n{md}\n\n"
-        f"Command: `{cmd.strip()}`; commit {before['commit']}; runtime files changed and not committed at the "
-        f"start: {before['runtime_changes_not_committed'] or 'none'}. Phase seconds: {result.seconds} "
+        f"Command: `{cmd}`; commit {prov['commit']}; runtime files changed and not committed at the "
+        f"start: {prov['runtime_changes_not_committed'] or 'none'}. Phase seconds: {result.seconds} "
         f"({result.threads} threads); prefill computed {result.prefill_tokens_computed} tokens "
         f"(shared prefixes once).\n")
     plot(result, str(out / "accuracy.png"))
