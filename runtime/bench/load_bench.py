@@ -20,7 +20,7 @@ _PROMPTS = [
     "List three uses of copper.", "Summarize the plot of Romeo and Juliet.", "How do vaccines work?",
     "Give me a tip for learning to cook.", "Why is the sky blue?",
 ]
-_GAUGE = re.compile(r'^kvdrive_tier_(capacity|used)_bytes\{([^}]*)\} (\S+)$', re.M)
+_GAUGE = re.compile(r'^kvdrive_tier_(capacity|used|cached)_bytes\{([^}]*)\} (\S+)$', re.M)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class LoadResult:
     tokens_per_s: float
     ttft_ms: dict[str, float]
     itl_ms: dict[str, float]
-    max_used_over_capacity: dict[str, float]  # tier -> max(used/capacity) sampled during the run
+    max_used_over_capacity: dict[str, float]  # tier -> max((used + cached)/capacity) sampled during the run
     idle_used_before: dict[str, float]
     idle_used_after: dict[str, float]
 
@@ -45,12 +45,17 @@ def _pct(values: list[float]) -> dict[str, float]:
     return {"p50": round(q[49] * 1000, 1), "p90": round(q[89] * 1000, 1), "p99": round(q[98] * 1000, 1)}
 
 
-def _tiers(text: str) -> tuple[dict[str, float], dict[str, float]]:
+def _tiers(text: str, cached: bool = True) -> tuple[dict[str, float], dict[str, float]]:
+    """(capacity, used) per tier; ``cached``: used counts every held byte (running sequences' pages and
+    reusable cached ones), else only ``kvdrive_tier_used_bytes`` (what running sequences hold)."""
     cap: dict[str, float] = {}
     used: dict[str, float] = {}
     for kind, labels, value in _GAUGE.findall(text):
         tier = re.search(r'tier="(\w+)"', labels).group(1)  # type: ignore[union-attr]
-        (cap if kind == "capacity" else used)[tier] = float(value)
+        if kind == "capacity":
+            cap[tier] = float(value)
+        elif kind == "used" or cached:
+            used[tier] = used.get(tier, 0.0) + float(value)
     return cap, used
 
 
@@ -62,7 +67,7 @@ async def run_load(url: str, clients: int = 16, seconds: float = 60.0, max_token
     counts = {"requests": 0, "errors": 0, "tokens": 0}
     ratio: dict[str, float] = {}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as http:
-        _, before = _tiers((await http.get("/metrics")).text)
+        _, before = _tiers((await http.get("/metrics")).text, cached=False)
         deadline = time.monotonic() + seconds
 
         async def client(i: int) -> None:
@@ -106,7 +111,7 @@ async def run_load(url: str, clients: int = 16, seconds: float = 60.0, max_token
         elapsed = time.monotonic() - started
         after: dict[str, float] = {}
         for _ in range(20):  # aborted/finished requests free their pages within a step or two
-            _, after = _tiers((await http.get("/metrics")).text)
+            _, after = _tiers((await http.get("/metrics")).text, cached=False)
             if after == before:
                 break
             await asyncio.sleep(0.25)
