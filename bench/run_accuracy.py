@@ -26,6 +26,7 @@ from kvdrive.runtime.bench.accuracy_bench import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+RUN = "cd /tmp && /work/main/.venv/bin/python /work/main/bench/run_accuracy.py"
 
 
 def provenance() -> dict[str, Any]:
@@ -54,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.render:
         saved = json.loads(Path(args.render).read_text())
-        return write(load_result(saved), saved["provenance"], saved.get("command", ""), Path(args.out_dir))
+        cmd = saved.get("command") or f"{RUN} --ssd-dir /work/.kvbench-acc"
+        return write(load_result(saved), saved["provenance"], cmd, Path(args.out_dir))
     before = provenance()
-    cmd = "cd /tmp && /work/main/.venv/bin/python /work/main/bench/run_accuracy.py " + " ".join(argv or sys.argv[1:])
+    cmd = f"{RUN} " + " ".join(argv or sys.argv[1:])
     result = run_accuracy_bench(args.ssd_dir, model=args.model, contexts=tuple(args.contexts),
                                 depths=tuple(args.depths), keys_per_depth=args.keys_per_depth,
                                 chat_prompts=CHAT_PROMPTS[: args.prompts], token_budget=args.token_budget,
