@@ -80,6 +80,7 @@ class StepSeq:
     new_digests: tuple[bytes, ...]  # pages this step seals, in order
 
 
+PREFETCH_PROBE = 8  # while prefetch does not pay, try it every 8th step
 PROMOTE_MARGIN = 1.5  # a block replaces the device tier's coldest only when 1.5x hotter
 PROMOTE_MIN_GAIN = 0.05  # ... and by at least this much attention mass (scores are in [0, Hq] per step)
 
@@ -122,7 +123,9 @@ class TieredKVCache:
         # the device tier is worth promoting into only when it is faster memory than DRAM (CUDA); on a
         # CPU device both are host memory and only reads from the SSD tier are worth moving up
         self.promote_from = ("dram", "ssd") if device.type == "cuda" else ("ssd",)
-        self.runners_up = 4 if self.policy.prefetch else 0  # pages beyond the budget prefetched per layer
+        self.runners_up = 2 if self.policy.prefetch else 0  # pages beyond the budget prefetched per layer
+        self._prefetch_window = (0, 0)
+        self.prefetch_throttled = 0  # steps that skipped prefetching because it did not pay  # pages beyond the budget prefetched per layer
         self.ledger = PrefetchLedger()
         self.root = hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
         self.tail_reserve = config.max_sequences * layout.page_bytes
@@ -328,8 +331,21 @@ class TieredKVCache:
         self.decode_steps += 1
         self.ledger.end_step()
         self.hotness.advance()
-        if self.policy.prefetch:
+        if self.policy.prefetch and self._prefetch_pays():
             self._prefetch(decoded)
+
+    def _prefetch_pays(self) -> bool:
+        """Throttle (like readahead): over the last window, prefetch must be used more often than wasted;
+        while it is not, only every ``PREFETCH_PROBE``-th step prefetches (to notice when it pays again)."""
+        counts = self.ledger.counts()
+        hits, wasted = counts["hit"] + counts["late"], counts["wasted"]
+        window = self._prefetch_window
+        self._prefetch_window = (hits, wasted)
+        dh, dw = hits - window[0], wasted - window[1]
+        if dh + dw < 32 or dh >= dw:
+            return True
+        self.prefetch_throttled += 1
+        return self.decode_steps % PREFETCH_PROBE == 0
 
     def _prefetch(self, decoded: list[int]) -> None:
         """Predicted blocks of the next step move up where admission allows, layer by layer."""

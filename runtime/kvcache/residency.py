@@ -90,7 +90,13 @@ class Residency:
             del self._blocks[b.key]
 
     def _candidates(self, tier: TierName) -> list[Block]:
-        cands = [b for b in self._blocks.values() if b.pins == 0 and tier in b.copies and b.copies[tier].ready]
+        cap = self.tiers[tier].allocator.capacity
+        if cap < len(self._blocks):  # walk the tier's slots, not every block of every tier
+            owner, blocks = self._owner, self._blocks
+            held = (blocks.get(k) for k in (owner.get((tier, s)) for s in range(cap)) if k is not None)
+            cands = [b for b in held if b is not None and b.pins == 0 and tier in b.copies and b.copies[tier].ready]
+        else:
+            cands = [b for b in self._blocks.values() if b.pins == 0 and tier in b.copies and b.copies[tier].ready]
         cands.sort(key=lambda b: b.last_use)  # LRU; a victim order re-sorts stably (ties stay LRU)
         if self.victim_order is None:
             return cands
