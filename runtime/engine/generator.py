@@ -8,7 +8,7 @@ batches of sequences.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -93,9 +93,10 @@ class Generator:
         self.cache.close()
 
     # --- forward steps -----------------------------------------------------------------------
-    def forward_tokens(self, batch: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
-        """Append tokens to sequences and run the model. Returns hidden states [N, H]."""
-        steps = [self.cache.begin(seq_id, list(tokens)) for seq_id, tokens in batch]
+    def forward_tokens(self, batch: Sequence[tuple[int, Sequence[int]]], decoding: Collection[int] = ()) -> torch.Tensor:
+        """Append tokens to sequences and run the model. Returns hidden states [N, H]. Sequences in
+        ``decoding`` feed one generated token (page selection applies); the others feed prompt tokens."""
+        steps = [self.cache.begin(seq_id, list(tokens), seq_id in decoding) for seq_id, tokens in batch]
         if self.cache.policy.hotness_eviction:
             self.cache.update_floors()
         ids = [t for _, tokens in batch for t in tokens]
@@ -122,7 +123,7 @@ class Generator:
 
     def decode(self, batch: Sequence[tuple[int, int]]) -> torch.Tensor:
         """One decode step for (seq_id, last token) pairs. Returns logits [B, V]."""
-        hidden = self.forward_tokens([(seq_id, [tok]) for seq_id, tok in batch])
+        hidden = self.forward_tokens([(seq_id, [tok]) for seq_id, tok in batch], {seq_id for seq_id, _ in batch})
         return self.loaded.model.logits(hidden)
 
     # --- convenience -------------------------------------------------------------------------

@@ -138,7 +138,8 @@ class LLMEngine:
                     chunks[i] = c = replace(c, num_tokens=min(c.num_tokens, len(c.seq.pending)))
             batch.append((c.seq.seq_id, c.seq.pending[: c.num_tokens]))
         try:
-            hidden = self.gen.forward_tokens(batch)  # [N, H]
+            decoding = {c.seq.seq_id for c in chunks if c.num_tokens == 1 and c.seq.num_generated > 0}
+            hidden = self.gen.forward_tokens(batch, decoding)  # [N, H]
         except PageLostError as exc:  # a needed page is unreadable in every tier: recompute, never serve it
             log.warning("%s; recomputing the step's sequences", exc)
             for c in chunks:

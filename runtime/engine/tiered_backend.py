@@ -27,7 +27,7 @@ class TieredAttentionBackend:
         self.cache = cache
         self.steps = steps
         self.sealed: list[BlockKey] = []  # blocks stored this step (for write-back)
-        self.decoded = [s.seq_id for s in steps if s.num_new == 1]
+        self.decoded = [s.seq_id for s in steps if s.decode]
 
     # --- writing -----------------------------------------------------------------------------
     def _append(self, layer: int, st: StepSeq, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,11 +104,11 @@ class TieredAttentionBackend:
             ck, cv = self._append(layer, st, k[rows], v[rows])
             seq = cache.seq(st.seq_id)
             first = st.start // s  # the tail page at the step's start; pages before it are stored
-            if st.num_new > 1 or not cache.policy.sparse:
-                pages = range(first) if st.num_new > 1 else range(len(seq.digests))
+            if not st.decode or not cache.policy.sparse:
+                pages = range(first) if not st.decode else range(len(seq.digests))
                 keys = [BlockKey(seq.digests[p], layer) for p in pages]
                 ok, ov = self._read(st.seq_id, keys, promote=False)
-                if st.num_new > 1:
+                if not st.decode:  # prompt tokens: exact attention to every earlier page
                     outs[i] = causal_attention(q[rows], torch.cat([ok, ck]), torch.cat([ov, cv]), st.positions)
                     continue
                 tail = ck[len(st.new_digests) * s :], cv[len(st.new_digests) * s :]

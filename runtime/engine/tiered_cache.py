@@ -65,6 +65,7 @@ class SeqKV:
     tail_k: torch.Tensor | None = None  # [L, S, Hkv, D]
     tail_v: torch.Tensor | None = None
     summaries: PageSummaries | None = None
+    inexact: bool = False  # a decode step attended to selected pages only: later pages are addressed apart
     selected: list[list[BlockKey] | None] = field(default_factory=list)  # per layer, last decode step
     runners_up: list[list[BlockKey]] = field(default_factory=list)  # per layer: next pages by score
 
@@ -77,6 +78,7 @@ class StepSeq:
     start: int  # tokens stored before this step
     num_new: int
     positions: torch.Tensor  # [num_new]
+    decode: bool  # a generated token (sparse under page selection); False: prompt tokens, always exact
     new_digests: tuple[bytes, ...]  # pages this step seals, in order
 
 
@@ -108,8 +110,10 @@ class Admission:
         return False
 
 
-def chain_digest(prev: bytes, tokens: list[int]) -> bytes:
-    return hashlib.blake2b(prev + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=DIGEST_BYTES).digest()
+def chain_digest(prev: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
+    """Page digest: the previous page's digest, a salt (how the KV was computed) and the page's tokens."""
+    return hashlib.blake2b(prev + salt + np.asarray(tokens, dtype=np.int64).tobytes(),
+                           digest_size=DIGEST_BYTES).digest()
 
 
 class TieredKVCache:
@@ -128,6 +132,7 @@ class TieredKVCache:
         self.prefetch_throttled = 0  # steps that skipped prefetching because it did not pay  # pages beyond the budget prefetched per layer
         self.ledger = PrefetchLedger()
         self.root = hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
+        self._sparse_salt = f"sparse:{config.token_budget}:{self.selection.sink_pages}:{self.selection.recent_pages}".encode()
         self.tail_reserve = config.max_sequences * layout.page_bytes
         self.store = TieredKVStore(
             layout, self._store_budgets(config.gpu_bytes, config.dram_bytes, config.ssd_bytes),
@@ -281,22 +286,27 @@ class TieredKVCache:
         return self._seqs[seq_id]
 
     # --- steps -------------------------------------------------------------------------------------
-    def begin(self, seq_id: int, tokens: list[int]) -> StepSeq:
-        """Reserve room for ``tokens`` appended to ``seq_id`` this step; digests of the pages they seal."""
+    def begin(self, seq_id: int, tokens: list[int], decode: bool = False) -> StepSeq:
+        """Reserve room for ``tokens`` appended to ``seq_id`` this step; digests of the pages they seal.
+        Pages holding KV computed by sparse decode (selection active) are addressed apart from exact
+        ones (salted digests): a full-attention run, or a prompt that repeats the text, never reuses them."""
         seq = self._seqs[seq_id]
         s = self.layout.page_size
         start = seq.length
+        if decode and self.policy.sparse and start >= self.selection.budget_pages * s:
+            seq.inexact = True
+        salt = self._sparse_salt if seq.inexact else b""
         seq.tokens.extend(tokens)
         seq.length = start + len(tokens)
         new: list[bytes] = []
         prev = seq.digests[-1] if seq.digests else self.root
         for p in range(start // s, seq.length // s):
-            prev = chain_digest(prev, seq.tokens[p * s : (p + 1) * s])
+            prev = chain_digest(prev, seq.tokens[p * s : (p + 1) * s], salt)
             new.append(prev)
             self._ref(prev)
         seq.digests.extend(new)
         pos = torch.arange(start, seq.length, device=self.device)
-        return StepSeq(seq_id, start, len(tokens), pos, tuple(new))
+        return StepSeq(seq_id, start, len(tokens), pos, decode, tuple(new))
 
     def update_floors(self) -> None:
         """This step's admission state per tier: its free slots and its residents' scores, coldest first.

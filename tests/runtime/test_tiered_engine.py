@@ -170,3 +170,21 @@ def test_budgets_shrink_live_without_changing_outputs(tiny: LoadedModel, tmp_pat
     assert out == ref
     gpu = next(u for u in gen.cache.usage() if u.tier == "gpu")
     assert gpu.budget_bytes == 10 * page and gpu.used_bytes <= gpu.capacity_bytes
+
+
+def test_pages_computed_by_sparse_decode_are_never_reused_as_exact(tiny: LoadedModel) -> None:
+    """Generated tokens whose KV came from sparse decode (selection active) live in pages addressed apart
+    from exact ones: a follow-up prompt that repeats the conversation reuses only the prompt's pages and
+    computes the generated text's KV exactly, as a full-attention server would."""
+    prompt = _prompt(200, seed=6)  # 50 full pages; a 32-token budget selects 7 of them
+    gen = _gen(tiny, token_budget=32)
+    out = _greedy(gen, prompt, 40)
+    follow = prompt + out + [5, 6, 7]
+    _, reused = gen.open_sequence(follow)
+    assert reused == len(prompt)  # the 10 pages of generated text were not taken from the sparse run
+    exact = _gen(tiny, full_attention=True)
+    exact_out = _greedy(exact, prompt, 40)
+    _, reused_exact = exact.open_sequence(prompt + exact_out + [5, 6, 7])
+    assert reused_exact == 236  # exact decode pages are shared: the 39 fed generated tokens fill 9 pages
+    seq, _ = gen.open_sequence(prompt[:40])
+    assert gen.cache.seq(seq).inexact is False  # a prompt is exact; only decode past the budget taints
