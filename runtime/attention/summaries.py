@@ -50,9 +50,6 @@ class PageSummaries:
         self.kmin[layer, first_page : first_page + n] = lo
         self.kmax[layer, first_page : first_page + n] = hi
 
-    def truncate(self, pages: int) -> None:
-        """Forget pages >= ``pages`` (nothing to free: rows are overwritten when pages are sealed again)."""
-
     def of(self, layer: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """kmin, kmax [pages, Hkv, D] of the first ``pages`` pages of ``layer``."""
         return self.kmin[layer, :pages], self.kmax[layer, :pages]

@@ -1,8 +1,9 @@
-"""Prediction of the pages the next step will select, and the ledger of prefetch outcomes.
+"""The ledger of prefetch outcomes.
 
-Decode queries change slowly from one step to the next, so the pages a layer selected in step t are
-the best guess for step t+1 (temporal locality; measured by the prefetch hit rate). The ledger
-records what was prefetched and classifies each prefetched block once the step that needed it ran:
+Decode queries change slowly from one step to the next, so the pages a layer selected in step t (and
+its runners-up) are the engine's guess for step t+1 (temporal locality); this ledger measures how good
+the guess is. It records what was prefetched and classifies each prefetched block once the step that
+needed it ran:
 ``hit`` (ready in the device tier when needed), ``late`` (needed before its transfer finished: the
 step waited) and ``wasted`` (not selected after all).
 """
@@ -13,11 +14,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvdrive.runtime.kvcache import BlockKey
-
-
-def predict_next(previous: list[BlockKey] | None, sealed_since: list[BlockKey]) -> list[BlockKey]:
-    """Blocks the next step will likely select: last step's selection plus pages sealed since."""
-    return list(previous or []) + list(sealed_since)
 
 
 class Pending(Protocol):
