@@ -97,7 +97,7 @@ class Generator:
         """Append tokens to sequences and run the model. Returns hidden states [N, H]. Sequences in
         ``decoding`` feed one generated token (page selection applies); the others feed prompt tokens."""
         steps = [self.cache.begin(seq_id, list(tokens), seq_id in decoding) for seq_id, tokens in batch]
-        if self.cache.policy.hotness_eviction:
+        if self.cache.policy.hotness_eviction and decoding:  # admission only happens on decode reads
             self.cache.update_floors()
         ids = [t for _, tokens in batch for t in tokens]
         backend = TieredAttentionBackend(self.cache, steps)

@@ -93,7 +93,8 @@ class TieredAttentionBackend:
         cache = self.cache
         s = cache.layout.page_size
         outs: list[torch.Tensor | None] = [None] * len(self.steps)
-        dec_rows: list[int] = []
+        dec_rows: list[int] = []  # positions in self.steps of the decoding sequences
+        dec_q: list[int] = []  # their query row in q
         dec_k: list[torch.Tensor] = []
         dec_v: list[torch.Tensor] = []
         dec_keys: list[list[BlockKey]] = []
@@ -113,6 +114,7 @@ class TieredAttentionBackend:
                     continue
                 tail = ck[len(st.new_digests) * s :], cv[len(st.new_digests) * s :]
                 dec_rows.append(i)
+                dec_q.append(rows.start)
                 dec_k.append(torch.cat([ok, tail[0]]))
                 dec_v.append(torch.cat([ov, tail[1]]))
                 dec_keys.append(keys)
@@ -128,11 +130,12 @@ class TieredAttentionBackend:
             sk, sv = self._read(st.seq_id, keys, promote=cache.policy.promote_on_read)
             nt = len(st.new_digests) * s
             dec_rows.append(i)
+            dec_q.append(rows.start)
             dec_k.append(torch.cat([sk, ck[nt:]]))
             dec_v.append(torch.cat([sv, cv[nt:]]))
             dec_keys.append(keys)
         if dec_rows:
-            qd = torch.stack([q[sum(st.num_new for st in self.steps[:i])] for i in dec_rows])  # [B, Hq, D]
+            qd = q[dec_q]  # [B, Hq, D]
             out, mass = decode_attention(qd, dec_k, dec_v)
             for j, i in enumerate(dec_rows):
                 outs[i] = out[j : j + 1]
