@@ -30,6 +30,7 @@ from kvdrive.runtime.kvcache.residency import Block, Copy, Residency, VictimOrde
 from kvdrive.runtime.kvcache.tiers.base import Tier, TierIOError
 from kvdrive.runtime.kvcache.tiers.device import DeviceTier
 from kvdrive.runtime.kvcache.tiers.dram import DramTier
+from kvdrive.runtime.kvcache.tiers.rows import gather_rows, scatter_rows
 from kvdrive.runtime.kvcache.tiers.ssd import SsdTier
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ class TieredKVStore(Residency):
         if not todo:
             return
         rows = blocks if len(todo) == len(keys) else \
-            blocks.index_select(0, torch.tensor([i for i, _, _ in todo], device=blocks.device))
+            gather_rows(blocks, [i for i, _, _ in todo])
         try:
             self.tiers[tier].write([s for _, _, s in todo], rows, [k for _, k, _ in todo], [persistent] * len(todo))
         except TierIOError:
@@ -296,8 +297,10 @@ class TieredKVStore(Residency):
         tmp = torch.empty((len(items), self.block_bytes), dtype=torch.uint8, device=out.device)
         ok = self.tiers[tier].read([s for _, s in items], tmp)
         good = [p for p, o in enumerate(ok) if o]
-        if good:
-            out[[rows[p] for p in good]] = tmp[good]
+        if len(good) == len(ok):
+            scatter_rows(out, rows, tmp)
+        elif good:
+            scatter_rows(out, [rows[p] for p in good], gather_rows(tmp, good))
         return ok
 
     def get_kv(self, keys: list[BlockKey]) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:

@@ -15,6 +15,7 @@ import torch
 from kvdrive.runtime.kvcache.budgets import TierName
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.tiers.base import SlotAllocator
+from kvdrive.runtime.kvcache.tiers.rows import gather_rows, scatter_rows
 
 log = logging.getLogger(__name__)
 
@@ -94,26 +95,19 @@ class ChunkedMemoryTier:
         """blocks: [n, block_bytes] uint8 on any device."""
         for ci, (pos, rows) in self._groups(slots).items():
             chunk = self._chunks[ci][0]
-            src = blocks[torch.tensor(pos)].to(chunk.device)
-            chunk.index_copy_(0, torch.tensor(rows, device=chunk.device), src)
+            src = blocks if len(pos) == blocks.shape[0] else gather_rows(blocks, pos)
+            scatter_rows(chunk, rows, src)
 
     def read(self, slots: list[int], out: torch.Tensor) -> list[bool]:
         """out: [n, block_bytes] uint8 on any device."""
         groups = self._groups(slots)
         if len(groups) == 1 and out.shape[0] == len(slots) and out.is_contiguous():
             (ci, (_, rows)), = groups.items()  # one chunk, batch order: gather straight into ``out``
-            chunk = self._chunks[ci][0]
-            idx = torch.tensor(rows, device=chunk.device)
-            if chunk.device == out.device:
-                torch.index_select(chunk, 0, idx, out=out)
-            else:
-                out.copy_(chunk.index_select(0, idx), non_blocking=True)
+            gather_rows(self._chunks[ci][0], rows, out)
             self.page_reads += len(slots)
             return [True] * len(slots)
         for ci, (pos, rows) in groups.items():
-            chunk = self._chunks[ci][0]
-            got = chunk.index_select(0, torch.tensor(rows, device=chunk.device))
-            out.index_copy_(0, torch.tensor(pos, device=out.device), got.to(out.device))
+            scatter_rows(out, pos, gather_rows(self._chunks[ci][0], rows))
         self.page_reads += len(slots)
         return [True] * len(slots)
 

@@ -26,6 +26,7 @@ from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.tiers.aligned import AlignedBuffer, AlignedBufferPool
 from kvdrive.runtime.kvcache.tiers.base import SlotAllocator, TierIOError
 from kvdrive.runtime.kvcache.tiers.checksum import slot_crcs
+from kvdrive.runtime.kvcache.tiers.rows import gather_rows, scatter_rows
 from kvdrive.runtime.kvcache.tiers.ssd_index import REC_BYTES, IndexEntry, SsdIndex, meta_reserve_bytes
 from kvdrive.runtime.kvcache.tiers.ssd_io import IOV_MAX, Borrowed, Piece, PieceRunner, PosixIO, iovecs, plan
 
@@ -232,8 +233,7 @@ class SsdTier:
                 if isinstance(pos, range):
                     dest[pos.start : pos.stop].copy_(rows[pos.start : pos.stop])
                 else:
-                    idx = torch.tensor(pos)
-                    dest.index_copy_(0, idx, rows.index_select(0, idx))
+                    scatter_rows(dest, list(pos), gather_rows(rows, list(pos)))
         return crcs
 
     def _crcs(self, mv: memoryview, pos: Sequence[int]) -> list[int]:
