@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdrive.runtime.engine.heap import HeapTrimmer
 from kvdrive.runtime.engine.sampling import SamplingParams, make_generator, sample
 from kvdrive.runtime.engine.tiered_backend import TieredAttentionBackend
 from kvdrive.runtime.engine.tiered_cache import TierConfig, TieredKVCache
@@ -65,6 +66,7 @@ class Generator:
         fingerprint = f"{loaded.fingerprint}|kv={layout.dtype}|page={c.page_size}"
         self.cache = TieredKVCache(layout, tiers, self.device, fingerprint)
         self._ids = itertools.count()
+        self.heap = HeapTrimmer()
 
     @property
     def max_context(self) -> int:
@@ -104,6 +106,8 @@ class Generator:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.loaded.model(input_ids, torch.cat([s.positions for s in steps]), backend)
         self.cache.finish_step(backend.sealed, backend.decoded)
+        if len(ids) > len(decoding):  # prompt tokens: give the step's freed working memory back
+            self.heap.after_prompt_step()
         return hidden
 
     def prefill(self, seq_id: int, tokens: Sequence[int], all_logits: bool = False) -> torch.Tensor:

@@ -4,6 +4,7 @@ descriptor, the per-step admission state of a tier, page digests and the error f
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +65,7 @@ class StepSeq:
 
 
 PREFETCH_PROBE = 8  # while prefetch does not pay, try it every 8th step
+PREFETCH_MIN_PRECISION = 0.5  # prefetch while at least half of what it moves is then used
 PROMOTE_MARGIN = 1.5  # a block replaces the device tier's coldest only when 1.5x hotter
 PROMOTE_MIN_GAIN = 0.05  # ... and by at least this much attention mass (scores are in [0, Hq] per step)
 
@@ -73,18 +75,21 @@ class Admission:
     """A tier's admission state during one step (see ``TieredKVCache.update_floors``)."""
 
     free: int
-    scores: list[float]  # residents' hotness, ascending
+    residents: Callable[[], list[float]]  # the residents' hotness, ascending (asked once they are needed)
     margin: float
     gain: float
     displaced: int = 0
+    _scores: list[float] | None = None
 
     def admit(self, score: float) -> bool:
         if self.free > 0:
             self.free -= 1
             return True
-        if self.displaced >= len(self.scores):
+        if self._scores is None:
+            self._scores = self.residents()
+        if self.displaced >= len(self._scores):
             return False
-        floor = self.scores[self.displaced]
+        floor = self._scores[self.displaced]
         if score > max(floor * self.margin, floor + self.gain):
             self.displaced += 1
             return True

@@ -24,6 +24,7 @@ import torch
 
 from kvdrive.runtime.attention import PageSummaries, SelectionConfig
 from kvdrive.runtime.engine.kv_state import (
+    PREFETCH_MIN_PRECISION,
     PREFETCH_PROBE,
     PROMOTE_MARGIN,
     PROMOTE_MIN_GAIN,
@@ -34,10 +35,18 @@ from kvdrive.runtime.engine.kv_state import (
     TierConfig,
     chain_digest,
 )
-from kvdrive.runtime.kvcache import BlockKey, BudgetError, KVLayout, TierBudgets, TieredKVStore, TierUsage
+from kvdrive.runtime.kvcache import (
+    BlockKey,
+    BudgetError,
+    KVLayout,
+    TierBudgets,
+    TieredKVStore,
+    TierName,
+    TierUsage,
+)
 from kvdrive.runtime.kvcache.keys import DIGEST_BYTES
 from kvdrive.runtime.pipeline.transfer import TransferEngine
-from kvdrive.runtime.placement import Hotness, PlacementPolicy, PrefetchLedger, policy_for
+from kvdrive.runtime.placement import Hotness, PlacementPolicy, PrefetchLedger, PrefetchThrottle, policy_for
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +65,7 @@ class TieredKVCache:
         # CPU device both are host memory and only reads from the SSD tier are worth moving up
         self.promote_from = ("dram", "ssd") if device.type == "cuda" else ("ssd",)
         self.runners_up = 2 if self.policy.prefetch else 0  # pages beyond the budget prefetched per layer
-        self._prefetch_window = (0, 0)
-        self.prefetch_throttled = 0  # steps that skipped prefetching because it did not pay  # pages beyond the budget prefetched per layer
+        self.throttle = PrefetchThrottle(PREFETCH_MIN_PRECISION, PREFETCH_PROBE)
         self.ledger = PrefetchLedger()
         self.root = hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
         self._sparse_salt = f"sparse:{config.token_budget}:{self.selection.sink_pages}:{self.selection.recent_pages}".encode()
@@ -242,10 +250,14 @@ class TieredKVCache:
         resident not yet displaced, and only a block hotter than that one (with hysteresis on the device
         tier) is admitted. A working set larger than the tier is then read in place instead of being
         swapped through it every step."""
-        score = self.hotness.score
-        for tier, margin, gain in (("gpu", PROMOTE_MARGIN, PROMOTE_MIN_GAIN), ("dram", 1.0, 0.0)):
-            keys, free = self.store.residents(tier)
-            self._admission[tier] = Admission(free, sorted(score(k) for k in keys), margin, gain)
+        tiers: tuple[tuple[TierName, float, float], ...] = (("gpu", PROMOTE_MARGIN, PROMOTE_MIN_GAIN), ("dram", 1.0, 0.0))
+        for tier, margin, gain in tiers:
+            free = self.store.tiers[tier].allocator.free_count
+            self._admission[tier] = Admission(free, lambda t=tier: self._coldest_scores(t), margin, gain)
+
+    def _coldest_scores(self, tier: TierName) -> list[float]:
+        """Hotness of the blocks resident in ``tier``, ascending (walks the tier: asked only once it is full)."""
+        return sorted(self.hotness.scores(self.store.residents(tier)[0]))
 
     def target_tier(self, key: BlockKey, served: str) -> str | None:
         """Where a block read from ``served`` should get a copy under the kvdrive policy (None: stay)."""
@@ -269,21 +281,8 @@ class TieredKVCache:
         self.decode_steps += 1
         self.ledger.end_step()
         self.hotness.advance()
-        if self.policy.prefetch and self._prefetch_pays():
+        if self.policy.prefetch and self.throttle.allow(self.ledger.counts(), self.decode_steps):
             self._prefetch(decoded)
-
-    def _prefetch_pays(self) -> bool:
-        """Throttle (like readahead): over the last window, prefetch must be used more often than wasted;
-        while it is not, only every ``PREFETCH_PROBE``-th step prefetches (to notice when it pays again)."""
-        counts = self.ledger.counts()
-        hits, wasted = counts["hit"] + counts["late"], counts["wasted"]
-        window = self._prefetch_window
-        self._prefetch_window = (hits, wasted)
-        dh, dw = hits - window[0], wasted - window[1]
-        if dh + dw < 32 or dh >= dw:
-            return True
-        self.prefetch_throttled += 1
-        return self.decode_steps % PREFETCH_PROBE == 0
 
     def _prefetch(self, decoded: list[int]) -> None:
         """Predicted blocks of the next step move up where admission allows, layer by layer."""

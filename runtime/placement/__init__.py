@@ -6,6 +6,6 @@ tiers store them).
 
 from kvdrive.runtime.placement.hotness import Hotness
 from kvdrive.runtime.placement.policy import PLACEMENTS, PlacementPolicy, policy_for
-from kvdrive.runtime.placement.predictor import PrefetchLedger
+from kvdrive.runtime.placement.predictor import PrefetchLedger, PrefetchThrottle
 
-__all__ = ["PLACEMENTS", "Hotness", "PlacementPolicy", "PrefetchLedger", "policy_for"]
+__all__ = ["PLACEMENTS", "Hotness", "PlacementPolicy", "PrefetchLedger", "PrefetchThrottle", "policy_for"]

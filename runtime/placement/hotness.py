@@ -43,13 +43,23 @@ class Hotness:
         old = self._scores.get(key)
         return old[0] * self.config.decay ** (self.step - old[1]) if old else 0.0
 
+    def scores(self, keys: list[BlockKey]) -> list[float]:
+        """``score`` of each key (one pass, for eviction and admission over a whole tier)."""
+        get, d, now = self._scores.get, self.config.decay, self.step
+        out = []
+        for k in keys:
+            old = get(k)
+            out.append(old[0] * d ** (now - old[1]) if old else 0.0)
+        return out
+
     def forget(self, keys: list[BlockKey]) -> None:
         for k in keys:
             self._scores.pop(k, None)
 
     def coldest_first(self, tier: TierName, keys: list[BlockKey]) -> list[BlockKey]:
         """A victim order for the store: coldest blocks first (ties keep the store's LRU order)."""
-        return sorted(keys, key=self.score)
+        s = self.scores(keys)
+        return [keys[i] for i in sorted(range(len(keys)), key=s.__getitem__)]
 
     @property
     def tracked(self) -> int:

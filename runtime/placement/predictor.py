@@ -53,3 +53,32 @@ class PrefetchLedger:
 
     def counts(self) -> dict[str, int]:
         return {"hit": self.hit, "late": self.late, "wasted": self.wasted}
+
+
+@dataclass
+class PrefetchThrottle:
+    """Readahead-style throttle: prefetch while the decayed precision of recent prefetches (blocks a step
+    then used over blocks prefetched) is at least ``min_precision``; below it, only every
+    ``probe_every``-th step prefetches, so that the engine notices when prediction pays again. Only
+    steps that brought prefetch outcomes move the estimate: a step without prefetching neither helps
+    nor hurts it."""
+
+    min_precision: float = 0.5
+    probe_every: int = 8
+    keep: float = 0.7  # weight of the old estimate per step with outcomes
+    precision: float = 1.0
+    throttled: int = 0  # steps that skipped prefetching
+    _seen: tuple[int, int] = (0, 0)  # ledger (used, wasted) when outcomes were last taken in
+
+    def allow(self, counts: dict[str, int], step: int) -> bool:
+        """Whether decode step ``step`` prefetches, given the ledger's cumulative ``counts``."""
+        used, wasted = counts["hit"] + counts["late"], counts["wasted"]
+        du, dw = used - self._seen[0], wasted - self._seen[1]
+        self._seen = (used, wasted)
+        if du + dw:
+            self.precision = self.keep * self.precision + (1 - self.keep) * du / (du + dw)
+        if self.precision >= self.min_precision:
+            return True
+        probe = step % self.probe_every == 0
+        self.throttled += not probe
+        return probe

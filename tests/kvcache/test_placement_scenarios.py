@@ -10,7 +10,7 @@ from pathlib import Path
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
 
 from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
-from kvdrive.runtime.placement import Hotness, PrefetchLedger, policy_for
+from kvdrive.runtime.placement import Hotness, PrefetchLedger, PrefetchThrottle, policy_for
 
 
 def _store(tmp_path: Path, hot: Hotness | None) -> TieredKVStore:
@@ -82,6 +82,41 @@ def test_prefetch_ledger_classifies_hits_late_and_wasted() -> None:
     assert ledger.claim([a, b]) == [running]  # a was ready (hit); the step must wait for b (late)
     ledger.end_step()  # c was never needed
     assert ledger.counts() == {"hit": 1, "late": 1, "wasted": 1}
+
+
+def test_prefetch_is_throttled_while_it_is_mostly_wasted_and_resumes_when_it_pays() -> None:
+    """Narrated: prediction goes bad (1 block of 4 used), the throttle stops prefetching except every
+    8th step (a probe); once probes are used again the estimate recovers and prefetch resumes."""
+    throttle = PrefetchThrottle(min_precision=0.5, probe_every=8)
+    counts = {"hit": 0, "late": 0, "wasted": 0}
+    allowed: list[int] = []
+    for step in range(1, 41):
+        if throttle.allow(dict(counts), step):
+            allowed.append(step)
+            counts["hit"] += 1  # outcome of this step's prefetch, seen at the next step
+            counts["wasted"] += 3
+    assert throttle.precision < 0.5
+    assert allowed[:3] == [1, 2, 3]  # a few steps to learn that it does not pay
+    later = [s for s in allowed if s > 10]
+    assert later and all(s % 8 == 0 for s in later)  # afterwards only probes
+    assert throttle.throttled == 40 - len(allowed)
+    step = 41
+    while throttle.precision < 0.5:  # prediction is good again: every prefetched block is used
+        if throttle.allow(dict(counts), step):
+            counts["hit"] += 4
+        step += 1
+    assert step < 41 + 4 * 8  # recovered within a few probes
+    assert throttle.allow(dict(counts), step) and throttle.allow(dict(counts), step + 1)
+
+
+def test_steps_without_prefetch_do_not_move_the_throttle_estimate() -> None:
+    throttle = PrefetchThrottle()
+    counts = {"hit": 2, "late": 0, "wasted": 8}
+    throttle.allow(counts, 1)
+    before = throttle.precision
+    for step in range(2, 6):  # nothing was prefetched: counts unchanged
+        throttle.allow(counts, step)
+    assert throttle.precision == before
 
 
 def test_policies_are_switches_of_one_binary() -> None:
