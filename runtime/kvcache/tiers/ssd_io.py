@@ -11,6 +11,7 @@ KvikIO backend substitute their own).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,11 +48,15 @@ class Piece:
 
 
 class Borrowed:
-    """A caller's aligned, contiguous CPU tensor used as the I/O buffer (same ``mv`` as AlignedBuffer)."""
+    """A caller's aligned, contiguous CPU tensor used as the I/O buffer (same ``mv`` as AlignedBuffer).
+
+    The memoryview is built over the tensor's address with ctypes rather than through ``numpy()``: reads
+    into a numpy-exported buffer measured 4-8% slower (1 MiB batches) than into a plain one."""
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.mv = memoryview(t.numpy()).cast("B")
-        self.tensor = t.view(-1)
+        self.tensor = t.view(-1)  # keeps the memory alive as long as the view
+        nbytes = self.tensor.numel()
+        self.mv = memoryview((ctypes.c_char * nbytes).from_address(self.tensor.data_ptr())).cast("B")
 
 
 def plan(slots: list[int], slab_slots: int, max_slots: int) -> list[Piece]:
