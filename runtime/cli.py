@@ -226,9 +226,9 @@ def _bench(args: argparse.Namespace) -> int:
             tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(decode_bench.table(res) + "\n")
+        args.out.with_suffix(".md").write_text(decode_bench.table(res) + "\n\n" + decode_bench.ratios(res) + "\n")
         decode_bench.plot(res, str(args.out.with_suffix(".png")))
-        print(decode_bench.table(res))
+        print(decode_bench.table(res) + "\n\n" + decode_bench.ratios(res))
         return 0
     if args.bench == "rss":
         from kvdrive.runtime.bench import rss_bench

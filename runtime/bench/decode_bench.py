@@ -174,6 +174,34 @@ def table(result: DecodeBenchResult) -> str:
     return "\n".join(rows)
 
 
+def ratios(result: DecodeBenchResult) -> str:
+    """kvdrive against each baseline per (context, batch), with the ceiling this host allows: no
+    placement can beat ``sparse-gpu`` (same selection, every page already in the device tier, no I/O),
+    so sparse-gpu / ondemand bounds what any tier policy can gain over ondemand here."""
+    rows = ["| context | batch | vs ondemand | vs lru | vs fullfetch | vs full | ceiling vs ondemand (sparse-gpu / "
+            "ondemand) | step / compute floor (sparse-gpu step) | prefetch used / issued |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by = {(r.context, r.batch, r.mode): r for r in result.results}
+    for ctx, b in sorted({(r.context, r.batch) for r in result.results}):
+        kv = by.get((ctx, b, "kvdrive"))
+        if kv is None:
+            continue
+
+        def vs(mode: str, num: ModeResult = kv, ctx: int = ctx, b: int = b) -> str:
+            other = by.get((ctx, b, mode))
+            return f"{num.tokens_per_s / other.tokens_per_s:.2f}x" if other else "-"
+
+        floor, ond = by.get((ctx, b, "sparse-gpu")), by.get((ctx, b, "ondemand"))
+        ceiling = f"{floor.tokens_per_s / ond.tokens_per_s:.2f}x" if floor and ond else "-"
+        closeness = f"{kv.step_ms / floor.step_ms:.2f}" if floor else "-"
+        used = kv.prefetch.get("hit", 0) + kv.prefetch.get("late", 0)
+        issued = used + kv.prefetch.get("wasted", 0)
+        pf = f"{used}/{issued} ({used / issued:.0%})" if issued else "0/0"
+        rows.append(f"| {ctx} | {b} | {vs('ondemand')} | {vs('lru')} | {vs('fullfetch')} | {vs('full')} | {ceiling} "
+                    f"| {closeness} | {pf} |")
+    return "\n".join(rows)
+
+
 def plot(result: DecodeBenchResult, path: str) -> bool:
     """Grouped bars of decode tokens/s per mode for each (context, batch); False without matplotlib."""
     try:

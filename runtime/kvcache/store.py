@@ -26,11 +26,12 @@ from kvdrive.runtime.kvcache.budgets import TIER_ORDER, TierBudgets, TierName, T
 from kvdrive.runtime.kvcache.compression import Int8Codec
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.paged import CacheFullError, KVLayout
-from kvdrive.runtime.kvcache.residency import Block, Copy, Residency, VictimOrder
+from kvdrive.runtime.kvcache.reads import BlockReads
+from kvdrive.runtime.kvcache.residency import Block, Copy, VictimOrder
 from kvdrive.runtime.kvcache.tiers.base import Tier, TierIOError
 from kvdrive.runtime.kvcache.tiers.device import DeviceTier
 from kvdrive.runtime.kvcache.tiers.dram import DramTier
-from kvdrive.runtime.kvcache.tiers.rows import gather_rows, scatter_rows
+from kvdrive.runtime.kvcache.tiers.rows import gather_rows
 from kvdrive.runtime.kvcache.tiers.ssd import SsdTier
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 __all__ = ["TieredKVStore", "VictimOrder"]
 
 
-class TieredKVStore(Residency):
+class TieredKVStore(BlockReads):
     def __init__(self, layout: KVLayout, budgets: TierBudgets, ssd_dir: str | None = None,
                  device: torch.device | str | None = None, hugetlbfs_dir: str | None = None,
                  ssd_codec: str = "none", victim_order: VictimOrder | None = None,
@@ -239,69 +240,6 @@ class TieredKVStore(Residency):
         b = self._blocks[key]
         b.pins -= 1
         self._drop(b, tier)
-
-    def get(self, keys: list[BlockKey], device: torch.device | None = None) -> tuple[torch.Tensor, list[bool]]:
-        """Blocks [n, block_bytes] uint8 on ``device`` and a hit flag per key (see ``fetch``)."""
-        out, served = self.fetch(keys, device)
-        return out, [t is not None for t in served]
-
-    def fetch(self, keys: list[BlockKey], device: torch.device | None = None,
-              count: bool = True) -> tuple[torch.Tensor, list[TierName | None]]:
-        """Blocks [n, block_bytes] uint8 on ``device`` (the compute device by default) and the tier each
-        was read from (None: a miss, recompute it). Each block is read from its fastest ready copy while
-        pinned, outside the lock; a corrupt copy is dropped and the next copy tried. ``count``: a needed
-        read (page_reads, lookups), not a background prefetch."""
-        device = device or self.device
-        out = torch.empty((len(keys), self.block_bytes), dtype=torch.uint8, device=device)
-        served: list[TierName | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
-        while pending:
-            plan: dict[TierName, list[tuple[int, int]]] = {}
-            with self._lock:
-                for i in pending:
-                    b = self._blocks.get(keys[i])
-                    t = self._fastest(b) if b else None
-                    if b is None or t is None:
-                        continue
-                    b.pins += 1
-                    self._touch(b)
-                    plan.setdefault(t, []).append((i, b.copies[t].slot))
-            retry: list[int] = []
-            for t, items in plan.items():
-                ok = self._read_into(t, items, out)
-                with self._lock:
-                    for (i, slot), o in zip(items, ok, strict=True):
-                        b = self._blocks[keys[i]]
-                        b.pins -= 1
-                        if o:
-                            served[i] = t
-                            self.page_reads[t] += count
-                        elif b.copies.get(t, Copy(-1, False)).slot == slot:
-                            log.warning("%s copy of %s unreadable; dropped", t, keys[i])
-                            self._drop(b, t)
-                            retry.append(i)
-            pending = retry
-        missed = served.count(None)
-        if missed:
-            out[[i for i, t in enumerate(served) if t is None]] = 0
-        if count:
-            with self._lock:
-                self.lookups += len(keys)
-                self.misses += missed
-        return out, served
-
-    def _read_into(self, tier: TierName, items: list[tuple[int, int]], out: torch.Tensor) -> list[bool]:
-        rows = [i for i, _ in items]
-        if rows == list(range(rows[0], rows[0] + len(rows))):  # contiguous rows: read in place
-            return self.tiers[tier].read([s for _, s in items], out[rows[0] : rows[0] + len(rows)])
-        tmp = torch.empty((len(items), self.block_bytes), dtype=torch.uint8, device=out.device)
-        ok = self.tiers[tier].read([s for _, s in items], tmp)
-        good = [p for p, o in enumerate(ok) if o]
-        if len(good) == len(ok):
-            scatter_rows(out, rows, tmp)
-        elif good:
-            scatter_rows(out, [rows[p] for p in good], gather_rows(tmp, good))
-        return ok
 
     def get_kv(self, keys: list[BlockKey]) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
         """K and V [n, S, Hkv, D] of ``keys`` on the compute device (zeros where missed)."""

@@ -205,3 +205,25 @@ def test_prefix_pages_survive_a_restart(tmp_path: Path) -> None:
     assert all(again.where(k) == "ssd" for k in keys)
     out, hit = again.get(keys)
     assert all(hit) and torch.equal(out, blocks_for(keys))
+
+
+def test_a_grouped_fetch_reads_each_tier_into_one_slice_and_says_which_row_is_which(tmp_path: Path) -> None:
+    """Blocks spread over the three tiers, asked for interleaved: the grouped fetch returns the gpu
+    rows first, then dram, then ssd, then misses (zeros); ``order`` maps every row back to its key."""
+    s = store(tmp_path, 4, 4)
+    keys = make_keys(12)
+    for k in keys:
+        s.put([k], blocks_for([k]))
+    ask = [keys[0], keys[11], keys[5], keys[1], keys[10], keys[6]]  # ssd, gpu, dram, ssd, gpu, dram
+    missing = make_keys(13)[12]
+    ask.insert(3, missing)
+    out, served, order = s.fetch_grouped(ask)
+    assert served == ["gpu", "gpu", "dram", "dram", "ssd", "ssd", None]
+    assert sorted(order) == list(range(len(ask)))
+    for row, i in enumerate(order):
+        want = torch.zeros(BB, dtype=torch.uint8) if ask[i] == missing else blocks_for([ask[i]])[0]
+        assert torch.equal(out[row], want)
+    assert out.data_ptr() % 4096 == 0  # aligned: the SSD tier reads its slice in place
+    plain, plain_served = s.fetch(ask)
+    assert [plain_served[i] for i in order] == served
+    assert torch.equal(plain[order], out)
