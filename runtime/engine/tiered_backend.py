@@ -18,6 +18,7 @@ import torch
 from kvdrive.runtime.attention import causal_attention, decode_attention, select_with_runners_up
 from kvdrive.runtime.engine.tiered_cache import PageLostError, StepSeq, TieredKVCache
 from kvdrive.runtime.kvcache import BlockKey
+from kvdrive.runtime.kvcache.tiers.rows import gather_rows
 
 
 class TieredAttentionBackend:
@@ -55,27 +56,21 @@ class TieredAttentionBackend:
         return ck, cv
 
     # --- reading -----------------------------------------------------------------------------
-    def _read(self, seq_id: int, keys: list[BlockKey], promote: bool,
-              ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[BlockKey]]:
-        """K, V [n * S, Hkv, D] of ``keys`` from the fastest tier holding each, and the keys in the order
-        of the returned pages: ``keys`` itself when ``ordered``, else grouped by serving tier (each tier
-        reads into one contiguous slice; for attention over a set of pages, where order is free)."""
+    def _read(self, seq_id: int, keys: list[BlockKey], promote: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [n * S, Hkv, D] of ``keys`` in order, from the fastest tier holding each. The order is
+        kept even where attention does not need it, so that results never depend on placement."""
         cache = self.cache
         lay = cache.layout
         if not keys:
             empty = torch.empty((0, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype, device=cache.device)
-            return empty, empty, keys
+            return empty, empty
         t0 = time.perf_counter()
         for late in cache.ledger.claim(keys):
             try:
                 late.wait()  # type: ignore[attr-defined]
             except Exception:  # a failed prefetch only means the read below goes to a lower tier
                 pass
-        if ordered:
-            raw, served = cache.store.fetch(keys)
-        else:
-            raw, served, order = cache.store.fetch_grouped(keys)
-            keys = [keys[i] for i in order]
+        raw, served = cache.store.fetch(keys)
         cache.fetch_wait_seconds += time.perf_counter() - t0
         if None in served:
             cache.pages_lost += 1
@@ -84,17 +79,17 @@ class TieredAttentionBackend:
             lower = [i for i, t in enumerate(served) if t != "gpu"]
             if cache.policy.hotness_eviction:  # kvdrive: admission by hotness, per destination
                 dest: dict[str, list[int]] = {}
-                for i in lower:
+                movable = cache.promote_from
+                for i in (i for i in lower if served[i] in movable):
                     dst = cache.target_tier(keys[i], str(served[i]))
                     if dst is not None and dst != served[i]:
                         dest.setdefault(dst, []).append(i)
             else:  # lru: everything read goes to the device tier
                 dest = {"gpu": lower} if lower else {}
             for dst, rows in dest.items():
-                cache.store.admit([keys[i] for i in rows], raw[rows], dst, [served[i] for i in rows])
+                cache.store.admit([keys[i] for i in rows], gather_rows(raw, rows), dst, [served[i] for i in rows])
         kv = raw.view(lay.dtype).view(len(keys), 2, lay.page_size, lay.num_kv_heads, lay.head_dim)
-        return (kv[:, 0].reshape(-1, lay.num_kv_heads, lay.head_dim), kv[:, 1].reshape(-1, lay.num_kv_heads, lay.head_dim),
-                keys)
+        return kv[:, 0].reshape(-1, lay.num_kv_heads, lay.head_dim), kv[:, 1].reshape(-1, lay.num_kv_heads, lay.head_dim)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]
@@ -116,7 +111,7 @@ class TieredAttentionBackend:
             if not st.decode or not cache.policy.sparse:
                 pages = range(first) if not st.decode else range(len(seq.digests))
                 keys = [BlockKey(seq.digests[p], layer) for p in pages]
-                ok, ov, keys = self._read(st.seq_id, keys, promote=False, ordered=not st.decode)
+                ok, ov = self._read(st.seq_id, keys, promote=False)
                 if not st.decode:  # prompt tokens: exact attention to every earlier page
                     outs[i] = causal_attention(q[rows], torch.cat([ok, ck]), torch.cat([ov, cv]), st.positions)
                     continue
@@ -135,7 +130,7 @@ class TieredAttentionBackend:
             keys = [BlockKey(seq.digests[p], layer) for p in (idx.tolist() if sealed else [])]
             seq.selected[layer] = keys
             seq.runners_up[layer] = [BlockKey(seq.digests[p], layer) for p in (near.tolist() if sealed else [])]
-            sk, sv, keys = self._read(st.seq_id, keys, promote=cache.policy.promote_on_read, ordered=False)
+            sk, sv = self._read(st.seq_id, keys, promote=cache.policy.promote_on_read)
             nt = len(st.new_digests) * s
             dec_rows.append(i)
             dec_q.append(rows.start)

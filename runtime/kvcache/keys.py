@@ -10,21 +10,45 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 DIGEST_BYTES = 16
 
 
-@dataclass(frozen=True, order=True)
 class BlockKey:
+    """Immutable (digest, layer). Hash and equality are hand-written: block keys are dictionary keys on
+    every page read (thousands per decode step), and a dataclass's generated ones build a tuple per call."""
+
+    __slots__ = ("_hash", "digest", "layer")
     digest: bytes  # DIGEST_BYTES
     layer: int
 
-    def __post_init__(self) -> None:
-        if len(self.digest) != DIGEST_BYTES:
-            raise ValueError(f"a block digest is {DIGEST_BYTES} bytes, got {len(self.digest)}")
+    def __init__(self, digest: bytes, layer: int) -> None:
+        if len(digest) != DIGEST_BYTES:
+            raise ValueError(f"a block digest is {DIGEST_BYTES} bytes, got {len(digest)}")
+        object.__setattr__(self, "digest", digest)
+        object.__setattr__(self, "layer", layer)
+        object.__setattr__(self, "_hash", hash((digest, layer)))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("BlockKey is immutable")
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[no-any-return]
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not BlockKey:
+            return NotImplemented
+        return self._hash == other._hash and self.layer == other.layer and self.digest == other.digest  # type: ignore[attr-defined]
+
+    def __lt__(self, other: BlockKey) -> bool:
+        return (self.digest, self.layer) < (other.digest, other.layer)
+
+    def __reduce__(self) -> tuple[type[BlockKey], tuple[bytes, int]]:
+        return BlockKey, (self.digest, self.layer)
 
     def __repr__(self) -> str:
         return f"BlockKey({self.digest.hex()[:12]}, L{self.layer})"

@@ -4,8 +4,8 @@ Each block is read from its fastest ready copy while pinned; the lock is held on
 settle. A copy that fails its checksum is dropped and the next copy tried; a block no tier can serve
 is reported as a miss (recompute it), never returned as data. ``fetch_grouped`` lays the rows out by
 serving tier, so that each tier reads straight into one contiguous, aligned slice (no scatter; the
-SSD tier reads into it without a staging copy): callers whose use is order-free (decode attention
-over a set of pages) take it with the row order it returns.
+SSD tier reads into it without a staging copy): callers whose use is order-free (promotion) take it
+with the row order it returns; ``fetch`` reads the same way and restores key order with one gather.
 """
 
 from __future__ import annotations
@@ -48,7 +48,12 @@ class BlockReads(Residency):
         """Blocks [n, block_bytes] uint8 on ``device`` (the compute device by default), row i holding
         keys[i], and the tier each was read from (None: a miss, recompute it; its row is zeros).
         ``count``: a needed read (page_reads, lookups), not a background prefetch."""
-        out, served, _ = self._fetch(keys, device, count, grouped=False)
+        out, served, order = self._fetch(keys, device, count, grouped=True)
+        if any(i != r for r, i in enumerate(order)):  # tiers read into grouped slices: one gather restores order
+            inverse = [0] * len(order)
+            for r, i in enumerate(order):
+                inverse[i] = r
+            out = gather_rows(out, inverse, self._buffer(len(keys), out.device))
         return out, served
 
     def fetch_grouped(self, keys: list[BlockKey], device: torch.device | None = None,
@@ -78,6 +83,8 @@ class BlockReads(Residency):
                     self._touch(b)
                     plan.setdefault(t, []).append((i, b.copies[t].slot))
             if grouped and first:  # rows follow the plan: one contiguous slice per tier, misses last
+                for items in plan.values():
+                    items.sort(key=lambda it: it[1])  # slot order: a memory tier's chunks map to row ranges
                 planned = [i for t in TIER_ORDER for i, _ in plan.get(t, [])]
                 rest = sorted(set(range(n)) - set(planned))
                 for r, i in enumerate(planned + rest):

@@ -26,7 +26,8 @@ from kvdrive.runtime.kvcache.tiers.ssd import SsdTier
 log = logging.getLogger(__name__)
 
 VictimOrder = Callable[[TierName, list[BlockKey]], list[BlockKey]]
-EVICT_BATCH_FRACTION = 64  # a full tier frees capacity/64 slots at once (at least one)
+EVICT_BATCH_FRACTION = 8  # a full tier with a tier below frees capacity/8 slots at once (demotions: nothing lost)
+LAST_TIER_EVICT_FRACTION = 64  # the last tier drops what it evicts: capacity/64 at once
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,17 @@ class Residency:
     def _alloc(self, tier: TierName, key: BlockKey) -> int | None:
         t = self.tiers[tier]
         slot = t.allocator.alloc()
-        if slot is None and self._evict(tier, max(1, t.allocator.capacity // EVICT_BATCH_FRACTION)):
+        if slot is None and self._evict(tier, self._evict_batch(tier)):
             slot = t.allocator.alloc()
         if slot is not None:
             self._owner[(tier, slot)] = key
         return slot
+
+    def _evict_batch(self, tier: TierName) -> int:
+        """Slots one eviction pass frees: a pass walks and sorts the whole tier, so it frees many slots
+        at once where victims are demoted (kept below), few in the last tier where they are dropped."""
+        frac = EVICT_BATCH_FRACTION if self._lower(tier) else LAST_TIER_EVICT_FRACTION
+        return max(1, self.tiers[tier].allocator.capacity // frac)
 
     def _drop(self, b: Block, tier: TierName) -> None:
         c = b.copies.pop(tier)

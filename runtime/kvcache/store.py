@@ -168,7 +168,7 @@ class TieredKVStore(BlockReads):
         t = self.tiers[tier]
         short = n - t.allocator.free_count
         if short > 0:
-            self._evict(tier, max(short, t.allocator.capacity // 64))
+            self._evict(tier, max(short, self._evict_batch(tier)))
 
     def put(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName = "gpu", needed: bool = True,
             persistent: bool = False, pin_wait_s: float = 2.0) -> None:
@@ -286,11 +286,13 @@ class TieredKVStore(BlockReads):
             todo = [k for k in keys if k in self._blocks and tier not in self._blocks[k].copies]
         if not todo:
             return 0
-        blocks, served = self.fetch(todo, count=False)
+        blocks, served, order = self.fetch_grouped(todo, count=False)  # order-free: no gather back
+        todo = [todo[i] for i in order]
         got = [i for i, t in enumerate(served) if t is not None]
         if not got:
             return 0
-        return self.admit([todo[i] for i in got], blocks[got], tier, [served[i] for i in got])
+        rows = blocks if len(got) == len(todo) else gather_rows(blocks, got)
+        return self.admit([todo[i] for i in got], rows, tier, [served[i] for i in got])
 
     def replicate(self, keys: list[BlockKey], tier: TierName) -> int:
         """Write a copy of each block to a lower ``tier`` (e.g. ssd, for persistence), keeping its upper

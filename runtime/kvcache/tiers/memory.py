@@ -107,7 +107,11 @@ class ChunkedMemoryTier:
             self.page_reads += len(slots)
             return [True] * len(slots)
         for ci, (pos, rows) in groups.items():
-            scatter_rows(out, pos, gather_rows(self._chunks[ci][0], rows))
+            chunk = self._chunks[ci][0]
+            if pos == list(range(pos[0], pos[0] + len(pos))) and out.is_contiguous():  # a run of rows: in place
+                gather_rows(chunk, rows, out[pos[0] : pos[0] + len(pos)])
+            else:
+                scatter_rows(out, pos, gather_rows(chunk, rows))
         self.page_reads += len(slots)
         return [True] * len(slots)
 
