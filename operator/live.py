@@ -169,6 +169,9 @@ class LiveController:
             latest = scrapes[-1]
             rate = rates(scrapes[-2], latest) if len(scrapes) > 1 else None
             loads.append(None if latest.metrics is None else autoscale.load_of(latest.metrics, rate))
+        # a replica without a ready pod in this round's list (starting, or created after the list was
+        # taken) has an unknown load like an unreadable pod: it blocks scaling down
+        loads.extend([None] * max(0, current - len(pods)))
         decision = autoscale.decide(loads, current, autoscale.policy_from_spec(spec), memory.scale, self._clock())
         memory.scale = decision.history
         if decision.changed(current):

@@ -36,6 +36,14 @@ async def deploy(cluster: Cluster, pods: list[ScriptedPod], cr: dict | None = No
         await cluster.create(PODS, pod_object(f"chat-{index}", pod.port))
 
 
+async def set_replicas(cluster: Cluster, n: int) -> None:
+    """Scale the StatefulSet as a user would, once the operator has created it (deploy() only waits for
+    the Secret, which the reconciler may create first: a patch before the StatefulSet exists is lost)."""
+    await eventually(lambda: cluster.get(STATEFULSETS, "chat"), timeout=15, what="the StatefulSet")
+    await cluster.patch(STATEFULSETS, "chat", {"spec": {"replicas": n}})
+    await eventually(lambda: _replicas_at_least(cluster, n), timeout=5, what=f"replicas {n}")
+
+
 async def test_a_pod_under_ssd_pressure_gets_more_dram_and_the_status_and_events_say_why(
         operator: Cluster, pods: list[ScriptedPod]) -> None:
     hot, quiet = pods
@@ -75,7 +83,7 @@ async def test_a_pod_that_cannot_be_read_keeps_its_budgets_and_blocks_scaling_do
     busy.read_rates = {"gpu": 20.0, "ssd": 60.0}
     silent.hang = True
     await deploy(operator, pods)
-    await operator.patch(STATEFULSETS, "chat", {"spec": {"replicas": 2}})
+    await set_replicas(operator, 2)
 
     async def missing() -> dict | None:
         entry = pod_status(await status(operator), "chat-1")
@@ -93,6 +101,22 @@ async def test_a_pod_that_cannot_be_read_keeps_its_budgets_and_blocks_scaling_do
     await eventually(lambda: _replicas_below(operator, 2), timeout=15, what="a scale-down")
     down = await eventually(lambda: events(operator, "ScaledDown"), what="a ScaledDown Event")
     assert down[0]["message"].startswith("replicas 2 -> 1: 0 waiting on 2 pods (target 4/pod) -> 0")
+
+
+async def test_a_replica_whose_pod_is_not_ready_blocks_scaling_down(operator: Cluster, pods: list[ScriptedPod]) -> None:
+    """Replicas 2, but only chat-0 is ready (chat-1 is starting): chat-0's empty queue alone would call
+    for 1 replica; the replica without a ready pod counts as unknown load, as an unreadable pod does."""
+    await deploy(operator, pods[:1])
+    await operator.create(PODS, pod_object("chat-1", pods[1].port, ready=False))
+    await set_replicas(operator, 2)
+
+    async def decided() -> dict | None:
+        st = await status(operator)
+        decision = st.get("autoscaling", {}).get("lastDecision", "") if st else ""
+        return st if "1 pod(s) unread, so not below 2" in decision else None
+
+    await eventually(decided, timeout=15, what="a decision that waits for the starting pod")
+    await never(lambda: _replicas_below(operator, 2), 3.0, "a scale-down while a replica has no ready pod")
 
 
 async def _replicas_below(cluster: Cluster, n: int) -> bool:
