@@ -26,6 +26,7 @@ class TierCounters:
     decode_steps: int = 0
     prefix_hit_pages: int = 0  # pages reused from the tiers instead of recomputed
     misses: int = 0  # needed pages no tier could serve (recomputed)
+    prefetch_throttled: int = 0  # decode steps that skipped prefetching (recent prefetches mostly wasted)
 
 
 class _LiveCollector(Collector):
@@ -76,8 +77,11 @@ class _LiveCollector(Collector):
         hits.add_metric([], c.prefix_hit_pages)
         misses = CounterMetricFamily("kvdrive_page_misses", "needed pages no tier could serve (recomputed)")
         misses.add_metric([], c.misses)
+        throttled = CounterMetricFamily("kvdrive_prefetch_throttled_steps", "decode steps that skipped prefetching "
+                                        "because recent prefetches were mostly wasted")
+        throttled.add_metric([], c.prefetch_throttled)
         yield from (running, waiting, generated, prompt, preempt, cap, budget, used, cached, reads, moved, prefetch,
-                    wait, steps, hits, misses)
+                    wait, steps, hits, misses, throttled)
 
 
 class ServerMetrics:

@@ -55,7 +55,7 @@ def build_state(opts: ServeOptions) -> ServerState:
         return TierCounters(page_reads=reads, transfer_bytes=dict(cache.store.transfer_bytes),
                             prefetch=cache.ledger.counts(), fetch_wait_seconds=cache.fetch_wait_seconds,
                             decode_steps=cache.decode_steps, prefix_hit_pages=cache.prefix_hit_pages,
-                            misses=cache.store.misses)
+                            misses=cache.store.misses, prefetch_throttled=cache.throttle.throttled)
 
     async def set_tiers(gpu: int, dram: int, ssd: int) -> list[TierUsage]:
         await async_engine.call(lambda _e: cache.set_budgets(gpu, dram, ssd))

@@ -106,7 +106,7 @@ def test_metrics_expose_the_contract_names(live_server: LiveServer) -> None:
     for name in ("kvdrive_tier_capacity_bytes", "kvdrive_tier_used_bytes", "kvdrive_page_reads_total",
                  "kvdrive_requests_running", "kvdrive_requests_waiting", "kvdrive_generated_tokens_total",
                  "kvdrive_time_to_first_token_seconds_bucket", "kvdrive_inter_token_latency_seconds_bucket",
-                 "kvdrive_prefetch_total"):
+                 "kvdrive_prefetch_total", "kvdrive_prefetch_throttled_steps_total"):
         assert name in text, name
     for tier in ("gpu", "dram", "ssd"):
         assert f'kvdrive_tier_used_bytes{{tier="{tier}"}}' in text
