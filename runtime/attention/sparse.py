@@ -1,4 +1,4 @@
-"""Exact softmax attention of decode queries over gathered pages, batched across sequences.
+"""Exact softmax attention of decode queries over their gathered pages, one sequence of the batch at a time.
 
 Each sequence contributes its selected pages plus its open tail and is computed on its own: padding
 the batch to one tensor would copy every gathered page once more (measured ~45 ms per step at 7K
