@@ -48,23 +48,24 @@ class BlockReads(Residency):
         """Blocks [n, block_bytes] uint8 on ``device`` (the compute device by default), row i holding
         keys[i], and the tier each was read from (None: a miss, recompute it; its row is zeros).
         ``count``: a needed read (page_reads, lookups), not a background prefetch."""
-        out, served, order = self._fetch(keys, device, count, grouped=True)
-        if any(i != r for r, i in enumerate(order)):  # tiers read into grouped slices: one gather restores order
-            inverse = [0] * len(order)
-            for r, i in enumerate(order):
-                inverse[i] = r
-            out = gather_rows(out, inverse, self._buffer(len(keys), out.device))
+        out, served, row = self._fetch(keys, device, count)
+        if row != list(range(len(keys))):  # tiers read into grouped slices: one gather restores key order
+            out = gather_rows(out, row, self._buffer(len(keys), out.device))
         return out, served
 
     def fetch_grouped(self, keys: list[BlockKey], device: torch.device | None = None,
                       count: bool = True) -> tuple[torch.Tensor, list[TierName | None], list[int]]:
         """Like ``fetch`` with rows grouped by serving tier: returns (blocks, tier per row, order) where
         row r holds keys[order[r]]."""
-        out, served, order = self._fetch(keys, device, count, grouped=True)
+        out, served, row = self._fetch(keys, device, count)
+        order = [0] * len(keys)
+        for i, r in enumerate(row):
+            order[r] = i
         return out, [served[i] for i in order], order
 
-    def _fetch(self, keys: list[BlockKey], device: torch.device | None, count: bool,
-               grouped: bool) -> tuple[torch.Tensor, list[TierName | None], list[int]]:
+    def _fetch(self, keys: list[BlockKey], device: torch.device | None,
+               count: bool) -> tuple[torch.Tensor, list[TierName | None], list[int]]:
+        """Blocks grouped by serving tier, the tier each key was read from, and each key's row."""
         n = len(keys)
         out = self._buffer(n, device or self.device)
         served: list[TierName | None] = [None] * n
@@ -82,7 +83,7 @@ class BlockReads(Residency):
                     b.pins += 1
                     self._touch(b)
                     plan.setdefault(t, []).append((i, b.copies[t].slot))
-            if grouped and first:  # rows follow the plan: one contiguous slice per tier, misses last
+            if first:  # rows follow the plan: one contiguous slice per tier, misses last
                 for items in plan.values():
                     items.sort(key=lambda it: it[1])  # slot order: a memory tier's chunks map to row ranges
                 planned = [i for t in TIER_ORDER for i, _ in plan.get(t, [])]
@@ -112,10 +113,7 @@ class BlockReads(Residency):
             with self._lock:
                 self.lookups += n
                 self.misses += len(missed)
-        order = [0] * n
-        for i, r in enumerate(row):
-            order[r] = i
-        return out, served, order
+        return out, served, row
 
     def _read_into(self, tier: TierName, items: list[tuple[int, int]], out: torch.Tensor) -> list[bool]:
         """Read (row, slot) items of ``tier`` into those rows of out: in place when the rows are consecutive."""

@@ -100,13 +100,7 @@ class ChunkedMemoryTier:
 
     def read(self, slots: list[int], out: torch.Tensor) -> list[bool]:
         """out: [n, block_bytes] uint8 on any device."""
-        groups = self._groups(slots)
-        if len(groups) == 1 and out.shape[0] == len(slots) and out.is_contiguous():
-            (ci, (_, rows)), = groups.items()  # one chunk, batch order: gather straight into ``out``
-            gather_rows(self._chunks[ci][0], rows, out)
-            self.page_reads += len(slots)
-            return [True] * len(slots)
-        for ci, (pos, rows) in groups.items():
+        for ci, (pos, rows) in self._groups(slots).items():
             chunk = self._chunks[ci][0]
             if pos == list(range(pos[0], pos[0] + len(pos))) and out.is_contiguous():  # a run of rows: in place
                 gather_rows(chunk, rows, out[pos[0] : pos[0] + len(pos)])
