@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +33,18 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: every CPU this process may run on)")
+
+
+def default_threads() -> int:
+    """CPUs this process may run on (the cgroup/affinity set, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
+    _add_threads_arg(p)
     p.add_argument("--model", default="demo", help="'demo', a .gguf file or a Hugging Face model directory")
     p.add_argument("--device", default="cpu", help="torch device for compute and the device KV tier (cpu, cuda)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
@@ -88,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks (JSON to stdout or --out)")
     bsub = b.add_subparsers(dest="bench", required=True)
     m = bsub.add_parser("model", help="load time, prefill and decode throughput of a model")
+    _add_threads_arg(m)
     m.add_argument("--model", default="demo")
     m.add_argument("--device", default="cpu")
     m.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
@@ -108,12 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--steps", type=int, default=16)
     dc.add_argument("--warmup", type=int, default=4)
     dc.add_argument("--token-budget", type=int, default=1024)
-    dc.add_argument("--threads", type=int, default=None,
-                    help="torch threads (on a shared host, 1 avoids waiting on descheduled worker threads)")
+    _add_threads_arg(dc)
     dc.add_argument("--ssd-budget", type=_size, default=4 << 30,
                     help="SSD tier size, the same in every run on this directory (a smaller one drops stored pages)")
     dc.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
     rs = bsub.add_parser("rss", help="resident memory of a demo server as its DRAM tier fills")
+    _add_threads_arg(rs)
     rs.add_argument("--ssd-dir", required=True)
     rs.add_argument("--gpu-budget", type=_size, default=32 << 20)
     rs.add_argument("--dram-budget", type=_size, default=128 << 20)
@@ -156,17 +169,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 def engine_config(args: argparse.Namespace, max_sequences: int):  # type: ignore[no-untyped-def]
     """The engine's KV configuration from the model/tier flags."""
-    from kvdrive.runtime.engine import EngineConfig
+    from kvdrive.runtime.engine import EngineConfig, TierConfig
 
     if args.token_budget < 2 * args.page_size:
         raise ValueError(f"--token-budget {args.token_budget} is below two pages of {args.page_size} tokens")
     ssd_budget = args.ssd_budget if args.ssd_budget is not None else (1 << 30 if args.ssd_dir else 0)
-    return EngineConfig(
-        page_size=args.page_size, kv_budget_bytes=args.gpu_budget, dram_budget_bytes=args.dram_budget,
-        ssd_dir=args.ssd_dir, ssd_budget_bytes=ssd_budget, hugetlbfs_dir=args.dram_hugepage_dir,
-        ssd_codec=args.ssd_compression, placement=args.placement, full_attention=args.full_attention,
-        token_budget=args.token_budget, max_sequences=max_sequences, kv_dtype=_dtype(args.dtype),
-    )
+    tiers = TierConfig(gpu_bytes=args.gpu_budget, dram_bytes=args.dram_budget, ssd_dir=args.ssd_dir,
+                       ssd_bytes=ssd_budget, hugetlbfs_dir=args.dram_hugepage_dir, ssd_codec=args.ssd_compression)
+    return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
+                        full_attention=args.full_attention, token_budget=args.token_budget,
+                        max_sequences=max_sequences, kv_dtype=_dtype(args.dtype))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -215,11 +227,6 @@ def _bench(args: argparse.Namespace) -> int:
         return 0
     if args.bench == "decode":
         from kvdrive.runtime.bench import decode_bench
-
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
 
         res = decode_bench.run_decode_bench(
             args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
@@ -278,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     from kvdrive.runtime.model.tokenizer import TokenizerError
 
     args = parse_args(argv)
+    if hasattr(args, "threads"):  # the commands that compute: torch uses every allowed CPU unless told
+        import torch
+
+        args.threads = args.threads or default_threads()
+        torch.set_num_threads(args.threads)
     verbose = args.verbose or args.command == "serve"
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,14 +1,15 @@
-"""Attention: dense causal attention; page summaries, page selection and sparse attention."""
+"""Attention: dense causal attention, page key summaries, batched page selection, decode attention."""
 
 from kvdrive.runtime.attention.dense import causal_attention
 from kvdrive.runtime.attention.selection import (
-           SelectionConfig,
-           page_scores,
-           select_pages,
-           select_with_runners_up,
+    SelectionConfig,
+    SelectionMasks,
+    page_scores,
+    select_pages,
+    selection_masks,
 )
 from kvdrive.runtime.attention.sparse import decode_attention
-from kvdrive.runtime.attention.summaries import PageSummaries, key_bounds
+from kvdrive.runtime.attention.summaries import SummaryTable, key_bounds
 
-__all__ = ["PageSummaries", "SelectionConfig", "causal_attention", "decode_attention", "key_bounds",
-           "page_scores", "select_pages", "select_with_runners_up"]
+__all__ = ["SelectionConfig", "SelectionMasks", "SummaryTable", "causal_attention", "decode_attention",
+           "key_bounds", "page_scores", "select_pages", "selection_masks"]

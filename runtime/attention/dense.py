@@ -18,13 +18,13 @@ SCORE_TILE_BYTES = 16 << 20  # scores of one query tile: Hq x rows x T x 4 bytes
 
 def causal_attention(
     q: torch.Tensor,  # [N, Hq, D] new tokens' queries
-    k: torch.Tensor,  # [T, Hkv, D] all keys of the sequence (positions 0..T-1)
-    v: torch.Tensor,  # [T, Hkv, D]
+    k: torch.Tensor,  # [Hkv, T, D] all keys of the sequence (positions 0..T-1), head-major
+    v: torch.Tensor,  # [Hkv, T, D]
     q_positions: torch.Tensor,  # [N] absolute positions of the queries
     tile_bytes: int = SCORE_TILE_BYTES,
 ) -> torch.Tensor:  # [N, Hq, D]
-    n, t = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, N|T, D]
+    n, t = q.shape[0], k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k, v  # [H, N|T, D]
     scale = 1.0 / math.sqrt(q.shape[-1])
     if kh.dtype != qh.dtype:
         kh, vh = kh.to(qh.dtype), vh.to(qh.dtype)

@@ -1,11 +1,13 @@
-"""Page selection under a token budget: which sealed pages a decode query attends to.
+"""Page selection under a token budget, batched: which sealed pages each decode query attends to.
 
-Per (sequence, layer): the first ``sink_pages`` pages (attention sinks) and the last
-``recent_pages`` sealed pages are always kept; the rest of the budget goes to the pages with the
-highest upper bound of q.k (``summaries``). Pages are shared by all KV heads, so a page's score adds up,
-over the query heads, the attention mass the head's bounds give it (a softmax of the bounds over the
-pages): a head that attends sharply puts its whole weight on few pages, a head that attends evenly
-spreads it thin, so a page matters when some head may attend to it strongly. The open (partial) tail page is always attended and not counted here.
+Per (sequence, layer): the first ``sink_pages`` pages (attention sinks) and the last ``recent_pages``
+sealed pages are always kept; the rest of the budget goes to the pages with the highest estimated
+attention mass. Pages are shared by all KV heads, so a page's score adds up, over the query heads, the
+mass the head's Quest bounds give it (a softmax of the bounds over the pages): a head that attends
+sharply puts its whole weight on few pages, a head that attends evenly spreads it thin, so a page
+matters when some head may attend to it strongly. The open (partial) tail page is always attended and
+not counted here. One layer's selection for the whole decode batch is one ``bmm``, one softmax and one
+``topk``; sequences shorter than the budget take all their pages, in order.
 """
 
 from __future__ import annotations
@@ -29,35 +31,40 @@ class SelectionConfig:
         return max(self.sink_pages + self.recent_pages, self.token_budget // self.page_size - 1)
 
 
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """q [Hq, D]; kmin, kmax [P, Hkv, D] -> score [P] (float32): estimated attention mass, summed over heads."""
-    hq, d = q.shape
-    hkv = kmin.shape[1]
-    qg = q.float().view(hkv, hq // hkv, d)  # [Hkv, G, D]
-    lo = torch.einsum("hgd,phd->phg", qg.clamp(max=0), kmin)  # negative q_d pair with kmin
-    hi = torch.einsum("hgd,phd->phg", qg.clamp(min=0), kmax)
-    bound = (lo + hi) / math.sqrt(d)  # [P, Hkv, G]: max over the page's keys of q.k / sqrt(D) is <= bound
-    return torch.softmax(bound.flatten(1), dim=0).sum(dim=1)  # per head: mass estimate over pages; summed
+@dataclass(frozen=True)
+class SelectionMasks:
+    """The parts of a batch's selection fixed for a whole step: which pages exist and which are forced."""
+
+    invalid: torch.Tensor  # [B, Pmax] bool: page index >= the sequence's sealed pages
+    forced: torch.Tensor  # [B, Pmax] bool: sinks and the recent window (of existing pages)
 
 
-def select_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
-    """Indices of the selected sealed pages, ascending: [k] int64 (all pages when they fit the budget)."""
-    return select_with_runners_up(q, kmin, kmax, cfg, 0)[0]
+def selection_masks(npages: torch.Tensor, pmax: int, cfg: SelectionConfig) -> SelectionMasks:
+    """npages [B] int64 (sealed pages per sequence) -> the step's masks."""
+    p = torch.arange(pmax, device=npages.device)[None, :]
+    n = npages[:, None]
+    forced = (p < cfg.sink_pages) | ((p >= n - cfg.recent_pages) & (p < n))
+    return SelectionMasks(p >= n, forced)
 
 
-def select_with_runners_up(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, cfg: SelectionConfig,
-                           runners_up: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selected pages (ascending, [k] int64) and the next ``runners_up`` pages by score: the pages most
-    likely to enter the selection at the next step (what prefetch fetches from the slow tiers)."""
-    p = kmin.shape[0]
-    budget = cfg.budget_pages
-    empty = torch.empty(0, dtype=torch.int64, device=kmin.device)
-    if p <= budget:
-        return torch.arange(p, device=kmin.device), empty
-    scores = page_scores(q, kmin, kmax)
-    forced = torch.zeros(p, dtype=torch.bool, device=kmin.device)
-    forced[: cfg.sink_pages] = True
-    forced[max(0, p - cfg.recent_pages) :] = True
-    scores = scores.masked_fill(forced, float("inf"))
-    top = torch.topk(scores, min(p, budget + runners_up)).indices
-    return torch.sort(top[:budget]).values, top[budget:]
+def page_scores(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks) -> torch.Tensor:
+    """q [B, Hq, D]; summaries [B, Hkv, P, 2D] (kmax, kmin) -> score [B, P] float32: estimated attention mass
+    summed over heads; forced pages +inf, missing pages -inf."""
+    b, hq, d = q.shape
+    hkv = summaries.shape[1]
+    qg = q.float().view(b, hkv, hq // hkv, d) * (1.0 / math.sqrt(d))
+    qc = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)  # [B, Hkv, G, 2D]: q+ meets kmax, q- kmin
+    bound = torch.matmul(qc, summaries.transpose(-1, -2))  # [B, Hkv, G, P] >= max over the page of q.k / sqrt(D)
+    mass = torch.softmax(bound.masked_fill_(masks.invalid[:, None, None, :], float("-inf")), dim=-1).sum(dim=(1, 2))
+    return mass.masked_fill_(masks.invalid, float("-inf")).masked_fill_(masks.forced, float("inf"))
+
+
+def select_pages(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks, cfg: SelectionConfig,
+                 runners_up: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected pages [B, K] int64 ascending (K = budget_pages; a sequence with fewer pages has them all
+    first, then indices >= its page count) and the next ``runners_up`` pages by score [B, R]: the pages
+    most likely to enter the selection at the next step (what prefetch fetches from the slow tiers)."""
+    k = cfg.budget_pages
+    scores = page_scores(q, summaries, masks)
+    top = torch.topk(scores, min(scores.shape[1], k + runners_up), dim=1, sorted=True).indices
+    return torch.sort(top[:, :k], dim=1).values, top[:, k:]

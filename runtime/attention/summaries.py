@@ -1,8 +1,12 @@
-"""Per-page key summaries: the element-wise min and max of a page's keys, per KV head.
+"""Per-page key summaries of the running sequences, one row per sequence, all layers in one tensor.
 
-A page's summary bounds q.k for every key in it: for each dimension d, q_d * k_d <= max(q_d * kmin_d,
-q_d * kmax_d), so the sum over d is an upper bound of any key's score (Quest's bound). Summaries are
-small (2 x Hkv x D per layer page, 1/S of the page's keys) and stay on the compute device.
+A page's summary bounds q.k for every key in it (Quest's bound): for each dimension d, q_d * k_d <=
+max(q_d * kmin_d, q_d * kmax_d), so q+ . kmax + q- . kmin is an upper bound of any key's score. Summaries
+are small (2 x Hkv x D per layer page, 1/S of the page's keys) and stay on the compute device.
+
+Layout ``[L, rows, Hkv, Pcap, 2D]`` float32, last dim kmax then kmin: one layer's summaries of a batch of
+consecutive rows are a strided view whose (row, head) batch folds into one ``bmm`` against ``[q+, q-]``
+without a copy. Rows and page capacity grow by doubling, between steps.
 """
 
 from __future__ import annotations
@@ -10,46 +14,57 @@ from __future__ import annotations
 import torch
 
 
-def key_bounds(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k [n, S, Hkv, D] (n full pages) -> (kmin, kmax) [n, Hkv, D] each, float32."""
+def key_bounds(k: torch.Tensor) -> torch.Tensor:
+    """k [n, Hkv, S, D] (n full pages, head-major) -> [n, Hkv, 2D] float32: kmax then kmin over the page."""
     kf = k.float()
-    return kf.amin(dim=1), kf.amax(dim=1)
+    return torch.cat([kf.amax(dim=2), kf.amin(dim=2)], dim=-1)
 
 
-class PageSummaries:
-    """The summaries of one sequence's sealed pages, all layers: kmin, kmax [L, P, Hkv, D], grown as needed."""
-
+class SummaryTable:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 initial_pages: int = 64) -> None:
-        self.shape = (num_layers, num_kv_heads, head_dim)
+                 rows: int = 1, pages: int = 64) -> None:
+        self.shape = (num_layers, num_kv_heads, 2 * head_dim)
         self.device = device
-        cap = max(1, initial_pages)
-        self.kmin = torch.zeros((num_layers, cap, num_kv_heads, head_dim), dtype=torch.float32, device=device)
-        self.kmax = torch.zeros_like(self.kmin)
+        self.table = self._zeros(max(1, rows), max(1, pages))
 
-    def _ensure(self, pages: int) -> None:
-        cap = self.kmin.shape[1]
-        if pages <= cap:
+    def _zeros(self, rows: int, pages: int) -> torch.Tensor:
+        L, H, D2 = self.shape
+        with torch.inference_mode(False):  # long-lived: written from the model's forward and outside it
+            return torch.zeros((L, rows, H, pages, D2), dtype=torch.float32, device=self.device)
+
+    @property
+    def rows(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def pages(self) -> int:
+        return self.table.shape[3]
+
+    def ensure(self, rows: int, pages: int) -> None:
+        """Room for rows 0..rows-1 and pages 0..pages-1 (doubling)."""
+        r, p = self.rows, self.pages
+        if rows <= r and pages <= p:
             return
-        new_cap = max(pages, 2 * cap)
-        L, H, D = self.shape
-        for name in ("kmin", "kmax"):
-            old = getattr(self, name)
-            with torch.inference_mode(False):  # stays writable outside the model's forward
-                grown = torch.zeros((L, new_cap, H, D), dtype=old.dtype, device=self.device)
-                grown[:, :cap] = old
-            setattr(self, name, grown)
+        while r < rows:
+            r *= 2
+        while p < pages:
+            p *= 2
+        new = self._zeros(r, p)
+        new[:, : self.rows, :, : self.pages] = self.table
+        self.table = new
 
-    def set(self, layer: int, first_page: int, k: torch.Tensor) -> None:
-        """Summarise full pages k [n, S, Hkv, D] of ``layer`` as pages first_page .. first_page+n-1."""
+    def set(self, layer: int, row: int, first_page: int, k: torch.Tensor) -> None:
+        """Summarise full pages k [n, Hkv, S, D] of ``layer`` as pages first_page.. of ``row``."""
         n = k.shape[0]
-        if n == 0:
-            return
-        self._ensure(first_page + n)
-        lo, hi = key_bounds(k)
-        self.kmin[layer, first_page : first_page + n] = lo
-        self.kmax[layer, first_page : first_page + n] = hi
+        if n:
+            self.table[layer, row, :, first_page : first_page + n] = key_bounds(k).transpose(0, 1)
 
-    def of(self, layer: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """kmin, kmax [pages, Hkv, D] of the first ``pages`` pages of ``layer``."""
-        return self.kmin[layer, :pages], self.kmax[layer, :pages]
+    def batch(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
+        """[B, Hkv, pages, 2D] of ``rows``: a view when they are consecutive (``first_row`` given)."""
+        t = self.table[layer]
+        if first_row is not None:
+            return t[first_row : first_row + rows.shape[0], :, :pages]
+        return t.index_select(0, rows)[:, :, :pages]
+
+    def clear_row(self, row: int) -> None:
+        """A row is reused by a new sequence (nothing to do: pages are written before they are read)."""

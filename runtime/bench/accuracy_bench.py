@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from kvdrive.runtime.bench.texts import filler_tokens, passkey_prompt
-from kvdrive.runtime.engine import EngineConfig, Generator
+from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
 from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.model import ChatMessage, LoadedModel, load_model
 
@@ -255,8 +255,10 @@ def run_accuracy_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, .
                           loaded.model.embed_tokens.weight.dtype).page_bytes
     decoded_pages = sum(c.max_tokens // page_size + 2 for c in cases)  # demoted decode pages land on SSD too
     need = _distinct_pages([c.prompt for c in cases], page_size) + 3 * decoded_pages
-    base = EngineConfig(page_size=page_size, ssd_dir=ssd_dir, max_sequences=1, token_budget=token_budget,
-                        ssd_budget_bytes=ssd_budget or int(need * 1.3) * page_bytes + (64 << 20), full_attention=True)
+    tiers = TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget or int(need * 1.3) * page_bytes + (64 << 20))
+    base = EngineConfig(tiers=tiers, page_size=page_size, max_sequences=1, token_budget=token_budget,
+                        full_attention=True)
+    transient = replace(base, tiers=replace(tiers, persist=False))
     seconds: dict[str, float] = {}
     # Inference mode on this thread too: the SSD tier's staging buffers may be created inside the model's
     # forward (inference tensors) and written again by evictions this thread triggers outside it.
@@ -266,10 +268,10 @@ def run_accuracy_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, .
         seconds["prefill"] = time.perf_counter() - t
         with tempfile.TemporaryDirectory(prefix="logits-", dir=ssd_dir) as scratch:
             t = time.perf_counter()
-            ref = _reference(loaded, cases, replace(base, persist=False), scratch)
+            ref = _reference(loaded, cases, transient, scratch)
             seconds["reference"] = time.perf_counter() - t
             t = time.perf_counter()
-            results = _candidate(loaded, cases, replace(base, persist=False, full_attention=candidate_full_attention),
+            results = _candidate(loaded, cases, replace(transient, full_attention=candidate_full_attention),
                                  scratch, ref)
             seconds["candidate"] = time.perf_counter() - t
     return AccuracyBenchResult(

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from kvdrive.runtime.bench.texts import filler_tokens
-from kvdrive.runtime.engine import EngineConfig, Generator
+from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
 from kvdrive.runtime.model import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -63,14 +63,14 @@ def _config(mode: str, total: int, batch: int, page_bytes: int, ssd_dir: str, ss
         gpu, dram, placement = int(total * 1.1) + tails + 4 * page_bytes, 0, "kvdrive"
     else:
         gpu, dram, placement = max(int(total * 0.10), 2 * page_bytes) + tails, int(total * 0.25), mode
-    return EngineConfig(kv_budget_bytes=gpu, dram_budget_bytes=dram, ssd_dir=ssd_dir, ssd_budget_bytes=ssd_budget,
-                        placement=placement, full_attention=mode == "full", token_budget=token_budget,
+    tiers = TierConfig(gpu_bytes=gpu, dram_bytes=dram, ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
+    return EngineConfig(tiers=tiers, placement=placement, full_attention=mode == "full", token_budget=token_budget,
                         max_sequences=batch)
 
 
 def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], ssd_dir: str, ssd_budget: int) -> None:
     """Store every prompt's pages on the SSD tier once (skips prompts already stored)."""
-    gen = Generator(loaded, EngineConfig(ssd_dir=ssd_dir, ssd_budget_bytes=ssd_budget, max_sequences=1))
+    gen = Generator(loaded, EngineConfig(tiers=TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget), max_sequences=1))
     try:
         for p in tqdm(prompts, desc="prefill into the SSD tier", leave=False):
             if len(gen.cache.stored_prefix(p)) >= (len(p) - 1) // gen.cache.layout.page_size:
@@ -84,7 +84,7 @@ def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], ssd_dir: str, ss
 
 def _snapshot(gen: Generator) -> dict[str, object]:
     c = gen.cache
-    return {"reads": dict(c.store.page_reads), "moved": dict(c.store.transfer_bytes), "prefetch": c.ledger.counts(),
+    return {"reads": c.page_reads(), "moved": dict(c.store.transfer_bytes), "prefetch": c.placer.ledger.counts(),
             "wait": c.fetch_wait_seconds, "busy": sum(c.transfers.busy_seconds.values())}
 
 
@@ -128,7 +128,7 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
                      warmup: int = 4, token_budget: int = 1024, ssd_budget: int | None = None,
                      loaded: LoadedModel | None = None) -> DecodeBenchResult:
     loaded = loaded or load_model(model)
-    probe = Generator(loaded, EngineConfig(kv_budget_bytes=None, max_sequences=1))
+    probe = Generator(loaded, EngineConfig(max_sequences=1))
     layout = probe.cache.layout
     probe.close()
     del probe

@@ -2,7 +2,8 @@
 
 from kvdrive.runtime.engine.async_engine import AsyncEngine
 from kvdrive.runtime.engine.detokenize import TextStream
-from kvdrive.runtime.engine.generator import EngineConfig, Generator, PromptTooLongError
+from kvdrive.runtime.engine.generator import Generator, PromptTooLongError
+from kvdrive.runtime.engine.kv_state import EngineConfig, TierConfig
 from kvdrive.runtime.engine.llm_engine import EngineStats, LLMEngine, QueueFullError
 from kvdrive.runtime.engine.request import Request, RequestOutput
 from kvdrive.runtime.engine.sampling import SamplingParams
@@ -10,5 +11,5 @@ from kvdrive.runtime.engine.scheduler import SchedulerConfig
 
 __all__ = [
     "AsyncEngine", "EngineConfig", "EngineStats", "Generator", "LLMEngine", "PromptTooLongError", "QueueFullError",
-    "Request", "RequestOutput", "SamplingParams", "SchedulerConfig", "TextStream",
+    "Request", "RequestOutput", "SamplingParams", "SchedulerConfig", "TextStream", "TierConfig",
 ]

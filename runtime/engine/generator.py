@@ -9,38 +9,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
 from kvdrive.runtime.engine.heap import HeapTrimmer
+from kvdrive.runtime.engine.kv_state import EngineConfig
 from kvdrive.runtime.engine.sampling import SamplingParams, make_generator, sample
 from kvdrive.runtime.engine.tiered_backend import TieredAttentionBackend
-from kvdrive.runtime.engine.tiered_cache import TierConfig, TieredKVCache
+from kvdrive.runtime.engine.tiered_cache import TieredKVCache
 from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.model import LoadedModel
 
 
 class PromptTooLongError(ValueError):
     """The prompt plus the requested tokens do not fit the model's context."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    page_size: int = 16
-    kv_budget_bytes: int | None = None  # gpu tier incl. open pages; None: one full-context sequence + open pages
-    prefill_chunk: int = 512  # tokens per prefill forward (bounds activation memory)
-    kv_dtype: torch.dtype | None = None  # None: the model's dtype
-    dram_budget_bytes: int = 0
-    ssd_dir: str | None = None
-    ssd_budget_bytes: int = 0
-    hugetlbfs_dir: str | None = None
-    ssd_codec: str = "none"
-    placement: str = "kvdrive"  # kvdrive | lru | ondemand | fullfetch
-    full_attention: bool = False
-    token_budget: int = 1024
-    max_sequences: int = 16  # sequences with an open page at once (the scheduler's max_running)
-    persist: bool = True  # write sealed pages through to the SSD tier
 
 
 class Generator:
@@ -56,26 +39,39 @@ class Generator:
             page_size=c.page_size,
             dtype=c.kv_dtype or model.embed_tokens.weight.dtype,
         )
-        gpu = c.kv_budget_bytes
-        if gpu is None:
+        if c.tiers.gpu_bytes is None:  # one full-context sequence plus the open pages
             gpu = (layout.pages_for(cfg.context_length) + c.max_sequences) * layout.page_bytes
-        tiers = TierConfig(gpu_bytes=gpu, dram_bytes=c.dram_budget_bytes, ssd_bytes=c.ssd_budget_bytes,
-                           ssd_dir=c.ssd_dir, hugetlbfs_dir=c.hugetlbfs_dir, ssd_codec=c.ssd_codec,
-                           placement=c.placement, full_attention=c.full_attention, token_budget=c.token_budget,
-                           max_sequences=c.max_sequences, persist=c.persist)
-        fingerprint = f"{loaded.fingerprint}|kv={layout.dtype}|page={c.page_size}"
-        self.cache = TieredKVCache(layout, tiers, self.device, fingerprint)
+            c = self.config = replace(c, tiers=replace(c.tiers, gpu_bytes=gpu))
+        fingerprint = f"{loaded.fingerprint}|{layout.fingerprint()}"
+        self.cache = TieredKVCache(layout, c, self.device, fingerprint)
         self._ids = itertools.count()
         self.heap = HeapTrimmer()
+        self.timings: dict[str, float] | None = None  # per-phase decode seconds, when a benchmark asks
 
     @property
     def max_context(self) -> int:
         return self.loaded.config.context_length
 
+    def check_prompt(self, num_prompt_tokens: int) -> None:
+        """The one prompt-length check: a prompt must leave room for one generated token in the model's
+        context and fit the KV tiers. Raises PromptTooLongError."""
+        limit = self.max_context
+        if num_prompt_tokens < 1:
+            raise PromptTooLongError("the prompt is empty")
+        if num_prompt_tokens + 1 > limit:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens; this model's context is {limit} tokens "
+                f"(prompt + at least 1 generated token must fit)")
+        cache = self.cache
+        if cache.pages_needed(None, num_prompt_tokens + 1) > cache.num_pages:
+            raise PromptTooLongError(
+                f"the prompt has {num_prompt_tokens} tokens; the KV tiers hold at most "
+                f"{(cache.num_pages + 1) * cache.layout.page_size - 1} tokens per request")
+
     @property
     def page_reads(self) -> int:
         """Blocks (one layer's page) read from the KV tiers by attention, all tiers."""
-        return sum(self.cache.store.page_reads.values())
+        return sum(self.cache.page_reads().values())
 
     # --- sequences ---------------------------------------------------------------------------
     def new_sequence(self) -> int:
@@ -99,12 +95,12 @@ class Generator:
         """Append tokens to sequences and run the model. Returns hidden states [N, H]. Sequences in
         ``decoding`` feed one generated token (page selection applies); the others feed prompt tokens."""
         steps = [self.cache.begin(seq_id, list(tokens), seq_id in decoding) for seq_id, tokens in batch]
-        if self.cache.policy.hotness_eviction and decoding:  # admission only happens on decode reads
-            self.cache.update_floors()
+        self.cache.prepare_step()
         ids = [t for _, tokens in batch for t in tokens]
-        backend = TieredAttentionBackend(self.cache, steps)
+        backend = TieredAttentionBackend(self.cache, steps, self.timings if decoding else None)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.loaded.model(input_ids, torch.cat([s.positions for s in steps]), backend)
+        backend.finish()
         self.cache.finish_step(backend.sealed, backend.decoded)
         if len(ids) > len(decoding):  # prompt tokens: give the step's freed working memory back
             self.heap.after_prompt_step()
@@ -114,10 +110,7 @@ class Generator:
         """Feed a prompt in chunks. Returns the last position's logits [V] (or all: [T, V])."""
         if not tokens:
             raise ValueError("empty prompt")
-        if self.cache.length(seq_id) + len(tokens) > self.max_context:
-            raise PromptTooLongError(
-                f"{len(tokens)} prompt tokens exceed the model's context of {self.max_context} tokens"
-            )
+        self.check_prompt(self.cache.length(seq_id) + len(tokens))
         chunk = self.config.prefill_chunk
         outs = []
         for i in range(0, len(tokens), chunk):
@@ -133,10 +126,7 @@ class Generator:
     # --- convenience -------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
         """Yield generated token ids until EOS (unless ignored), max_tokens or context end."""
-        if len(prompt) + 1 > self.max_context:
-            raise PromptTooLongError(
-                f"{len(prompt)} prompt tokens leave no room in the model's context of {self.max_context}"
-            )
+        self.check_prompt(len(prompt))
         eos = set(self.loaded.tokenizer.eos_token_ids)
         gen = make_generator(params)
         seq_id, reused = self.open_sequence(prompt)

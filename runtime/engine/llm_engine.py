@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from kvdrive.runtime.engine.detokenize import TextStream
-from kvdrive.runtime.engine.generator import Generator, PromptTooLongError
+from kvdrive.runtime.engine.generator import Generator
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
 from kvdrive.runtime.engine.sampling import make_generator, sample
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -51,37 +51,32 @@ class LLMEngine:
         self._generated = 0
         self._prompt_tokens = 0
         self._preemptions = 0
+        self._reserved = 0  # pages promised to this step's chunks (the scheduler's plan)
 
-    # --- PageSource for the scheduler ---------------------------------------------------------
-    @property
-    def free_pages(self) -> int:
-        return self.gen.cache.free_pages
+    # --- KVAllocator for the scheduler ---------------------------------------------------------
+    def start_plan(self) -> None:
+        self._reserved = 0
 
-    def pages_needed(self, seq_id: int | None, n: int) -> int:
-        return self.gen.cache.pages_needed(seq_id, n)
-
-    # --- requests -----------------------------------------------------------------------------
-    def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise PromptTooLongError when a prompt cannot be served at all."""
-        limit = self.gen.max_context
-        if num_prompt_tokens < 1:
-            raise PromptTooLongError("the prompt is empty")
-        if num_prompt_tokens + 1 > limit:
-            raise PromptTooLongError(
-                f"the prompt has {num_prompt_tokens} tokens; this model's context is {limit} tokens "
-                f"(prompt + at least 1 generated token must fit)"
-            )
+    def can_admit(self, seq: SequenceState) -> bool:
         cache = self.gen.cache
-        if cache.pages_needed(None, num_prompt_tokens + 1) > cache.num_pages:
-            raise PromptTooLongError(
-                f"the prompt has {num_prompt_tokens} tokens; the KV tiers hold at most "
-                f"{(cache.num_pages + 1) * cache.layout.page_size - 1} tokens per request"
-            )
+        return cache.pages_needed(None, len(seq.pending) + 1) + self._reserved <= cache.free_pages
+
+    def can_allocate(self, seq: SequenceState, n: int) -> bool:
+        cache = self.gen.cache
+        return cache.pages_needed(seq.seq_id, n) + self._reserved <= cache.free_pages
+
+    def allocate(self, seq: SequenceState, n: int) -> int:
+        if seq.seq_id is None:  # first chunk: open the sequence; stored prefix pages need no compute
+            seq.seq_id, reused = self.gen.open_sequence(seq.tokens)
+            seq.num_computed += reused
+        n = min(n, len(seq.pending))
+        self._reserved += self.gen.cache.pages_needed(seq.seq_id, n)
+        return n
 
     def add_request(self, request: Request) -> None:
         if len(self.scheduler.waiting) >= self.scheduler.config.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
-        self.check_prompt(len(request.prompt_ids), request.params.max_tokens)
+        self.gen.check_prompt(len(request.prompt_ids))
         if request.request_id in self._seqs:
             raise ValueError(f"duplicate request id {request.request_id}")
         seq = SequenceState(
@@ -125,32 +120,37 @@ class LLMEngine:
             seq.seq_id = None
 
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule (allocating), run the forward pass, postprocess (sample, emit)."""
         outputs = self._fail_unservable()
         chunks = self.scheduler.plan(self, self._preempt)
         if not chunks:
             return outputs
-        batch = []
-        for i, c in enumerate(chunks):
-            if c.seq.seq_id is None:
-                c.seq.seq_id, reused = self.gen.open_sequence(c.seq.tokens)
-                if reused:  # prefix pages found in the tiers: skip their tokens
-                    c.seq.num_computed += reused
-                    chunks[i] = c = replace(c, num_tokens=min(c.num_tokens, len(c.seq.pending)))
-            batch.append((c.seq.seq_id, c.seq.pending[: c.num_tokens]))
+        hidden = self._run(chunks)
+        if hidden is None:
+            return outputs
+        return outputs + self._postprocess(chunks, hidden)
+
+    def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """The forward pass of the step's chunks: hidden states [N, H], or None when a needed page was lost
+        (the step's sequences are recomputed: a lost page is never served)."""
+        batch = [(c.seq.seq_id, c.seq.pending[: c.num_tokens]) for c in chunks]
+        decoding = {c.seq.seq_id for c in chunks if c.num_tokens == 1 and c.seq.num_generated > 0}
         try:
-            decoding = {c.seq.seq_id for c in chunks if c.num_tokens == 1 and c.seq.num_generated > 0}
-            hidden = self.gen.forward_tokens(batch, decoding)  # [N, H]
-        except PageLostError as exc:  # a needed page is unreadable in every tier: recompute, never serve it
+            return self.gen.forward_tokens(batch, decoding)  # type: ignore[arg-type]
+        except PageLostError as exc:
             log.warning("%s; recomputing the step's sequences", exc)
             for c in chunks:
                 if c.seq in self.scheduler.running:
                     self._preempt(c.seq)
-            return outputs
+            return None
+
+    def _postprocess(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[RequestOutput]:
         ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1  # last row of each chunk
         completing = [i for i, c in enumerate(chunks) if c.completes]
         logits = self.gen.loaded.model.logits(hidden[ends[completing]]) if completing else None  # [B, V]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
+        outputs: list[RequestOutput] = []
         for row, i in enumerate(completing):
             assert logits is not None
             try:

@@ -1,10 +1,11 @@
 """Continuous batching: which sequences run in the next step and how many tokens each feeds.
 
 Every step, decoding sequences feed their one new token first; the remaining token budget goes to
-prompt chunks (chunked prefill), so a long prompt never stalls running decodes. When the KV cache
-cannot hold a decode, the most recently admitted sequence is preempted (its pages freed, its
-tokens recomputed later). Pure bookkeeping over a cache that answers ``pages_needed`` and
-``free_pages``; the engine frees pages when asked to preempt.
+prompt chunks (chunked prefill), so a long prompt never stalls running decodes. The scheduler both
+checks and allocates: a ``KVAllocator`` answers ``can_admit`` / ``can_allocate`` and then ``allocate``s
+(opening a new sequence with prefix reuse, which may shorten what it still has to feed), so the chunks
+it returns are final. When the KV cache cannot hold a decode, the most recently admitted sequence is
+preempted (its pages freed, its tokens recomputed later).
 """
 
 from __future__ import annotations
@@ -17,10 +18,19 @@ from typing import Protocol
 from kvdrive.runtime.engine.request import SequenceState
 
 
-class PageSource(Protocol):
-    def pages_needed(self, seq_id: int | None, n: int) -> int: ...
-    @property
-    def free_pages(self) -> int: ...
+class KVAllocator(Protocol):
+    def start_plan(self) -> None:
+        """A new step's plan begins: nothing is reserved yet."""
+
+    def can_admit(self, seq: SequenceState) -> bool:
+        """A waiting sequence's whole prompt (and one more token) fits now."""
+
+    def can_allocate(self, seq: SequenceState, n: int) -> bool:
+        """``n`` more tokens of a running sequence fit, with what this plan already reserved."""
+
+    def allocate(self, seq: SequenceState, n: int) -> int:
+        """Reserve room for up to ``n`` tokens (opening the sequence, with prefix reuse, if it has no KV
+        yet); returns how many tokens it feeds this step."""
 
 
 @dataclass(frozen=True)
@@ -50,42 +60,38 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def plan(self, cache: PageSource, preempt: Callable[[SequenceState], None]) -> list[ScheduledChunk]:
-        """The next step's chunks. Calls ``preempt`` (which must free pages) when a decode lacks room."""
+    def plan(self, kv: KVAllocator, preempt: Callable[[SequenceState], None]) -> list[ScheduledChunk]:
+        """The next step's chunks, allocated. Calls ``preempt`` (which must free pages) when a decode lacks room."""
+        kv.start_plan()
         budget = self.config.step_token_budget
         chunks: list[ScheduledChunk] = []
-        reserved = 0  # pages promised to chunks already in this step
+        scheduled: set[int] = set()
         for seq in list(self.running):  # decodes, oldest first: victims are always unscheduled ones
             if seq not in self.running or seq.num_generated == 0 or len(seq.pending) != 1:
                 continue
-            need = cache.pages_needed(seq.seq_id, 1)
-            while need + reserved > cache.free_pages and seq in self.running:
-                victim = self.running[-1]
-                preempt(victim)  # frees the victim's pages and calls requeue()
+            while not kv.can_allocate(seq, 1) and seq in self.running:
+                preempt(self.running[-1])  # frees the victim's pages and calls requeue()
             if seq not in self.running:
                 continue
-            reserved += need
-            chunks.append(ScheduledChunk(seq, 1))
+            chunks.append(ScheduledChunk(seq, kv.allocate(seq, 1)))
+            scheduled.add(id(seq))
             budget -= 1
         for seq in self.running:  # prompt chunks of sequences already admitted
-            if budget <= 0 or len(seq.pending) == 0 or any(c.seq is seq for c in chunks):
+            if budget <= 0 or not seq.pending or id(seq) in scheduled:
                 continue
             n = min(len(seq.pending), budget)
-            need = cache.pages_needed(seq.seq_id, n)
-            if need + reserved > cache.free_pages:
+            if not kv.can_allocate(seq, n):
                 continue
-            reserved += need
+            n = kv.allocate(seq, n)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
-            # admit only when the whole prompt (and one more token) fits now: no thrashing
-            if cache.pages_needed(None, len(seq.pending) + 1) + reserved > cache.free_pages:
+            if not kv.can_admit(seq):  # admit only when the whole prompt (and one more token) fits: no thrashing
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            n = min(len(seq.pending), budget)
-            reserved += cache.pages_needed(None, n)
+            n = kv.allocate(seq, budget)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks

@@ -1,12 +1,19 @@
-"""The attention backend of one engine step over the tiered KV cache.
+"""The attention backend of one engine step over the tiered KV cache: it writes, selects, reads and attends.
 
-Per layer: the step's new K/V go into each sequence's open tail page; pages that fill up are sealed
-into the store (one block per layer) and summarised. Prompt chunks attend exactly to all earlier
-pages (read from whichever tier holds them). Decode queries attend to the pages the selector picks
-under the token budget (all pages with ``--full-attention`` or ``fullfetch``), batched across
-sequences; blocks not in the device tier are read on demand (waiting for an in-flight prefetch when
-there is one) and, under the promoting policies, get a device-tier copy. The attention mass each page
-received feeds placement's hotness.
+Decode (one generated token per sequence), per layer, for the whole batch at once::
+
+    q, k, v ──► write k, v into each sequence's open page (one index_put into the device pool's tail rows)
+            ──► select: Quest bounds from the row summaries, softmax over pages, topk    [B, K] page indices
+            ──► page ids = page_table[rows].gather(idx)                                    [B, K]
+            ──► read (PageReader): device-tier pages + open page, one index_select          [2, B, Hkv, K+1, S*D]
+                 misses only: DRAM rows by tensor gather, the rest through the store (host code)
+            ──► attend: one masked matmul / softmax / matmul                               [B, Hq, D]
+            ──► placement.record: the attention mass of each page, one index_add_
+
+Everything that does not change between layers (rows, page-table view, masks, the open pages' rows) is
+computed once per step. Prompt chunks attend exactly to every earlier page (read the same way) plus
+their own tokens; the pages they fill are sealed into the store. A decode page that fills is sealed at
+the end of the step, for all layers at once. Where a page lives, and what moves, placement decides.
 """
 
 from __future__ import annotations
@@ -15,134 +22,202 @@ import time
 
 import torch
 
-from kvdrive.runtime.attention import causal_attention, decode_attention, select_with_runners_up
-from kvdrive.runtime.engine.tiered_cache import PageLostError, StepSeq, TieredKVCache
+from kvdrive.runtime.attention import causal_attention, decode_attention, select_pages, selection_masks
+from kvdrive.runtime.engine.page_reads import PageReader
+from kvdrive.runtime.engine.tiered_cache import StepSeq, TieredKVCache
 from kvdrive.runtime.kvcache import BlockKey
-from kvdrive.runtime.kvcache.tiers.rows import gather_rows
+
+PHASES = ("selection", "gather", "attention", "bookkeeping")
+
+
+class _DecodeBatch:
+    """What the decode sequences of one step share across layers."""
+
+    def __init__(self, cache: TieredKVCache, steps: list[StepSeq], q_rows: list[int]) -> None:
+        lay, dev = cache.layout, cache.device
+        s, L = lay.page_size, lay.num_layers
+        order = sorted(range(len(steps)), key=lambda i: steps[i].row)
+        self.steps = [steps[i] for i in order]
+        rows = [st.row for st in self.steps]
+        self.q_rows = [q_rows[i] for i in order]
+        self.q_index = None if self.q_rows == list(range(len(rows))) else torch.tensor(self.q_rows, device=dev)
+        self.seq_ids = [st.seq_id for st in self.steps]
+        self.rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+        self.first_row = rows[0] if rows == list(range(rows[0], rows[0] + len(rows))) else None
+        npages = [st.start // s for st in self.steps]  # sealed before the step (decode seals at its end)
+        self.npages = torch.tensor(npages, dtype=torch.int64, device=dev)
+        self.pmax = max(npages)
+        self.sparse = cache.policy.sparse and self.pmax > cache.selection.budget_pages
+        k = cache.selection.budget_pages if cache.policy.sparse else self.pmax
+        self.k = k = max(1, min(k, max(self.pmax, 1)))
+        b = len(rows)
+        ar = torch.arange(k, device=dev)
+        self.valid = ar[None, :] < self.npages[:, None]  # [B, K]: a short sequence has its pages first
+        self.n_valid = sum(min(n, k) for n in npages)
+        self.all_valid = self.n_valid == b * k
+        self.idx = ar.expand(b, k)  # the selection when nothing needs selecting
+        pt, width = cache.page_table, max(self.pmax, 1)
+        self.table = pt[self.first_row : self.first_row + b, :width] if self.first_row is not None \
+            else pt.index_select(0, self.rows)[:, :width]
+        self.masks = selection_masks(self.npages, self.pmax, cache.selection) if self.sparse else None
+        offs = torch.tensor([st.start % s for st in self.steps], dtype=torch.int64, device=dev)
+        self.offs = offs
+        self.tails0 = cache.tail_base + self.rows * L  # + layer: the device pool row of each open page
+        tok = torch.arange(s, device=dev)
+        tail_mask = tok[None, :] > offs[:, None]  # [B, S]: the open page's tokens not written yet
+        page_mask = (~self.valid)[:, :, None].expand(b, k, s)
+        self.mask = torch.cat([page_mask, tail_mask[:, None, :]], dim=1).reshape(b, 1, 1, (k + 1) * s)
+        self.reader = PageReader(cache, b, k, tail=True)
+        self.scratch = cache.placer.scratch
+        self.mass = cache.placer.wants_mass
+        self.prefetch = cache.placer.policy.prefetch
+        if self.prefetch:
+            r = cache.placer.runners_up if self.sparse else 0
+            self.chosen = torch.full((L, b, k + r), self.scratch, dtype=torch.int64, device=dev)
 
 
 class TieredAttentionBackend:
     """Implements ``kvdrive.runtime.model.AttentionBackend`` over a ``TieredKVCache``."""
 
-    def __init__(self, cache: TieredKVCache, steps: list[StepSeq]) -> None:
+    def __init__(self, cache: TieredKVCache, steps: list[StepSeq], timings: dict[str, float] | None = None) -> None:
         self.cache = cache
         self.steps = steps
-        self.sealed: list[BlockKey] = []  # blocks stored this step (for write-back)
+        self.sealed: list[BlockKey] = []  # blocks stored this step (for write-through)
+        self.timings = timings
         self.decoded = [s.seq_id for s in steps if s.decode]
+        starts, n = [], 0
+        for st in steps:
+            starts.append(n)
+            n += st.num_new
+        self.num_tokens = n
+        self.starts = starts
+        dec = [i for i, st in enumerate(steps) if st.decode]
+        self.prompts = [i for i, st in enumerate(steps) if not st.decode]
+        self.dec = _DecodeBatch(cache, [steps[i] for i in dec], [starts[i] for i in dec]) if dec else None
+        lay = cache.layout
+        self._pool_shape = (-1, *lay.block_shape)
 
-    # --- writing -----------------------------------------------------------------------------
-    def _append(self, layer: int, st: StepSeq, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [n, Hkv, D]; returns K/V of the tokens from the start of the tail page on: [o+n, Hkv, D]."""
-        cache = self.cache
+    def _pool(self) -> torch.Tensor:
+        """The device pool as blocks [rows, 2, Hkv, S, D] in the cache dtype."""
+        pool = self.cache.store.tiers["gpu"].pool  # type: ignore[attr-defined]
+        return pool.view(self.cache.layout.dtype).view(self._pool_shape)
+
+    def _mark(self, phase: str, t0: float) -> float:
+        t = time.perf_counter()
+        if self.timings is not None:
+            if self.cache.device.type == "cuda":
+                torch.cuda.synchronize(self.cache.device)
+                t = time.perf_counter()
+            self.timings[phase] = self.timings.get(phase, 0.0) + t - t0
+        return t
+
+    # --- prompt tokens: exact attention to every earlier page ------------------------------------
+    def _prompt(self, layer: int, st: StepSeq, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache, lay = self.cache, self.cache.layout
+        s, dtype = lay.page_size, lay.dtype
         seq = cache.seq(st.seq_id)
-        s = cache.layout.page_size
-        o = st.start % s
-        assert seq.tail_k is not None and seq.tail_v is not None and seq.summaries is not None
-        dtype = cache.layout.dtype
-        ck = torch.cat([seq.tail_k[layer, :o], k.to(dtype)]) if o else k.to(dtype)
-        cv = torch.cat([seq.tail_v[layer, :o], v.to(dtype)]) if o else v.to(dtype)
+        o, first = st.start % s, st.start // s
+        tail = self._pool()[cache.tail_base + st.row * lay.num_layers + layer]  # [2, Hkv, S, D]
+        ck = torch.cat([tail[0, :, :o], k.to(dtype).transpose(0, 1)], dim=1)  # [Hkv, o + n, D]
+        cv = torch.cat([tail[1, :, :o], v.to(dtype).transpose(0, 1)], dim=1)
+        if first:
+            reader = PageReader(cache, 1, first, tail=False)
+            pids = cache.page_table[st.row, :first].view(1, first)
+            valid = torch.ones((1, first), dtype=torch.bool, device=cache.device)
+            ek, ev = reader.read(layer, pids, valid, first, None, [st.seq_id])
+            ak, av = torch.cat([ek[0], ck], dim=1), torch.cat([ev[0], cv], dim=1)
+        else:
+            ak, av = ck, cv
+        out = causal_attention(q, ak, av, st.positions)
         full = len(st.new_digests)
         if full:
-            pk = ck[: full * s].view(full, s, *ck.shape[1:])
-            pv = cv[: full * s].view(full, s, *cv.shape[1:])
-            keys = [BlockKey(d, layer) for d in st.new_digests]
-            cache.store.put(keys, cache.store.to_blocks(pk, pv), "gpu", needed=True, persistent=True)
-            seq.summaries.set(layer, st.start // s, pk)
-            self.sealed.extend(keys)
-        rem = ck.shape[0] - full * s
+            hkv, d = lay.num_kv_heads, lay.head_dim
+            pk = ck[:, : full * s].reshape(hkv, full, s, d).transpose(0, 1)  # [full, Hkv, S, D]
+            pv = cv[:, : full * s].reshape(hkv, full, s, d).transpose(0, 1)
+            blocks = torch.stack([pk, pv], dim=1).contiguous().view(torch.uint8).view(full, -1)
+            self.sealed += cache.seal(seq, layer, first, pk, blocks)
+        rem = ck.shape[1] - full * s
         if rem:
-            seq.tail_k[layer, :rem] = ck[full * s :]
-            seq.tail_v[layer, :rem] = cv[full * s :]
-        return ck, cv
+            tail[0, :, :rem] = ck[:, full * s :]
+            tail[1, :, :rem] = cv[:, full * s :]
+        return out
 
-    # --- reading -----------------------------------------------------------------------------
-    def _read(self, seq_id: int, keys: list[BlockKey], promote: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [n * S, Hkv, D] of ``keys`` in order, from the fastest tier holding each. The order is
-        kept even where attention does not need it, so that results never depend on placement."""
-        cache = self.cache
-        lay = cache.layout
-        if not keys:
-            empty = torch.empty((0, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype, device=cache.device)
-            return empty, empty
+    # --- decode: the batched hot path ------------------------------------------------------------
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, D], k, v [B, Hkv, D] of the decode sequences, in row order -> [B, Hq, D]."""
+        cache, dec = self.cache, self.dec
+        assert dec is not None
         t0 = time.perf_counter()
-        for late in cache.ledger.claim(keys):
-            try:
-                late.wait()  # type: ignore[attr-defined]
-            except Exception:  # a failed prefetch only means the read below goes to a lower tier
-                pass
-        raw, served = cache.store.fetch(keys)
-        cache.fetch_wait_seconds += time.perf_counter() - t0
-        if None in served:
-            cache.pages_lost += 1
-            raise PageLostError(seq_id, f"{served.count(None)} KV pages of sequence {seq_id} could not be read")
-        if promote:
-            lower = [i for i, t in enumerate(served) if t != "gpu"]
-            if cache.policy.hotness_eviction:  # kvdrive: admission by hotness, per destination
-                dest: dict[str, list[int]] = {}
-                movable = cache.promote_from
-                for i in (i for i in lower if served[i] in movable):
-                    dst = cache.target_tier(keys[i], str(served[i]))
-                    if dst is not None and dst != served[i]:
-                        dest.setdefault(dst, []).append(i)
-            else:  # lru: everything read goes to the device tier
-                dest = {"gpu": lower} if lower else {}
-            for dst, rows in dest.items():
-                cache.store.admit([keys[i] for i in rows], gather_rows(raw, rows), dst, [served[i] for i in rows])
-        kv = raw.view(lay.dtype).view(len(keys), 2, lay.page_size, lay.num_kv_heads, lay.head_dim)
-        return kv[:, 0].reshape(-1, lay.num_kv_heads, lay.head_dim), kv[:, 1].reshape(-1, lay.num_kv_heads, lay.head_dim)
+        tails = dec.tails0 + layer
+        self._pool()[tails, :, :, dec.offs] = torch.stack([k, v], dim=1).to(cache.layout.dtype)  # [B, 2, Hkv, D]
+        near = None
+        if dec.sparse:
+            assert dec.masks is not None
+            summ = cache.summaries.batch(layer, dec.rows, dec.first_row, dec.pmax)
+            idx, near = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up)
+        else:
+            idx = dec.idx
+        pids = dec.table.gather(1, idx)
+        if not dec.all_valid:
+            pids = torch.where(dec.valid, pids, dec.scratch)
+        t0 = self._mark("selection", t0)
+        kk, vv = dec.reader.read(layer, pids, dec.valid, dec.n_valid, tails, dec.seq_ids)
+        t0 = self._mark("gather", t0)
+        out, probs = decode_attention(q, kk, vv, dec.mask)
+        t0 = self._mark("attention", t0)
+        b, kk_ = pids.shape
+        mass = probs.view(b, -1, kk_ + 1, cache.layout.page_size).sum(dim=(1, 3))[:, :kk_] if dec.mass else None
+        cache.placer.record(layer, pids.view(-1), mass.reshape(-1) if mass is not None else None)
+        if dec.prefetch:
+            dec.chosen[layer, :, :kk_] = pids
+            if near is not None and near.shape[1]:
+                dec.chosen[layer, :, kk_:] = torch.where(near < dec.npages[:, None], dec.table.gather(1, near),
+                                                         dec.scratch)
+        self._mark("bookkeeping", t0)
+        return out
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]
-        cache = self.cache
-        s = cache.layout.page_size
-        outs: list[torch.Tensor | None] = [None] * len(self.steps)
-        dec_rows: list[int] = []  # positions in self.steps of the decoding sequences
-        dec_q: list[int] = []  # their query row in q
-        dec_k: list[torch.Tensor] = []
-        dec_v: list[torch.Tensor] = []
-        dec_keys: list[list[BlockKey]] = []
-        start = 0
-        for i, st in enumerate(self.steps):
-            rows = slice(start, start + st.num_new)
-            start += st.num_new
-            ck, cv = self._append(layer, st, k[rows], v[rows])
-            seq = cache.seq(st.seq_id)
-            first = st.start // s  # the tail page at the step's start; pages before it are stored
-            if not st.decode or not cache.policy.sparse:
-                pages = range(first) if not st.decode else range(len(seq.digests))
-                keys = [BlockKey(seq.digests[p], layer) for p in pages]
-                ok, ov = self._read(st.seq_id, keys, promote=False)
-                if not st.decode:  # prompt tokens: exact attention to every earlier page
-                    outs[i] = causal_attention(q[rows], torch.cat([ok, ck]), torch.cat([ov, cv]), st.positions)
-                    continue
-                tail = ck[len(st.new_digests) * s :], cv[len(st.new_digests) * s :]
-                dec_rows.append(i)
-                dec_q.append(rows.start)
-                dec_k.append(torch.cat([ok, tail[0]]))
-                dec_v.append(torch.cat([ov, tail[1]]))
-                dec_keys.append(keys)
-                continue
-            sealed = len(seq.digests)
-            assert seq.summaries is not None
-            kmin, kmax = seq.summaries.of(layer, sealed)
-            idx, near = select_with_runners_up(q[rows][0], kmin, kmax, cache.selection, cache.runners_up) \
-                if sealed else ([], [])
-            keys = [BlockKey(seq.digests[p], layer) for p in (idx.tolist() if sealed else [])]
-            seq.selected[layer] = keys
-            seq.runners_up[layer] = [BlockKey(seq.digests[p], layer) for p in (near.tolist() if sealed else [])]
-            sk, sv = self._read(st.seq_id, keys, promote=cache.policy.promote_on_read)
-            nt = len(st.new_digests) * s
-            dec_rows.append(i)
-            dec_q.append(rows.start)
-            dec_k.append(torch.cat([sk, ck[nt:]]))
-            dec_v.append(torch.cat([sv, cv[nt:]]))
-            dec_keys.append(keys)
-        if dec_rows:
-            qd = q[dec_q]  # [B, Hq, D]
-            out, mass = decode_attention(qd, dec_k, dec_v)
-            for j, i in enumerate(dec_rows):
-                outs[i] = out[j : j + 1]
-                if cache.policy.hotness_eviction and dec_keys[j]:
-                    n = len(dec_keys[j])
-                    cache.hotness.record(dec_keys[j], mass[j][: n * s].view(n, s).sum(dim=1).tolist())
-        return torch.cat([o for o in outs if o is not None], dim=0)
+        dec = self.dec
+        if dec is not None and not self.prompts and dec.q_index is None:
+            return self._decode(layer, q, k, v)  # the common step: decodes only, already in row order
+        out = torch.empty_like(q)
+        for i in self.prompts:
+            st = self.steps[i]
+            rows = slice(self.starts[i], self.starts[i] + st.num_new)
+            out[rows] = self._prompt(layer, st, q[rows], k[rows], v[rows])
+        if dec is not None:
+            idx = dec.q_index if dec.q_index is not None else torch.tensor(dec.q_rows, device=q.device)
+            qd, kd, vd = q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)
+            out.index_copy_(0, idx, self._decode(layer, qd, kd, vd))
+        return out
+
+    # --- after the forward pass ------------------------------------------------------------------
+    def finish(self) -> None:
+        """Seal the decode pages that filled (all layers at once), settle and plan prefetch."""
+        cache, dec = self.cache, self.dec
+        if dec is None:
+            return
+        lay = cache.layout
+        s, L = lay.page_size, lay.num_layers
+        for st in dec.steps:
+            if st.new_digests:  # the token filled the open page
+                seq = cache.seq(st.seq_id)
+                base = cache.tail_base + st.row * L
+                blocks = cache.store.tiers["gpu"].pool[base : base + L].clone()  # type: ignore[attr-defined]
+                self.sealed += cache.seal(seq, None, st.start // s, lay.typed(blocks)[:, 0], blocks)
+        if dec.prefetch:
+            placer = cache.placer
+            width = placer.scores.values.shape[1]
+            chosen = dec.chosen
+            k = dec.k
+            sel = chosen[:, :, :k]
+            layer_ids = torch.arange(L, device=cache.device)[:, None, None]
+            mark = torch.zeros((L, width), dtype=torch.bool, device=cache.device)
+            mark.view(-1)[(layer_ids * width + sel).view(-1)] = True
+            placer.settle_prefetch(mark)
+            if placer.prefetch_allowed():
+                layers = layer_ids.expand_as(chosen).reshape(-1)
+                pids = chosen.reshape(-1)
+                keep = pids != placer.scratch
+                cache.prefetch(layers[keep], pids[keep])

@@ -1,89 +1,68 @@
-"""The engine's KV cache over the three tiers: sequences, their pages, prefix reuse, budgets, counters.
+"""The engine's KV cache over the three tiers: sequences, their page tables, prefix reuse, budgets.
 
 Each sequence is a list of *sealed* pages (full pages, content-addressed: digest = hash of the model
-fingerprint and all tokens up to the page end) plus an open tail page being filled, kept per
-sequence on the compute device. A sealed page is stored as one block per layer in the
-``TieredKVStore`` (gpu -> dram -> ssd) and summarised (key min/max) for page selection. Sealed
-pages are shared between sequences with identical token prefixes (reference counts; a block is
-``needed`` while any running sequence references it) and written through to the SSD tier, whose
-index survives restarts, so a prompt seen before is not recomputed.
+fingerprint and all tokens up to the page end) plus an open page being filled. A sealed page is stored
+as one block per layer in the ``TieredKVStore`` (gpu -> dram -> ssd) and summarised (key min/max) for
+page selection. Sealed pages are shared between sequences with identical token prefixes (reference
+counts; a block is ``needed`` while any running sequence references it) and written through to the SSD
+tier, whose index survives restarts, so a prompt seen before is not recomputed.
 
-The gpu budget covers the store's device tier plus the tails (one page per running sequence,
-reserved up front). Scheduler-facing accounting is in logical pages (a page = all layers' blocks).
-The per-step attention work (selection, fetch, prefetch) lives in ``tiered_backend``.
+Hot-path state is tensors indexed by the sequence's *row*: its page ids (``page_table [rows, Pcap]``), its
+summaries (``SummaryTable``) and its open page, which lives in the device pool's tail rows (one per row
+and layer) so that one gather reads it with the selected pages. The gpu budget covers the store's
+device tier plus those tail rows (reserved up front). Every tier decision belongs to the ``Placer``;
+the per-step attention work lives in ``tiered_backend``.
 """
 
 from __future__ import annotations
 
-import hashlib
+import heapq
 import logging
 import os
 import shutil
 
 import torch
 
-from kvdrive.runtime.attention import PageSummaries, SelectionConfig
-from kvdrive.runtime.engine.kv_state import (
-    PREFETCH_MIN_PRECISION,
-    PREFETCH_PROBE,
-    PROMOTE_MARGIN,
-    PROMOTE_MIN_GAIN,
-    Admission,
-    PageLostError,
-    SeqKV,
-    StepSeq,
-    TierConfig,
-    chain_digest,
-)
-from kvdrive.runtime.kvcache import (
-    BlockKey,
-    BudgetError,
-    KVLayout,
-    TierBudgets,
-    TieredKVStore,
-    TierName,
-    TierUsage,
-)
-from kvdrive.runtime.kvcache.keys import DIGEST_BYTES
+from kvdrive.runtime.attention import SelectionConfig, SummaryTable, key_bounds
+from kvdrive.runtime.engine.kv_state import EngineConfig, PageLostError, SeqKV, StepSeq
+from kvdrive.runtime.kvcache import BlockKey, BudgetError, KVLayout, TierBudgets, TieredKVStore, TierUsage
+from kvdrive.runtime.kvcache.keys import chain_digest, root_digest
 from kvdrive.runtime.pipeline.transfer import TransferEngine
-from kvdrive.runtime.placement import Hotness, PlacementPolicy, PrefetchLedger, PrefetchThrottle, policy_for
+from kvdrive.runtime.placement import PlacementPolicy, Placer, policy_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PageLostError", "StepSeq", "TierConfig", "TieredKVCache"]
+__all__ = ["PageLostError", "StepSeq", "TieredKVCache"]
 
 
 class TieredKVCache:
-    def __init__(self, layout: KVLayout, config: TierConfig, device: torch.device, fingerprint: str) -> None:
+    def __init__(self, layout: KVLayout, config: EngineConfig, device: torch.device, fingerprint: str) -> None:
         self.layout = layout
         self.config = config
         self.device = device
+        tiers = config.tiers
         self.policy: PlacementPolicy = policy_for(config.placement, config.full_attention)
         self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size)
-        self.hotness = Hotness()
-        # the device tier is worth promoting into only when it is faster memory than DRAM (CUDA); on a
-        # CPU device both are host memory and only reads from the SSD tier are worth moving up
-        self.promote_from = ("dram", "ssd") if device.type == "cuda" else ("ssd",)
-        self.runners_up = 2 if self.policy.prefetch else 0  # pages beyond the budget prefetched per layer
-        self.throttle = PrefetchThrottle(PREFETCH_MIN_PRECISION, PREFETCH_PROBE)
-        self.ledger = PrefetchLedger()
-        self.root = hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
+        self.root = root_digest(fingerprint)
         self._sparse_salt = f"sparse:{config.token_budget}:{self.selection.sink_pages}:{self.selection.recent_pages}".encode()
         self.tail_reserve = config.max_sequences * layout.page_bytes
+        gpu = tiers.gpu_bytes if tiers.gpu_bytes is not None else self.tail_reserve + layout.page_bytes
         self.store = TieredKVStore(
-            layout, self._store_budgets(config.gpu_bytes, config.dram_bytes, config.ssd_bytes),
-            ssd_dir=config.ssd_dir, device=device, hugetlbfs_dir=config.hugetlbfs_dir, ssd_codec=config.ssd_codec,
-            victim_order=self.hotness.coldest_first if self.policy.hotness_eviction else None,
-            io_threads=config.io_threads)
+            layout, self._store_budgets(gpu, tiers.dram_bytes, tiers.ssd_bytes), ssd_dir=tiers.ssd_dir,
+            device=device, hugetlbfs_dir=tiers.hugetlbfs_dir, ssd_codec=tiers.ssd_codec,
+            io_threads=tiers.io_threads, device_extra_rows=config.max_sequences * layout.num_layers)
+        self.placer = Placer(self.policy, self.store)
         self.transfers = TransferEngine(self.store, workers=2)
+        self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device)
+        self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}
-        self._refs: dict[bytes, int] = {}
-        self._admission: dict[str, Admission] = {}  # tier -> this step's admission state
+        self._rows = list(range(config.max_sequences))  # free rows, lowest first
+        self._refs: dict[bytes, list[int]] = {}  # digest -> [sequences referencing it, page id]
         self.fetch_wait_seconds = 0.0
         self.decode_steps = 0
         self.prefix_hit_pages = 0
-        self.recomputed_pages = 0
         self.pages_lost = 0
+        self.hot_reads = {"gpu": 0, "dram": 0}  # pages the decode loop read in place from the memory tiers
         log.info("KV tiers: %s; placement %s, %s attention (token budget %d)",
                  ", ".join(f"{u.tier} {u.capacity_bytes >> 20} MiB ({u.backing})" for u in self.store.usage()),
                  self.policy.name, "sparse" if self.policy.sparse else "full", config.token_budget)
@@ -96,6 +75,10 @@ class TieredKVCache:
                 f"sequences reserve {self.tail_reserve} bytes for their open pages, and one page of all layers "
                 f"is {self.layout.page_bytes} bytes (raise the budget or lower --max-running)")
         return TierBudgets(gpu_bytes=store_gpu, dram_bytes=dram, ssd_bytes=ssd)
+
+    def _table(self, rows: int, pages: int) -> torch.Tensor:
+        with torch.inference_mode(False):
+            return torch.zeros((rows, pages), dtype=torch.int64, device=self.device)
 
     # --- scheduler-facing accounting (logical pages) ---------------------------------------------
     @property
@@ -122,24 +105,27 @@ class TieredKVCache:
     def num_sequences(self) -> int:
         return len(self._seqs)
 
+    def seq(self, seq_id: int) -> SeqKV:
+        return self._seqs[seq_id]
+
+    @property
+    def tail_base(self) -> int:
+        """The device pool row of row 0's open page in layer 0 (row r, layer l: + r * L + l)."""
+        return self.store.tiers["gpu"].extra_base  # type: ignore[attr-defined]
+
     # --- sequences ---------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int, prompt: list[int] | None = None) -> int:
         """Open a sequence; reuse stored pages of the longest stored prefix of ``prompt`` (at least one
         prompt token is left to compute). Returns the number of prompt tokens already in the cache."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
-        if len(self._seqs) >= self.config.max_sequences:
+        if not self._rows:
             raise RuntimeError(f"{self.config.max_sequences} sequences already hold open pages")
-        lay = self.layout
-        shape = (lay.num_layers, lay.page_size, lay.num_kv_heads, lay.head_dim)
-        seq = SeqKV(tail_k=torch.zeros(shape, dtype=lay.dtype, device=self.device),
-                    tail_v=torch.zeros(shape, dtype=lay.dtype, device=self.device),
-                    summaries=PageSummaries(lay.num_layers, lay.num_kv_heads, lay.head_dim, self.device),
-                    selected=[None] * lay.num_layers, runners_up=[[] for _ in range(lay.num_layers)])
+        seq = SeqKV(row=heapq.heappop(self._rows))
         self._seqs[seq_id] = seq
         matched = self._reuse_prefix(seq, prompt or [])
         self.prefix_hit_pages += matched
-        return matched * lay.page_size
+        return matched * self.layout.page_size
 
     def stored_prefix(self, prompt: list[int]) -> list[bytes]:
         """Digests of the longest run of ``prompt``'s leading pages stored in the tiers (all layers), leaving
@@ -159,67 +145,75 @@ class TieredKVCache:
         digests = self.stored_prefix(prompt)
         if not digests:
             return 0
-        for d in digests:  # reference first, so nothing we read can be evicted as unneeded
-            self._ref(d)
-        kept = self._load_prefix(seq, digests)
+        pids = [self._ref(d) for d in digests]  # referenced first: nothing we read can be evicted as unneeded
+        self._grow(seq.row + 1, len(digests))
+        seq.digests, seq.pids = list(digests), pids
+        kept = self._load_prefix(seq)
         for d in digests[kept:]:
             self._unref(d)
-        digests = digests[:kept]
-        if not digests:
+        del seq.digests[kept:], seq.pids[kept:]
+        if not kept:
             return 0
-        seq.digests = list(digests)
-        seq.tokens = list(prompt[: len(digests) * s])
+        self.page_table[seq.row, :kept] = torch.tensor(seq.pids, dtype=torch.int64, device=self.device)
+        seq.tokens = list(prompt[: kept * s])
         seq.length = len(seq.tokens)
         log.info("prefix reuse: %d of %d prompt tokens already stored", seq.length, len(prompt))
-        return len(digests)
+        return kept
 
-    def _load_prefix(self, seq: SeqKV, digests: list[bytes], chunk: int = 32) -> int:
-        """Read the stored prefix pages once, page-major in chunks: summarise their keys and give them a
-        device-tier copy, as a prefill of these tokens would have left them. Returns how many leading
-        pages were readable (a corrupt or lost page ends the prefix there)."""
+    def _load_prefix(self, seq: SeqKV, chunk: int = 32) -> int:
+        """Read the stored prefix pages once, page-major in chunks: summarise their keys and place them as
+        a prefill of these tokens would have left them. Returns how many leading pages were readable (a
+        corrupt or lost page ends the prefix there)."""
         lay = self.layout
-        assert seq.summaries is not None
-        for p0 in range(0, len(digests), chunk):
-            part = digests[p0 : p0 + chunk]
+        for p0 in range(0, len(seq.digests), chunk):
+            part = seq.digests[p0 : p0 + chunk]
             for layer in range(lay.num_layers):
                 keys = [BlockKey(d, layer) for d in part]
                 raw, served = self.store.fetch(keys)  # needed reads: counted per tier
                 good = served.index(None) if None in served else len(part)
                 if good:
-                    kv = raw[:good].view(lay.dtype).view(good, 2, lay.page_size, lay.num_kv_heads, lay.head_dim)
-                    seq.summaries.set(layer, p0, kv[:, 0])
-                    self.store.admit(keys[:good], raw[:good], "gpu", served[:good])
+                    kv = lay.typed(raw[:good])  # [good, 2, Hkv, S, D]
+                    self.summaries.set(layer, seq.row, p0, kv[:, 0])
+                    self.store.admit(keys[:good], raw[:good], self.placer.initial_tier, served[:good])
                 if good < len(part):
                     log.warning("stored prefix page %d unreadable; recomputing from there", p0 + good)
                     return p0 + good
-        return len(digests)
+        return len(seq.digests)
 
     def _keys(self, digest: bytes) -> list[BlockKey]:
         return [BlockKey(digest, layer) for layer in range(self.layout.num_layers)]
 
-    def _ref(self, d: bytes) -> None:
-        n = self._refs.get(d, 0)
-        self._refs[d] = n + 1
-        if n == 0:
+    def _ref(self, d: bytes) -> int:
+        ref = self._refs.get(d)
+        if ref is None:
+            ref = self._refs[d] = [0, self.store.ref_page(d)]
             self.store.set_needed(self._keys(d), True)
+        ref[0] += 1
+        return ref[1]
 
     def _unref(self, d: bytes) -> None:
-        n = self._refs[d] - 1
-        if n:
-            self._refs[d] = n
+        ref = self._refs[d]
+        ref[0] -= 1
+        if ref[0]:
             return
         del self._refs[d]
-        keys = self._keys(d)
-        self.store.set_needed(keys, False)  # stays cached (and persisted) until evicted
-        self.hotness.forget(keys)
+        self.store.set_needed(self._keys(d), False)  # stays cached (and persisted) until evicted
+        self.store.unref_page(ref[1])
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id)
         for d in seq.digests:
             self._unref(d)
+        heapq.heappush(self._rows, seq.row)
 
-    def seq(self, seq_id: int) -> SeqKV:
-        return self._seqs[seq_id]
+    def _grow(self, rows: int, pages: int) -> None:
+        """Room in the row-indexed tensors for ``rows`` rows of ``pages`` pages (between steps)."""
+        self.summaries.ensure(rows, pages)
+        r, p = self.summaries.rows, self.summaries.pages
+        if self.page_table.shape != (r, p):
+            new = self._table(r, p)
+            new[: self.page_table.shape[0], : self.page_table.shape[1]] = self.page_table
+            self.page_table = new
 
     # --- steps -------------------------------------------------------------------------------------
     def begin(self, seq_id: int, tokens: list[int], decode: bool = False) -> StepSeq:
@@ -239,71 +233,57 @@ class TieredKVCache:
         for p in range(start // s, seq.length // s):
             prev = chain_digest(prev, seq.tokens[p * s : (p + 1) * s], salt)
             new.append(prev)
-            self._ref(prev)
+        pids = [self._ref(d) for d in new]
+        first = len(seq.digests)
         seq.digests.extend(new)
+        seq.pids.extend(pids)
+        if new:
+            self._grow(seq.row + 1, len(seq.digests))
+            self.page_table[seq.row, first : first + len(new)] = torch.tensor(pids, dtype=torch.int64,
+                                                                             device=self.device)
         pos = torch.arange(start, seq.length, device=self.device)
-        return StepSeq(seq_id, start, len(tokens), pos, decode, tuple(new))
+        return StepSeq(seq_id, seq.row, start, len(tokens), pos, decode, tuple(new), tuple(pids))
 
-    def update_floors(self) -> None:
-        """This step's admission state per tier: its free slots and its residents' scores, coldest first.
-        A tier admits freely while it has free slots; after that each admission displaces the coldest
-        resident not yet displaced, and only a block hotter than that one (with hysteresis on the device
-        tier) is admitted. A working set larger than the tier is then read in place instead of being
-        swapped through it every step."""
-        tiers: tuple[tuple[TierName, float, float], ...] = (("gpu", PROMOTE_MARGIN, PROMOTE_MIN_GAIN), ("dram", 1.0, 0.0))
-        for tier, margin, gain in tiers:
-            free = self.store.tiers[tier].allocator.free_count
-            self._admission[tier] = Admission(free, lambda t=tier: self._coldest_scores(t), margin, gain)
+    def prepare_step(self) -> None:
+        """Before a forward step (engine thread): the store's owner is this thread, and placement's
+        tensors follow the page ids."""
+        self.store.bind_owner()
+        rows = max((s.row for s in self._seqs.values()), default=0) + 1
+        self._grow(rows, 1)
+        self.placer.begin_step()
 
-    def _coldest_scores(self, tier: TierName) -> list[float]:
-        """Hotness of the blocks resident in ``tier``, ascending (walks the tier: asked only once it is full)."""
-        return sorted(self.hotness.scores(self.store.residents(tier)[0]))
-
-    def target_tier(self, key: BlockKey, served: str) -> str | None:
-        """Where a block read from ``served`` should get a copy under the kvdrive policy (None: stay)."""
-        s = self.hotness.score(key)
-        if served not in self.promote_from:
-            return None
-        gpu = self._admission.get("gpu")
-        if gpu is not None and (served == "ssd" or self.device.type == "cuda") and gpu.admit(s):
-            return "gpu"
-        dram = self._admission.get("dram")
-        if served == "ssd" and dram is not None and self.store.tiers["dram"].allocator.capacity and dram.admit(s):
-            return "dram"
-        return None
+    def seal(self, seq: SeqKV, layer: int | None, first: int, k: torch.Tensor, blocks: torch.Tensor) -> list[BlockKey]:
+        """Store full pages of ``seq`` on placement's initial tier and summarise them: pages first.. of one
+        ``layer`` (k [n, Hkv, S, D], blocks [n, block_bytes]), or page ``first`` of every layer when ``layer``
+        is None (k [L, Hkv, S, D], blocks [L, block_bytes])."""
+        if layer is None:
+            keys = self._keys(seq.digests[first])
+            self.summaries.table[:, seq.row, :, first] = key_bounds(k)
+            pids = seq.pids[first : first + 1]
+        else:
+            n = k.shape[0]
+            keys = [BlockKey(d, layer) for d in seq.digests[first : first + n]]
+            self.summaries.set(layer, seq.row, first, k)
+            pids = seq.pids[first : first + n]
+        self.store.put(keys, blocks, self.placer.initial_tier, needed=True, persistent=True)
+        self.placer.stored(layer, pids)
+        return keys
 
     def finish_step(self, sealed: list[BlockKey], decoded: list[int]) -> None:
-        """After a forward step: write sealed blocks through to SSD, advance hotness, prefetch."""
-        if sealed and self.config.persist and "ssd" in self.store.tiers:
+        """After a forward step: write sealed blocks through to SSD; placement's end of a decode step."""
+        if sealed and self.config.tiers.persist and "ssd" in self.store.tiers:
             self.transfers.replicate(sealed, "ssd")
-        if not decoded:
-            return
-        self.decode_steps += 1
-        self.ledger.end_step()
-        self.hotness.advance()
-        if self.policy.prefetch and self.throttle.allow(self.ledger.counts(), self.decode_steps):
-            self._prefetch(decoded)
+        if decoded:
+            self.decode_steps += 1
+            self.placer.end_decode_step()
 
-    def _prefetch(self, decoded: list[int]) -> None:
-        """Predicted blocks of the next step move up where admission allows, layer by layer."""
-        for layer in range(self.layout.num_layers):
-            keys: list[BlockKey] = []
-            for seq_id in decoded:
-                seq = self._seqs.get(seq_id)
-                if seq is not None and seq.selected[layer]:
-                    keys.extend(seq.selected[layer] or [])
-                    keys.extend(seq.runners_up[layer])
-            if not keys:
-                continue
-            where = self.store.where_many(keys)
-            up: dict[str, list[BlockKey]] = {}
-            for k, t in zip(keys, where, strict=True):
-                if t in self.promote_from:
-                    dst = self.target_tier(k, t)
-                    if dst is not None and dst != t:
-                        up.setdefault(dst, []).append(k)
-            for dst, todo in up.items():
-                self.ledger.issued(todo, self.transfers.promote(todo, dst))
+    def prefetch(self, layers: torch.Tensor, pids: torch.Tensor) -> None:
+        """Move the predicted blocks (layers[i], pids[i]) of the next step up where placement admits them:
+        prepared here (room made, slots reserved), run by the transfer workers."""
+        for dst, keys in self.placer.prefetch_plan(layers, pids).items():
+            moves = self.store.prepare_promote(keys, dst)
+            if moves:
+                self.placer.ledger.issued([m.block.key for m in moves], self.transfers.run(moves))
 
     # --- tiers -------------------------------------------------------------------------------------
     def usage(self) -> list[TierUsage]:
@@ -317,6 +297,13 @@ class TieredKVCache:
             out.append(u)
         return out
 
+    def page_reads(self) -> dict[str, int]:
+        """Needed pages read, by the tier they were found in (in place by the decode loop, or by the store)."""
+        reads = dict(self.store.page_reads)
+        for t, n in self.hot_reads.items():
+            reads[t] = reads.get(t, 0) + n
+        return reads
+
     @property
     def capacity_bytes(self) -> int:
         return sum(u.capacity_bytes for u in self.usage())
@@ -327,7 +314,8 @@ class TieredKVCache:
         return sum(u.used_bytes - u.cached_bytes for u in self.usage())
 
     def set_budgets(self, gpu_bytes: int, dram_bytes: int, ssd_bytes: int) -> None:
-        """Apply new budgets live (BudgetError, nothing changed, when impossible)."""
+        """Apply new budgets live (BudgetError, nothing changed, when impossible). Runs between steps on
+        the engine thread; in-flight transfers finish first."""
         if "ssd" not in self.store.tiers and ssd_bytes:
             raise BudgetError("the server has no SSD tier (start it with --ssd-dir to use one)")
         for tier, want, limit in (("gpu", gpu_bytes, self._memory_limit(self.device)),
@@ -336,6 +324,8 @@ class TieredKVCache:
             if want > limit:
                 raise BudgetError(f"{tier} budget {want} bytes exceeds the {limit} bytes this host has for it")
         b = self._store_budgets(gpu_bytes, dram_bytes, ssd_bytes)
+        self.transfers.drain()
+        self.store.bind_owner()
         self.store.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if "ssd" in self.store.tiers else None)
 
     @staticmethod
@@ -345,7 +335,7 @@ class TieredKVCache:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def _disk_limit(self) -> int:
-        return shutil.disk_usage(self.config.ssd_dir).total if self.config.ssd_dir else 0
+        return shutil.disk_usage(self.config.tiers.ssd_dir).total if self.config.tiers.ssd_dir else 0
 
     def close(self) -> None:
         self.transfers.close()

@@ -1,13 +1,15 @@
-"""The KV cache: pages, block tables, tier stores and budgets."""
+"""The KV cache: block layout, page ids, tier stores and budgets."""
 
+from kvdrive.runtime.kvcache.block_index import MEMORY_TIERS, BlockIndex
 from kvdrive.runtime.kvcache.budgets import TIER_ORDER, BudgetError, TierBudgets, TierName, TierUsage
 from kvdrive.runtime.kvcache.compression import CodecError, IdentityCodec, Int8Codec, measure_error
-from kvdrive.runtime.kvcache.keys import BlockKey, prefix_digests, private_digest
-from kvdrive.runtime.kvcache.paged import CacheFullError, KVLayout, PagedKVCache, SlotMapping
+from kvdrive.runtime.kvcache.keys import DIGEST_BYTES, BlockKey
+from kvdrive.runtime.kvcache.layout import LAYOUT_VERSION, CacheFullError, KVLayout
+from kvdrive.runtime.kvcache.residency import Block, Move
 from kvdrive.runtime.kvcache.store import TieredKVStore
 
 __all__ = [
-    "TIER_ORDER", "BlockKey", "BudgetError", "CacheFullError", "CodecError", "IdentityCodec", "Int8Codec",
-    "KVLayout", "PagedKVCache", "SlotMapping", "TierBudgets", "TierName", "TierUsage", "TieredKVStore",
-    "measure_error", "prefix_digests", "private_digest",
+    "DIGEST_BYTES", "LAYOUT_VERSION", "MEMORY_TIERS", "TIER_ORDER", "Block", "BlockIndex", "BlockKey", "BudgetError",
+    "CacheFullError", "CodecError", "IdentityCodec", "Int8Codec", "KVLayout", "Move", "TierBudgets", "TierName",
+    "TierUsage", "TieredKVStore", "measure_error",
 ]

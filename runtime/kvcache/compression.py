@@ -1,8 +1,8 @@
 """Block codecs for a tier: identity, and int8 per page per KV head with float32 scales.
 
-A block is one layer's page, K then V, each [S, Hkv, D] in the cache dtype. The int8 codec stores
-scales [2, Hkv] float32 followed by q [2, S, Hkv, D] int8 (symmetric, scale = absmax / 127 over the
-page's S x D values of one head), about half the bytes of a 16-bit block.
+A block is one layer's page, K then V, each [Hkv, S, D] in the cache dtype (``layout.KVLayout``). The
+int8 codec stores scales [2, Hkv] float32 followed by q [2, Hkv, S, D] int8 (symmetric, scale = absmax /
+127 over the page's S x D values of one head), about half the bytes of a 16-bit block.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Int8Codec:
 
     @property
     def _shape(self) -> tuple[int, int, int, int]:
-        return (2, self.page_size, self.num_kv_heads, self.head_dim)
+        return (2, self.num_kv_heads, self.page_size, self.head_dim)
 
     @property
     def _scale_bytes(self) -> int:
@@ -68,10 +68,10 @@ class Int8Codec:
 
     def encode(self, blocks: torch.Tensor) -> torch.Tensor:
         n = blocks.shape[0]
-        x = blocks.cpu().contiguous().view(self.dtype).view(n, *self._shape).float()  # [n, 2, S, H, D]
-        absmax = x.abs().amax(dim=(2, 4))  # [n, 2, H]
+        x = blocks.cpu().contiguous().view(self.dtype).view(n, *self._shape).float()  # [n, 2, H, S, D]
+        absmax = x.abs().amax(dim=(3, 4))  # [n, 2, H]
         scale = (absmax / 127.0).clamp_min(1e-12)
-        q = torch.round(x / scale[:, :, None, :, None]).clamp_(-127, 127).to(torch.int8)
+        q = torch.round(x / scale[:, :, :, None, None]).clamp_(-127, 127).to(torch.int8)
         return torch.cat([scale.contiguous().view(torch.uint8).view(n, -1), q.view(torch.uint8).view(n, -1)], dim=1)
 
     def decode(self, payloads: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ class Int8Codec:
         sb = self._scale_bytes
         scale = payloads[:, :sb].contiguous().view(torch.float32).view(n, 2, self.num_kv_heads)
         q = payloads[:, sb:].contiguous().view(torch.int8).view(n, *self._shape).float()
-        x = (q * scale[:, :, None, :, None]).to(self.dtype)
+        x = (q * scale[:, :, :, None, None]).to(self.dtype)
         return x.contiguous().view(torch.uint8).view(n, -1)
 
 

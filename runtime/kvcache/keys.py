@@ -1,15 +1,13 @@
 """Page identity: block keys and content-addressed prefix digests.
 
 A block is one layer's page (K and V of `page_size` tokens, all KV heads). Its key is a 16-byte
-digest plus the layer. Prefix pages use a content digest: a chain hash of the model fingerprint and
-every token up to the page end, so equal prefixes map to equal keys across requests and restarts.
-Private (non-shareable) pages use random digests.
+digest plus the layer. Pages are content-addressed: a chain hash of the model fingerprint and every
+token up to the page end, so equal prefixes map to equal keys across requests, replicas and restarts.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 
 import numpy as np
 
@@ -54,20 +52,13 @@ class BlockKey:
         return f"BlockKey({self.digest.hex()[:12]}, L{self.layer})"
 
 
-def private_digest() -> bytes:
-    """A fresh random digest for a page that is not shared by content."""
-    return os.urandom(DIGEST_BYTES)
+def root_digest(fingerprint: str) -> bytes:
+    """The chain's start: the digest of the model fingerprint (model, KV dtype, page size, layout)."""
+    return hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
 
 
-def prefix_digests(model_fingerprint: str, tokens: list[int], page_size: int) -> list[bytes]:
-    """Digest of every *full* page of ``tokens``: page i's digest covers tokens[0 : (i+1)*page_size].
-
-    digest_i = blake2b(digest_{i-1} || tokens of page i), digest_{-1} = blake2b(fingerprint).
-    """
-    prev = hashlib.blake2b(model_fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
-    arr = np.asarray(tokens, dtype=np.int64)
-    out: list[bytes] = []
-    for start in range(0, len(arr) - page_size + 1, page_size):
-        prev = hashlib.blake2b(prev + arr[start : start + page_size].tobytes(), digest_size=DIGEST_BYTES).digest()
-        out.append(prev)
-    return out
+def chain_digest(prev: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
+    """A page's digest: the previous page's digest (or the root), a salt (how the KV was computed) and the
+    page's tokens. Equal prefixes give equal digests across requests, replicas and restarts."""
+    return hashlib.blake2b(prev + salt + np.asarray(tokens, dtype=np.int64).tobytes(),
+                           digest_size=DIGEST_BYTES).digest()

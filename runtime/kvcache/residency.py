@@ -1,12 +1,23 @@
 """Which tiers hold a copy of each block, and how a full tier makes room (the store's bookkeeping half).
 
 ``Residency`` owns the block table (block -> copies per tier), the slot owners, pins, the ``needed``
-flag and eviction. Eviction takes victims in the order of ``victim_order`` (placement's hotness) or
-least-recently-used, and frees slots in batches so one sort serves many evictions. A victim is
-demoted to the next tier down that has room (the tier hierarchy gpu -> dram -> ssd is kept even when
-a deeper clean copy exists), dropped when a clean copy already sits right below, and dropped as
-recomputable only when no running sequence needs it. Live budget changes (grow, shrink with
-demotion, compaction) live here too. The data half (put/get/moves) is ``TieredKVStore``.
+flag, the dense page ids (``BlockIndex``) and eviction. Every byte movement follows one protocol:
+
+- *prepare*, under the lock: choose victims, reserve destination slots (a copy that is not ``ready``
+  is invisible to readers), pin the sources;
+- *run*, without the lock: the tiers read and write;
+- *complete*, under the lock: publish the new copies, unpin, drop what was demoted.
+
+No tier I/O ever runs under the lock. Eviction takes victims in ``victim_order`` (placement's decision)
+or least-recently-used order, and frees slots in batches so one sort serves many evictions. A victim is
+demoted to the next tier down that has room (the hierarchy gpu -> dram -> ssd is kept even when a
+deeper clean copy exists), dropped when a clean copy already sits right below, and dropped as
+recomputable only when no running sequence needs it. Live budget changes (grow, shrink with demotion,
+compaction) live here too. The data half (put/fetch/promote) is ``TieredKVStore``.
+
+Thread rule: a *published* copy in a memory tier is dropped (its slot freed) only by the thread bound
+with ``bind_owner`` (the engine's), because the decode loop reads memory-tier slots without the lock.
+Background jobs only publish into slots the owner reserved for them, and work the SSD tier.
 """
 
 from __future__ import annotations
@@ -14,10 +25,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
+from kvdrive.runtime.kvcache.block_index import MEMORY_TIERS, BlockIndex
 from kvdrive.runtime.kvcache.budgets import TIER_ORDER, BudgetError, TierBudgets, TierName
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.tiers.base import Tier, TierIOError
@@ -25,9 +37,9 @@ from kvdrive.runtime.kvcache.tiers.ssd import SsdTier
 
 log = logging.getLogger(__name__)
 
-VictimOrder = Callable[[TierName, list[BlockKey]], list[BlockKey]]
 EVICT_BATCH_FRACTION = 8  # a full tier with a tier below frees capacity/8 slots at once (demotions: nothing lost)
 LAST_TIER_EVICT_FRACTION = 64  # the last tier drops what it evicts: capacity/64 at once
+ROOM_ATTEMPTS = 4  # passes of make-room before giving up (other threads may take freed slots meanwhile)
 
 
 @dataclass(frozen=True)
@@ -39,11 +51,27 @@ class Copy:
 @dataclass
 class Block:
     key: BlockKey
+    pid: int
     copies: dict[TierName, Copy] = field(default_factory=dict)
     pins: int = 0
     needed: bool = True
     persistent: bool = False
     last_use: int = 0
+
+
+@dataclass(frozen=True)
+class Move:
+    """One block's bytes from a slot of one tier to a reserved slot of another."""
+
+    block: Block
+    src: TierName
+    src_slot: int
+    dst: TierName
+    dst_slot: int
+    demote: bool  # drop the source copy once the destination copy is published
+
+
+VictimOrder = Callable[[TierName, list[Block]], list[Block]]  # candidates -> coldest first
 
 
 class Residency:
@@ -52,15 +80,22 @@ class Residency:
     block_bytes: int
     device: torch.device
 
-    def __init__(self, victim_order: VictimOrder | None) -> None:
+    def __init__(self, victim_order: VictimOrder | None, index: BlockIndex) -> None:
         self.victim_order = victim_order
+        self.index = index
         self._lock = threading.RLock()
         self._blocks: dict[BlockKey, Block] = {}
         self._owner: dict[tuple[TierName, int], BlockKey] = {}
         self._clock = 0
+        self._owner_thread: int | None = None
         self.transfer_bytes: dict[tuple[str, str], int] = {}
         self.dropped = 0
 
+    def bind_owner(self) -> None:
+        """The calling thread runs the decode loop: only it may drop published memory-tier copies."""
+        self._owner_thread = threading.get_ident()
+
+    # --- block table (lock held) -----------------------------------------------------------------
     def _fastest(self, b: Block) -> TierName | None:
         return next((t for t in TIER_ORDER if t in b.copies and b.copies[t].ready), None)
 
@@ -71,110 +106,185 @@ class Residency:
     def _lower(self, tier: TierName) -> list[TierName]:
         return [t for t in TIER_ORDER[TIER_ORDER.index(tier) + 1 :] if t in self.tiers]
 
-    # --- slots (lock held) -------------------------------------------------------------------
-    def _alloc(self, tier: TierName, key: BlockKey) -> int | None:
-        t = self.tiers[tier]
-        slot = t.allocator.alloc()
-        if slot is None and self._evict(tier, self._evict_batch(tier)):
-            slot = t.allocator.alloc()
+    def _new_block(self, key: BlockKey, needed: bool, persistent: bool) -> Block:
+        b = Block(key, self.index.acquire(key.digest), needed=needed, persistent=persistent)
+        self._blocks[key] = b
+        return b
+
+    def _reserve(self, b: Block, tier: TierName) -> int | None:
+        """A free slot of ``tier`` for a not-yet-readable copy of ``b`` (no eviction)."""
+        slot = self.tiers[tier].allocator.alloc()
         if slot is not None:
-            self._owner[(tier, slot)] = key
+            self._owner[(tier, slot)] = b.key
+            b.copies[tier] = Copy(slot, False)
         return slot
 
-    def _evict_batch(self, tier: TierName) -> int:
-        """Slots one eviction pass frees: a pass walks and sorts the whole tier, so it frees many slots
-        at once where victims are demoted (kept below), few in the last tier where they are dropped."""
-        frac = EVICT_BATCH_FRACTION if self._lower(tier) else LAST_TIER_EVICT_FRACTION
-        return max(1, self.tiers[tier].allocator.capacity // frac)
+    def _publish(self, b: Block, tier: TierName, slot: int) -> None:
+        old = b.copies.get(tier)
+        if old is not None and old.ready and old.slot != slot and tier in MEMORY_TIERS:  # moved within the tier
+            self.index.unplace(tier, b.pid, b.key.layer, old.slot)
+        b.copies[tier] = Copy(slot, True)
+        if tier in MEMORY_TIERS:
+            self.index.place(tier, b.pid, b.key.layer, slot)
 
     def _drop(self, b: Block, tier: TierName) -> None:
         c = b.copies.pop(tier)
+        if c.ready and tier in MEMORY_TIERS:
+            if self._owner_thread is not None and threading.get_ident() != self._owner_thread:
+                raise RuntimeError(f"a published {tier} copy of {b.key} dropped off the owner thread")
+            self.index.unplace(tier, b.pid, b.key.layer, c.slot)
         t = self.tiers[tier]
         t.discard(c.slot)
         t.allocator.release(c.slot)
         del self._owner[(tier, c.slot)]
         if not b.copies:
             del self._blocks[b.key]
-
-    def _candidates(self, tier: TierName) -> list[Block]:
-        cap = self.tiers[tier].allocator.capacity
-        if cap < len(self._blocks):  # walk the tier's slots, not every block of every tier
-            owner, blocks = self._owner, self._blocks
-            held = (blocks.get(k) for k in (owner.get((tier, s)) for s in range(cap)) if k is not None)
-            cands = [b for b in held if b is not None and b.pins == 0 and tier in b.copies and b.copies[tier].ready]
-        else:
-            cands = [b for b in self._blocks.values() if b.pins == 0 and tier in b.copies and b.copies[tier].ready]
-        cands.sort(key=lambda b: b.last_use)  # LRU; a victim order re-sorts stably (ties stay LRU)
-        if self.victim_order is None:
-            return cands
-        order = self.victim_order(tier, [b.key for b in cands])
-        return [self._blocks[k] for k in order if k in self._blocks]
-
-    def _evict(self, tier: TierName, n: int) -> int:
-        """Free up to ``n`` slots of ``tier`` (at least one when possible); returns how many were freed."""
-        freed = 0
-        for b in self._candidates(tier):
-            if freed >= n:
-                break
-            if b.key in self._blocks and tier in b.copies and b.pins == 0 and self._evict_block(b, tier):
-                freed += 1
-        return freed
-
-    def _evict_one(self, tier: TierName) -> bool:
-        return self._evict(tier, 1) > 0
-
-    def _evict_block(self, b: Block, tier: TierName) -> bool:
-        lower = [t for t in self._lower(tier) if self.tiers[t].allocator.capacity > 0]
-        if lower and lower[0] in b.copies and b.copies[lower[0]].ready:
-            self._drop(b, tier)  # a clean copy sits right below
-            return True
-        b.pins += 1
-        try:
-            moved = any(self._copy(b, tier, dst) for dst in lower if dst not in b.copies)
-        finally:
-            b.pins -= 1
-        backed = any(t in b.copies and b.copies[t].ready for t in self._lower(tier))
-        if moved or backed or not b.needed:
-            if not (moved or backed):
-                self.dropped += 1
-                log.debug("dropped %s from %s (recomputable)", b.key, tier)
-            self._drop(b, tier)
-            return True
-        return False
-
-    def _copy(self, b: Block, src: TierName, dst: TierName) -> bool:
-        """Copy b's ready copy in src to a new slot of dst (b pinned by the caller, lock held)."""
-        slot = self._alloc(dst, b.key)
-        if slot is None:
-            return False
-        buf = torch.empty((1, self.block_bytes), dtype=torch.uint8, device=self.device)
-        ok = self.tiers[src].read([b.copies[src].slot], buf)[0]
-        if ok:
-            try:
-                self.tiers[dst].write([slot], buf, [b.key], [b.persistent])
-            except TierIOError:
-                ok = False
-        if not ok:
-            self.tiers[dst].allocator.release(slot)
-            del self._owner[(dst, slot)]
-            return False
-        b.copies[dst] = Copy(slot, True)
-        self._count(src, dst, 1)
-        return True
+            self.index.release(b.pid)
 
     def _count(self, src: str, dst: str, n: int) -> None:
         k = (src, dst)
         self.transfer_bytes[k] = self.transfer_bytes.get(k, 0) + n * self.block_bytes
 
-    # --- live budgets ------------------------------------------------------------------------
+    # --- victims (lock held) ---------------------------------------------------------------------
+    def _evict_batch(self, tier: TierName) -> int:
+        """Slots one eviction pass frees: a pass walks and sorts the whole tier, so it frees many slots
+        at once where victims are demoted (kept below), few in the last tier where they are dropped."""
+        frac = EVICT_BATCH_FRACTION if self._lower(tier) else LAST_TIER_EVICT_FRACTION
+        return max(1, self.tiers[tier].allocator.capacity // frac)
+
+    def _candidates(self, tier: TierName) -> list[Block]:
+        """Unpinned blocks with a ready copy in ``tier``, in eviction order."""
+        cap = self.tiers[tier].allocator.capacity
+        blocks = self._blocks
+        if cap < len(blocks):  # walk the tier's slots, not every block of every tier
+            owner = self._owner
+            held = (blocks.get(k) for k in (owner.get((tier, s)) for s in range(cap)) if k is not None)
+            cands = [b for b in held if b is not None and b.pins == 0 and tier in b.copies and b.copies[tier].ready]
+        else:
+            cands = [b for b in blocks.values() if b.pins == 0 and tier in b.copies and b.copies[tier].ready]
+        cands.sort(key=lambda b: b.last_use)  # LRU; a victim order re-sorts stably (ties stay LRU)
+        return cands if self.victim_order is None or not cands else self.victim_order(tier, cands)
+
+    # --- making room -----------------------------------------------------------------------------
+    def _make_room(self, tier: TierName, n: int, batch: bool = True) -> bool:
+        """Free slots until ``tier`` has ``n`` free (lock not held on entry). Victims with a clean copy
+        right below are dropped at once; the others are demoted (the tier below makes room first, the
+        copies run outside the lock); unneeded victims with nowhere to go are dropped as recomputable.
+        ``batch``: free at least a batch of slots (one sort serves many evictions). Returns whether
+        ``n`` slots are free."""
+        alloc = self.tiers[tier].allocator
+        for _ in range(ROOM_ATTEMPTS):
+            with self._lock:
+                short = n - alloc.free_count
+                if short <= 0:
+                    return True
+                want = max(short, self._evict_batch(tier)) if batch else short
+                lower = [t for t in self._lower(tier) if self.tiers[t].allocator.capacity > 0]
+                demote: list[Block] = []
+                freed = 0
+                for b in self._candidates(tier):
+                    if freed + len(demote) >= want:
+                        break
+                    if lower and lower[0] in b.copies and b.copies[lower[0]].ready:
+                        self._drop(b, tier)  # a clean copy sits right below
+                        freed += 1
+                    elif lower:
+                        demote.append(b)
+                    elif not b.needed:
+                        self._drop(b, tier)
+                        self.dropped += 1
+                        freed += 1
+            if demote:
+                self._make_room(lower[0], len(demote))
+                moves = self._prepare_demotions(tier, demote, lower)
+                if moves:
+                    self._complete(moves, self._run_moves(moves))
+            with self._lock:
+                if alloc.free_count >= n:
+                    return True
+                if not demote and not freed:
+                    return False  # nothing evictable
+        with self._lock:
+            return alloc.free_count >= n
+
+    def _prepare_demotions(self, tier: TierName, victims: list[Block], lower: list[TierName]) -> list[Move]:
+        """Reserve a slot below each victim still evictable; victims that cannot move but have a clean
+        copy deeper, or that nobody needs, are dropped instead."""
+        moves: list[Move] = []
+        with self._lock:
+            for b in victims:
+                c = b.copies.get(tier)
+                if b.key not in self._blocks or c is None or not c.ready or b.pins:
+                    continue  # changed since it was chosen
+                dst, slot = None, None
+                for t in lower:  # the next tier down that has room
+                    if t not in b.copies:
+                        slot = self._reserve(b, t)
+                        if slot is not None:
+                            dst = t
+                            break
+                if dst is not None and slot is not None:
+                    b.pins += 1
+                    moves.append(Move(b, tier, c.slot, dst, slot, demote=True))
+                    continue
+                backed = any(t in b.copies and b.copies[t].ready for t in lower)
+                if backed or not b.needed:
+                    if not backed:
+                        self.dropped += 1
+                        log.debug("dropped %s from %s (recomputable)", b.key, tier)
+                    self._drop(b, tier)
+        return moves
+
+    # --- moving bytes ----------------------------------------------------------------------------
+    def _run_moves(self, moves: list[Move]) -> list[bool]:
+        """Copy each move's bytes (no lock: sources are pinned, destinations reserved). Grouped by
+        (src, dst) tiers: one read and one write per group."""
+        ok = [False] * len(moves)
+        groups: dict[tuple[TierName, TierName], list[int]] = {}
+        for i, m in enumerate(moves):
+            groups.setdefault((m.src, m.dst), []).append(i)
+        for (src, dst), idx in groups.items():
+            buf = torch.empty((len(idx), self.block_bytes), dtype=torch.uint8, device=self.device)
+            read = self.tiers[src].read([moves[i].src_slot for i in idx], buf)
+            good = [p for p, r in enumerate(read) if r]
+            if not good:
+                continue
+            rows = buf if len(good) == len(idx) else buf[good]
+            try:
+                self.tiers[dst].write([moves[idx[p]].dst_slot for p in good], rows,
+                                      [moves[idx[p]].block.key for p in good],
+                                      [moves[idx[p]].block.persistent for p in good])
+            except TierIOError:
+                continue
+            for p in good:
+                ok[idx[p]] = True
+        return ok
+
+    def _complete(self, moves: list[Move], ok: list[bool]) -> None:
+        """Publish the copies that arrived, release the reservations that did not, unpin, and drop the
+        demoted sources."""
+        with self._lock:
+            for m, good in zip(moves, ok, strict=True):
+                b = m.block
+                b.pins -= 1
+                if good:
+                    self._publish(b, m.dst, m.dst_slot)
+                    self._count(m.src, m.dst, 1)
+                    if m.demote and m.src in b.copies and b.copies[m.src].slot == m.src_slot:
+                        self._drop(b, m.src)
+                elif m.dst in b.copies and b.copies[m.dst].slot == m.dst_slot:
+                    self._drop(b, m.dst)  # a reservation never published: safe from any thread
+
+    # --- live budgets ----------------------------------------------------------------------------
     def _slots_for(self, tier: TierName, budget: int) -> int:
         t = self.tiers[tier]
         return t.slots_for_budget(budget) if isinstance(t, SsdTier) else budget // t.slot_bytes
 
     def set_budgets(self, gpu_bytes: int | None = None, dram_bytes: int | None = None,
                     ssd_bytes: int | None = None) -> TierBudgets:
-        """Apply new budgets live. Shrinking demotes (or drops blocks nobody needs) and compacts;
-        raises BudgetError, changing nothing, when the needed or pinned blocks cannot fit."""
+        """Apply new budgets live. Shrinking demotes (or drops blocks nobody needs) in one eviction pass
+        per tier and compacts; raises BudgetError, changing nothing, when the needed or pinned blocks
+        cannot fit."""
         new = self.budgets.replace(gpu_bytes=gpu_bytes, dram_bytes=dram_bytes, ssd_bytes=ssd_bytes)
         with self._lock:
             slots = {t: self._slots_for(t, new.of(t)) for t in self.tiers}
@@ -187,45 +297,58 @@ class Residency:
                 if pinned > n:
                     raise BudgetError(f"{t} tier: {pinned} pages are pinned (being read) but the new "
                                       f"budget holds {n}; retry when the reads complete")
+                if n < self.tiers[t].allocator.capacity and any(
+                        t in b.copies and not b.copies[t].ready for b in self._blocks.values()):
+                    raise BudgetError(f"{t} tier: pages are being written into it; retry when the transfers "
+                                      "complete")
             for t, n in slots.items():  # grow first so that demotions have room
                 if n > self.tiers[t].allocator.capacity:
                     got = self.tiers[t].resize(n)
                     if got < n:
                         log.error("%s tier grew to %d of %d pages only (see the tier's errors)", t, got, n)
-            for t in TIER_ORDER:
-                if t in slots and slots[t] < self.tiers[t].allocator.capacity:
-                    self._shrink(t, slots[t])
+        for t in TIER_ORDER:
+            if t in slots and slots[t] < self.tiers[t].allocator.capacity:
+                self._shrink(t, slots[t])
+        with self._lock:
             self.budgets = new
-            log.info("tier budgets now gpu=%d dram=%d ssd=%d bytes", new.gpu_bytes, new.dram_bytes, new.ssd_bytes)
-            return new
+        log.info("tier budgets now gpu=%d dram=%d ssd=%d bytes", new.gpu_bytes, new.dram_bytes, new.ssd_bytes)
+        return new
 
     def _shrink(self, tier: TierName, n: int) -> None:
         t = self.tiers[tier]
-        while t.allocator.used > n:
-            if not self._evict_one(tier):
-                raise BudgetError(f"{tier} tier: cannot evict below {t.allocator.used} pages (all needed or pinned)")
-        for slot in t.allocator.used_at_or_above(n):  # compact: move survivors below n
-            key = self._owner[(tier, slot)]
-            b = self._blocks[key]
-            new_slot = t.allocator.alloc()
-            assert new_slot is not None and new_slot < n
-            buf = torch.empty((1, self.block_bytes), dtype=torch.uint8, device=self.device)
-            ok = t.read([slot], buf)[0]
-            if ok:
-                try:
-                    t.write([new_slot], buf, [key], [b.persistent])
-                except TierIOError:
-                    ok = False
-            if ok:
-                t.allocator.release(slot)
-                t.discard(slot)
-                del self._owner[(tier, slot)]
+        alloc = t.allocator
+        with self._lock:
+            used = alloc.used
+        if used > n and not self._make_room(tier, alloc.capacity - n, batch=False):
+            raise BudgetError(f"{tier} tier: cannot evict below {alloc.used} pages (all needed or pinned)")
+        moves: list[Move] = []
+        with self._lock:  # compact: survivors above n move to free slots below n
+            for slot in alloc.used_at_or_above(n):
+                key = self._owner[(tier, slot)]
+                b = self._blocks[key]
+                c = b.copies[tier]
+                if not c.ready or b.pins:
+                    raise BudgetError(f"{tier} tier: slot {slot} is being written or read; retry")
+                new_slot = alloc.alloc()
+                assert new_slot is not None and new_slot < n
                 self._owner[(tier, new_slot)] = key
-                b.copies[tier] = replace(b.copies[tier], slot=new_slot)
-            else:
-                t.allocator.release(new_slot)
-                log.warning("%s tier: %s unreadable while compacting; dropped", tier, key)
-                self._drop(b, tier)
-        got = t.resize(n)
+                b.pins += 1
+                moves.append(Move(b, tier, slot, tier, new_slot, demote=False))
+        ok = self._run_moves(moves)
+        with self._lock:
+            for m, good in zip(moves, ok, strict=True):
+                b = m.block
+                b.pins -= 1
+                if good:  # the block now lives at dst_slot; the old slot is freed
+                    t.allocator.release(m.src_slot)
+                    t.discard(m.src_slot)
+                    del self._owner[(tier, m.src_slot)]
+                    self._publish(b, tier, m.dst_slot)
+                else:
+                    t.allocator.release(m.dst_slot)
+                    del self._owner[(tier, m.dst_slot)]
+                    log.warning("%s tier: %s unreadable while compacting; dropped", tier, b.key)
+                    self._drop(b, tier)
+            alloc.resize(n)  # nothing at or above n can be allocated from here on
+        got = t.resize(n)  # the pool itself is reallocated (and copied) outside the lock
         log.info("%s tier shrunk to %d pages", tier, got)
-

@@ -6,11 +6,13 @@ Guarantees:
 - a block marked ``needed`` (a running sequence's page) is demoted, never dropped; a budget change
   that cannot keep every needed block raises BudgetError and changes nothing;
 - a tier never holds more slots than its budget allows; a corrupt SSD copy is dropped and reported
-  as a miss, never served.
-Promotion is inclusive (the lower copy stays as a clean backup); demotion moves. Reads of lower tiers
-(``fetch``) run outside the store lock, so a background prefetch never stalls the decode loop; the
-bookkeeping and eviction live in ``Residency``. The async scheduling of moves belongs to
-``kvdrive.runtime.pipeline`` (placement decides, pipeline moves, tiers store).
+  as a miss, never served;
+- no tier reads or writes while the store lock is held: every write is prepared (slots reserved, sources
+  pinned) under the lock, runs outside it, and is published under it (``Residency``).
+Promotion is inclusive (the lower copy stays as a clean backup); demotion moves. The memory tiers'
+placement is mirrored in tensors (``index``) that the decode loop reads directly. The async
+scheduling of moves belongs to ``kvdrive.runtime.pipeline`` (placement decides, pipeline moves, tiers
+store).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from contextlib import contextmanager
 
 import torch
 
+from kvdrive.runtime.kvcache.block_index import BlockIndex
 from kvdrive.runtime.kvcache.budgets import TIER_ORDER, TierBudgets, TierName, TierUsage
 from kvdrive.runtime.kvcache.compression import Int8Codec
 from kvdrive.runtime.kvcache.keys import BlockKey
-from kvdrive.runtime.kvcache.paged import CacheFullError, KVLayout
+from kvdrive.runtime.kvcache.layout import CacheFullError, KVLayout
 from kvdrive.runtime.kvcache.reads import BlockReads
-from kvdrive.runtime.kvcache.residency import Block, Copy, VictimOrder
+from kvdrive.runtime.kvcache.residency import Block, Copy, Move, VictimOrder
 from kvdrive.runtime.kvcache.tiers.base import Tier, TierIOError
 from kvdrive.runtime.kvcache.tiers.device import DeviceTier
 from kvdrive.runtime.kvcache.tiers.dram import DramTier
@@ -36,35 +39,35 @@ from kvdrive.runtime.kvcache.tiers.ssd import SsdTier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TieredKVStore", "VictimOrder"]
+__all__ = ["Move", "TieredKVStore", "VictimOrder"]
 
 
 class TieredKVStore(BlockReads):
     def __init__(self, layout: KVLayout, budgets: TierBudgets, ssd_dir: str | None = None,
                  device: torch.device | str | None = None, hugetlbfs_dir: str | None = None,
                  ssd_codec: str = "none", victim_order: VictimOrder | None = None,
-                 ssd_tier: SsdTier | None = None, io_threads: int = 4) -> None:
-        super().__init__(victim_order)
+                 ssd_tier: SsdTier | None = None, io_threads: int = 4, device_extra_rows: int = 0) -> None:
         self.layout = layout
         self.block_bytes = layout.block_bytes
-        self.block_shape = (2, layout.page_size, layout.num_kv_heads, layout.head_dim)
         self.budgets = budgets
         bb = self.block_bytes
         self.tiers: dict[TierName, Tier] = {
-            "gpu": DeviceTier(bb, budgets.gpu_bytes // bb, device),
+            "gpu": DeviceTier(bb, budgets.gpu_bytes // bb, device, extra_rows=device_extra_rows),
             "dram": DramTier(bb, budgets.dram_bytes // bb, hugetlbfs_dir),
         }
+        self.device = self.tiers["gpu"].device  # type: ignore[attr-defined]
+        super().__init__(victim_order, BlockIndex(layout.num_layers, self.device))
         if ssd_tier is None and ssd_dir is not None:
             codec = Int8Codec(layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype) \
                 if ssd_codec == "int8" else None
             ssd_tier = _make_ssd(ssd_dir, bb, budgets.ssd_bytes, codec, io_threads)
         if ssd_tier is not None:
             self.tiers["ssd"] = ssd_tier
-        self.device = self.tiers["gpu"].device  # type: ignore[attr-defined]
         self.lookups = self.misses = 0
         self.page_reads: dict[TierName, int] = {t: 0 for t in self.tiers}  # needed pages found per tier
         for slot, key in ssd_tier.recovered() if ssd_tier is not None else []:
-            self._blocks[key] = Block(key, {"ssd": Copy(slot, True)}, needed=False, persistent=True)
+            b = self._new_block(key, needed=False, persistent=True)
+            b.copies["ssd"] = Copy(slot, True)
             self._owner[("ssd", slot)] = key
 
     # --- queries -----------------------------------------------------------------------------
@@ -100,21 +103,11 @@ class TieredKVStore(BlockReads):
                                      t.errors, cached * t.slot_bytes))
             return out
 
-    def residents(self, tier: TierName) -> tuple[list[BlockKey], int]:
-        """Blocks with a ready copy in ``tier``, and the tier's free slots."""
-        if tier not in self.tiers:
-            return [], 0
-        with self._lock:
-            owner = self._owner
-            alloc = self.tiers[tier].allocator
-            keys = [k for k in (owner.get((tier, s)) for s in range(alloc.capacity)) if k is not None]
-            return keys, alloc.free_count
-
     @property
     def capacity_blocks(self) -> int:
         return sum(t.allocator.capacity for t in self.tiers.values())
 
-    # --- pins and flags ----------------------------------------------------------------------
+    # --- pins, flags and page references -----------------------------------------------------
     def pin(self, keys: list[BlockKey]) -> None:
         with self._lock:
             for k in keys:
@@ -142,62 +135,44 @@ class TieredKVStore(BlockReads):
                 if k in self._blocks:
                     self._blocks[k].needed = needed
 
-    def remove(self, keys: list[BlockKey]) -> None:
+    def ref_page(self, digest: bytes) -> int:
+        """The dense id of page ``digest``, held for a sequence until ``unref_page`` (ids of pages a
+        sequence references are never reused, even if every copy of the page is lost)."""
         with self._lock:
-            for k in keys:
-                b = self._blocks.get(k)
-                if b is None:
-                    continue
-                if b.pins:
-                    raise RuntimeError(f"{k} is pinned; unpin before removing")
-                for t in list(b.copies):
-                    self._drop(b, t)
+            return self.index.acquire(digest)
 
-    # --- data --------------------------------------------------------------------------------
-    def to_block(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """k, v [S, Hkv, D] -> [block_bytes] uint8 on k's device."""
-        return torch.stack([k.to(self.layout.dtype), v.to(self.layout.dtype)]).contiguous().view(torch.uint8).view(-1)
+    def unref_page(self, pid: int) -> None:
+        with self._lock:
+            self.index.release(pid)
 
-    def to_blocks(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """k, v [n, S, Hkv, D] -> [n, block_bytes] uint8 on k's device."""
-        kv = torch.stack([k.to(self.layout.dtype), v.to(self.layout.dtype)], dim=1).contiguous()  # [n, 2, S, H, D]
-        return kv.view(torch.uint8).view(k.shape[0], -1)
+    def reserve_pages(self, n: int) -> None:
+        """Room for ``n`` more page ids before a forward step (see ``BlockIndex.reserve``)."""
+        with self._lock:
+            self.index.reserve(len(self.index) + n)
 
-    def _room(self, tier: TierName, n: int) -> None:
-        """Free slots for a batch of ``n`` in one eviction pass (lock held)."""
-        t = self.tiers[tier]
-        short = n - t.allocator.free_count
-        if short > 0:
-            self._evict(tier, max(short, self._evict_batch(tier)))
+    def drain_freed(self) -> list[int]:
+        """Page ids freed since the last call (placement resets their scores)."""
+        with self._lock:
+            return self.index.drain_freed()
 
+    def key_of(self, pid: int, layer: int) -> BlockKey:
+        digest = self.index.digests[pid]
+        assert digest is not None, f"page id {pid} is not in use"
+        return BlockKey(digest, layer)
+
+    # --- writing -----------------------------------------------------------------------------
     def put(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName = "gpu", needed: bool = True,
             persistent: bool = False, pin_wait_s: float = 2.0) -> None:
         """Store blocks [n, block_bytes] uint8 in ``tier``, evicting as needed. Copies become readable when
         their write completed. A persistent (content-addressed) key already stored is only touched. When
         every evictable block is pinned by in-flight transfers, waits up to ``pin_wait_s`` for them."""
-        deadline = time.monotonic() + pin_wait_s
-        while True:
-            try:
-                return self._put(keys, blocks, tier, needed, persistent)
-            except CacheFullError:
-                if time.monotonic() > deadline or not self._any_pinned():
-                    raise
-            time.sleep(0.002)
-
-    def _any_pinned(self) -> bool:
-        with self._lock:
-            return any(b.pins for b in self._blocks.values())
-
-    def _put(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName, needed: bool,
-             persistent: bool) -> None:
         cap = self.tiers[tier].allocator.capacity
         if len(keys) > cap > 0:  # a batch bigger than the tier: in parts, so later parts can evict earlier
             for i in range(0, len(keys), cap):
-                self._put(keys[i : i + cap], blocks[i : i + cap], tier, needed, persistent)
+                self.put(keys[i : i + cap], blocks[i : i + cap], tier, needed, persistent, pin_wait_s)
             return
-        todo: list[tuple[int, BlockKey, int]] = []
+        rows: list[int] = []
         with self._lock:
-            self._room(tier, len(keys))
             for i, key in enumerate(keys):
                 b = self._blocks.get(key)
                 if b is not None and persistent and b.persistent and self._fastest(b):
@@ -209,115 +184,139 @@ class TieredKVStore(BlockReads):
                         raise RuntimeError(f"{key} is pinned (being read); cannot overwrite it")
                     for t in list(b.copies):
                         self._drop(b, t)
-                b = self._blocks[key] = Block(key, needed=needed, persistent=persistent, pins=1)
-                slot = self._alloc(tier, key)
-                if slot is None:
-                    del self._blocks[key]
-                    for _, k2, _ in todo:
-                        self._abort(k2, tier)
-                    raise CacheFullError(f"{tier} tier: no slot for {key}: every block is pinned or needed")
-                b.copies[tier] = Copy(slot, False)
-                self._touch(b)
-                todo.append((i, key, slot))
-        if not todo:
+                rows.append(i)
+        if not rows:
             return
-        rows = blocks if len(todo) == len(keys) else \
-            gather_rows(blocks, [i for i, _, _ in todo])
-        try:
-            self.tiers[tier].write([s for _, _, s in todo], rows, [k for _, k, _ in todo], [persistent] * len(todo))
-        except TierIOError:
-            with self._lock:
-                for _, k, _ in todo:
-                    self._abort(k, tier)
-            raise
+        deadline = time.monotonic() + pin_wait_s
+        while True:
+            try:
+                self._add_copies([keys[i] for i in rows], blocks, rows, tier, needed, persistent, strict=True)
+                return
+            except CacheFullError:
+                if time.monotonic() > deadline or not self._any_pinned():
+                    raise
+            time.sleep(0.002)
+
+    def _any_pinned(self) -> bool:
         with self._lock:
-            for _, k, s in todo:
-                b = self._blocks[k]
-                b.copies[tier] = Copy(s, True)
-                b.pins -= 1
-
-    def _abort(self, key: BlockKey, tier: TierName) -> None:
-        b = self._blocks[key]
-        b.pins -= 1
-        self._drop(b, tier)
-
-    def get_kv(self, keys: list[BlockKey]) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
-        """K and V [n, S, Hkv, D] of ``keys`` on the compute device (zeros where missed)."""
-        raw, hit = self.get(keys)
-        kv = raw.view(self.layout.dtype).view(len(keys), *self.block_shape)
-        return kv[:, 0], kv[:, 1], hit
+            return any(b.pins for b in self._blocks.values())
 
     def admit(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName = "gpu",
               src: list[TierName | None] | None = None) -> int:
         """Add a ``tier`` copy of existing blocks from bytes already read (blocks [n, block_bytes], e.g. from
         ``fetch``): inclusive promotion without a second read. Blocks already in ``tier``, gone, or for
         which no slot can be freed are skipped. Returns how many copies were added."""
-        added = 0
         with self._lock:
-            todo = [(i, self._blocks[k]) for i, k in enumerate(keys)
-                    if k in self._blocks and tier not in self._blocks[k].copies]
-            if not todo:
-                return 0
-            self._room(tier, len(todo))
-            for i, b in todo:
-                if b.key not in self._blocks or tier in b.copies:
+            rows = [i for i, k in enumerate(keys) if k in self._blocks and tier not in self._blocks[k].copies]
+        if not rows:
+            return 0
+        added = self._add_copies([keys[i] for i in rows], blocks, rows, tier, True, False, strict=False)
+        if src is not None:
+            with self._lock:
+                for i in added:
+                    origin = src[i]
+                    if origin is not None:
+                        self._count(origin, tier, 1)
+        return len(added)
+
+    def _add_copies(self, keys: list[BlockKey], blocks: torch.Tensor, rows: list[int], tier: TierName,
+                    needed: bool, persistent: bool, strict: bool) -> list[int]:
+        """Write blocks[rows[i]] as the ``tier`` copy of keys[i] (new blocks are created with ``needed`` and
+        ``persistent``): make room, reserve under the lock, write outside it, publish. ``strict``: all or
+        nothing (CacheFullError); else the blocks that got no slot are skipped. Returns the rows written."""
+        self._make_room(tier, len(keys))
+        todo: list[tuple[int, Block, int]] = []
+        with self._lock:
+            for key, row in zip(keys, rows, strict=True):
+                b = self._blocks.get(key)
+                if b is None:
+                    if not strict:
+                        continue  # gone meanwhile: nothing to admit
+                    b = self._new_block(key, needed, persistent)
+                elif tier in b.copies:
                     continue
-                b.pins += 1
-                slot = self._alloc(tier, b.key)
-                b.pins -= 1
+                slot = self._reserve(b, tier)
                 if slot is None:
+                    if strict:
+                        for _, b2, _ in todo:
+                            self._abort(b2, tier)
+                        if not b.copies:
+                            del self._blocks[key]
+                            self.index.release(b.pid)
+                        raise CacheFullError(f"{tier} tier: no slot for {key}: every block is pinned or needed")
                     break
-                try:
-                    self.tiers[tier].write([slot], blocks[i : i + 1], [b.key], [b.persistent])
-                except TierIOError:
-                    self.tiers[tier].allocator.release(slot)
-                    del self._owner[(tier, slot)]
+                b.pins += 1
+                self._touch(b)
+                todo.append((row, b, slot))
+        if not todo:
+            return []
+        src = blocks if [r for r, _, _ in todo] == list(range(blocks.shape[0])) else \
+            gather_rows(blocks, [r for r, _, _ in todo])
+        try:
+            self.tiers[tier].write([s for _, _, s in todo], src, [b.key for _, b, _ in todo],
+                                   [b.persistent for _, b, _ in todo])
+        except TierIOError:
+            with self._lock:
+                for _, b, _ in todo:
+                    self._abort(b, tier)
+            if strict:
+                raise
+            return []
+        with self._lock:
+            for _, b, slot in todo:
+                b.pins -= 1
+                self._publish(b, tier, slot)
+        return [r for r, _, _ in todo]
+
+    def _abort(self, b: Block, tier: TierName) -> None:
+        """Give up a reserved (never published) copy (lock held)."""
+        b.pins -= 1
+        self._drop(b, tier)
+
+    # --- moving between tiers ----------------------------------------------------------------
+    def prepare_promote(self, keys: list[BlockKey], tier: TierName) -> list[Move]:
+        """Plan ``tier`` copies of ``keys`` from their fastest copies: the blocks are pinned (making room
+        never evicts what is being promoted), room is made (demotions run now, in this thread), destination
+        slots reserved. Run the returned moves with ``run_moves`` (any thread, no lock) and settle them
+        with ``complete_moves``."""
+        with self._lock:
+            want = [b for k in keys if (b := self._blocks.get(k)) is not None and tier not in b.copies
+                    and self._fastest(b) is not None]
+            for b in want:
+                b.pins += 1
+        if not want:
+            return []
+        self._make_room(tier, len(want))
+        moves: list[Move] = []
+        with self._lock:
+            for b in want:
+                src = self._fastest(b)
+                slot = self._reserve(b, tier) if src is not None and tier not in b.copies \
+                    and b.key in self._blocks else None
+                if src is None or slot is None:
+                    b.pins -= 1  # not promoted: released now
                     continue
-                b.copies[tier] = Copy(slot, True)
-                added += 1
-                origin = src[i] if src is not None else None
-                if origin is not None:
-                    self._count(origin, tier, 1)
-        return added
+                moves.append(Move(b, src, b.copies[src].slot, tier, slot, demote=False))  # keeps its pin
+        return moves
+
+    def run_moves(self, moves: list[Move]) -> list[bool]:
+        """Copy the bytes of prepared moves (no lock held)."""
+        return self._run_moves(moves)
+
+    def complete_moves(self, moves: list[Move], ok: list[bool]) -> int:
+        """Publish the moves that arrived; returns how many."""
+        self._complete(moves, ok)
+        return sum(ok)
 
     def promote(self, keys: list[BlockKey], tier: TierName = "gpu") -> int:
-        """Read blocks not yet in ``tier`` from their fastest copy (outside the lock) and admit them."""
-        with self._lock:
-            todo = [k for k in keys if k in self._blocks and tier not in self._blocks[k].copies]
-        if not todo:
-            return 0
-        blocks, served, order = self.fetch_grouped(todo, count=False)  # order-free: no gather back
-        todo = [todo[i] for i in order]
-        got = [i for i, t in enumerate(served) if t is not None]
-        if not got:
-            return 0
-        rows = blocks if len(got) == len(todo) else gather_rows(blocks, got)
-        return self.admit([todo[i] for i in got], rows, tier, [served[i] for i in got])
+        """Give ``keys`` a ``tier`` copy now (prepare, run and complete in this thread); returns how many."""
+        moves = self.prepare_promote(keys, tier)
+        return self.complete_moves(moves, self.run_moves(moves)) if moves else 0
 
     def replicate(self, keys: list[BlockKey], tier: TierName) -> int:
         """Write a copy of each block to a lower ``tier`` (e.g. ssd, for persistence), keeping its upper
         copies. Returns how many copies were added."""
         return self.promote(keys, tier) if tier in self.tiers else 0
-
-    def move(self, key: BlockKey, dst: TierName) -> bool:
-        """Copy ``key`` to ``dst``: promotion keeps the lower copy (clean backup), demotion drops the
-        upper one. False when the block is gone, unreadable, or ``dst`` has no evictable room."""
-        with self._lock:
-            b = self._blocks.get(key)
-            src = self._fastest(b) if b else None
-            if b is None or src is None or dst not in self.tiers:
-                return False
-            self._touch(b)
-            if dst in b.copies and b.copies[dst].ready:
-                return True
-            b.pins += 1
-            try:
-                ok = self._copy(b, src, dst)
-            finally:
-                b.pins -= 1
-            if ok and TIER_ORDER.index(dst) > TIER_ORDER.index(src):
-                self._drop(b, src)
-            return ok
 
     def close(self) -> None:
         for t in self.tiers.values():

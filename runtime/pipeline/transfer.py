@@ -1,8 +1,10 @@
 """The async transfer engine: queued jobs that move blocks between tiers, by priority.
 
 Owns *when* bytes move (the store owns *where* they are, placement decides *which*). Jobs run on a
-small pool of worker threads in priority order: demand fetch > prefetch > write-back, FIFO within a
-priority. A job submitted again while still queued (same kind, keys and destination) is merged and
+small pool of worker threads in priority order: demand > prefetch > write-back, FIFO within a
+priority. A prefetch arrives as moves the store already *prepared* on the engine thread (destination
+slots reserved, sources pinned); a worker runs and completes them (``kvcache.residency``), so no worker
+ever evicts from a memory tier. A job submitted again while still queued (same kind, keys and destination) is merged and
 upgraded to the higher priority, so a prefetch that becomes urgent jumps the queue. Every job
 completes its handle, with a result or the exception (logged and counted); workers never die
 silently: a dead worker is replaced on the next submit and counted. On CUDA each worker runs its
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvdrive.runtime.kvcache import BlockKey, TieredKVStore, TierName
+from kvdrive.runtime.kvcache import BlockKey, Move, TieredKVStore, TierName
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class TransferEngine:
         self.busy_seconds = {p.name: 0.0 for p in Priority}  # worker time spent in jobs
         self.upgraded = 0
         self.worker_restarts = 0
+        self._running = 0
         self._threads: list[threading.Thread] = []
         for i in range(workers):
             self._threads.append(self._spawn(i))
@@ -109,32 +112,29 @@ class TransferEngine:
                 self._queued[dedupe] = job
             heapq.heappush(self._heap, job)
             self.submitted[priority.name] += 1
-            self._cv.notify()
+            self._cv.notify_all()
             return job.handle
 
-    def fetch(self, keys: list[BlockKey], priority: Priority = Priority.DEMAND) -> TransferHandle:
-        """Read blocks to the compute device; the handle yields (blocks [n, block_bytes], hit flags)."""
-        return self.submit(lambda: self.store.get(keys), priority)
-
-    def move(self, keys: list[BlockKey], dst: TierName, priority: Priority) -> TransferHandle:
-        """Move blocks to ``dst``; the handle yields one bool per key."""
-        return self.submit(lambda: [self.store.move(k, dst) for k in keys], priority,
-                           dedupe=("move", tuple(keys), dst))
-
-    def prefetch(self, keys: list[BlockKey], dst: TierName = "gpu") -> TransferHandle:
-        return self.move(keys, dst, Priority.PREFETCH)
-
-    def write_back(self, keys: list[BlockKey], dst: TierName = "ssd") -> TransferHandle:
-        return self.move(keys, dst, Priority.WRITEBACK)
-
-    def promote(self, keys: list[BlockKey], dst: TierName = "gpu", priority: Priority = Priority.PREFETCH) -> TransferHandle:
-        """Copy blocks up to ``dst`` in one batch (reads outside the store lock); yields how many were added."""
-        return self.submit(lambda: self.store.promote(keys, dst), priority, dedupe=("promote", tuple(keys), dst))
+    def run(self, moves: list[Move], priority: Priority = Priority.PREFETCH) -> TransferHandle:
+        """Run prepared moves and publish them; the handle yields how many arrived."""
+        store = self.store
+        return self.submit(lambda: store.complete_moves(moves, store.run_moves(moves)), priority)
 
     def replicate(self, keys: list[BlockKey], dst: TierName = "ssd") -> TransferHandle:
         """Write-back: give blocks a ``dst`` copy (e.g. persistence on SSD) keeping theirs; yields the count."""
         return self.submit(lambda: self.store.replicate(keys, dst), Priority.WRITEBACK,
                            dedupe=("replicate", tuple(keys), dst))
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until no job is queued or running; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._heap or self._running:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
 
     @property
     def queue_depth(self) -> int:
@@ -167,6 +167,7 @@ class TransferEngine:
                     continue
                 if job.dedupe is not None:
                     self._queued.pop(job.dedupe, None)
+                self._running += 1
             name = Priority(job.priority).name
             started = time.perf_counter()
             try:
@@ -176,14 +177,23 @@ class TransferEngine:
                     result = self._run(job, stream)
             except Exception as exc:  # the job fails, the worker lives on
                 log.exception("transfer job (%s) failed", name)
+                job.handle._finish(error=exc)
                 with self._cv:
                     self.failed[name] += 1
-                job.handle._finish(error=exc)
+                    self._running -= 1
+                    self._cv.notify_all()
                 continue
+            except BaseException:
+                with self._cv:
+                    self._running -= 1
+                    self._cv.notify_all()
+                raise
+            job.handle._finish(result)
             with self._cv:
                 self.completed[name] += 1
                 self.busy_seconds[name] += time.perf_counter() - started
-            job.handle._finish(result)
+                self._running -= 1
+                self._cv.notify_all()
 
     @staticmethod
     def _run(job: _Job, stream: torch.cuda.Stream | None) -> Any:

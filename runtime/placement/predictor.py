@@ -1,11 +1,10 @@
-"""The ledger of prefetch outcomes.
+"""Prefetch accounting: the ledger of outcomes and the throttle that stops prefetch while it is wasted.
 
 Decode queries change slowly from one step to the next, so the pages a layer selected in step t (and
-its runners-up) are the engine's guess for step t+1 (temporal locality); this ledger measures how good
-the guess is. It records what was prefetched and classifies each prefetched block once the step that
-needed it ran:
-``hit`` (ready in the device tier when needed), ``late`` (needed before its transfer finished: the
-step waited) and ``wasted`` (not selected after all).
+its runners-up) are the guess for step t+1 (temporal locality). The ledger records what each step
+prefetched and classifies every prefetched block once the next step ran: ``hit`` (in a memory tier when
+the step needed it), ``late`` (needed while its transfer was still running: the step waited) and
+``wasted`` (not selected after all).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from kvdrive.runtime.kvcache import BlockKey
 
 class Pending(Protocol):
     def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> object: ...
 
 
 @dataclass
@@ -25,31 +25,37 @@ class PrefetchLedger:
     hit: int = 0
     late: int = 0
     wasted: int = 0
-    _outstanding: dict[BlockKey, Pending] = field(default_factory=dict)
+    _issued: dict[BlockKey, Pending] = field(default_factory=dict)  # last step's prefetches
+    _late: set[BlockKey] = field(default_factory=set)
 
     def issued(self, keys: list[BlockKey], transfer: Pending) -> None:
         for k in keys:
-            self._outstanding[k] = transfer
+            self._issued[k] = transfer
 
     def claim(self, keys: list[BlockKey]) -> list[Pending]:
-        """The step needs ``keys`` now: account their prefetches; returns the transfers still running
-        (the caller waits for them: a late prefetch)."""
+        """Keys the step could not find in a memory tier: the transfers among them still running (the
+        caller waits for them: late prefetches)."""
         waiting: dict[int, Pending] = {}
         for k in keys:
-            t = self._outstanding.pop(k, None)
-            if t is None:
-                continue
-            if t.done():
-                self.hit += 1
-            else:
-                self.late += 1
+            t = self._issued.get(k)
+            if t is not None and k not in self._late and not t.done():
+                self._late.add(k)
                 waiting[id(t)] = t
         return list(waiting.values())
 
-    def end_step(self) -> None:
-        """Prefetched blocks no step used are wasted."""
-        self.wasted += len(self._outstanding)
-        self._outstanding.clear()
+    @property
+    def outstanding(self) -> list[BlockKey]:
+        return list(self._issued)
+
+    def settle(self, used: set[BlockKey]) -> None:
+        """The step that the prefetches were for has run; ``used``: the prefetched keys it selected."""
+        late = len(self._late & used)
+        n_used = len(used & self._issued.keys())
+        self.late += late
+        self.hit += n_used - late
+        self.wasted += len(self._issued) - n_used
+        self._issued.clear()
+        self._late.clear()
 
     def counts(self) -> dict[str, int]:
         return {"hit": self.hit, "late": self.late, "wasted": self.wasted}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -93,8 +93,6 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("kvdrive_inter_token_latency_seconds", "time between consecutive streamed tokens",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.requests = Counter("kvdrive_http_requests", "HTTP requests by route and status",
-                                ["route", "status"], registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -51,11 +51,12 @@ def build_state(opts: ServeOptions) -> ServerState:
         return out
 
     def counters() -> TierCounters:
-        reads = {t: cache.store.page_reads.get(t, 0) for t in ("gpu", "dram", "ssd")}
+        found = cache.page_reads()
+        reads = {t: found.get(t, 0) for t in ("gpu", "dram", "ssd")}
         return TierCounters(page_reads=reads, transfer_bytes=dict(cache.store.transfer_bytes),
-                            prefetch=cache.ledger.counts(), fetch_wait_seconds=cache.fetch_wait_seconds,
+                            prefetch=cache.placer.ledger.counts(), fetch_wait_seconds=cache.fetch_wait_seconds,
                             decode_steps=cache.decode_steps, prefix_hit_pages=cache.prefix_hit_pages,
-                            misses=cache.store.misses, prefetch_throttled=cache.throttle.throttled)
+                            misses=cache.store.misses, prefetch_throttled=cache.placer.throttle.throttled)
 
     async def set_tiers(gpu: int, dram: int, ssd: int) -> list[TierUsage]:
         await async_engine.call(lambda _e: cache.set_budgets(gpu, dram, ssd))
@@ -73,8 +74,11 @@ def serve(opts: ServeOptions) -> None:
     state = build_state(opts)
     app = create_app(state)
     state.engine.start()
-    log.info("serving %s on http://%s:%d (KV: %d pages of %d tokens over the tiers)", state.config.model_id,
-             opts.host, opts.port, state.engine.engine.gen.cache.num_pages, opts.engine.page_size)
+    import torch
+
+    log.info("serving %s on http://%s:%d (KV: %d pages of %d tokens over the tiers; %d compute threads)",
+             state.config.model_id, opts.host, opts.port, state.engine.engine.gen.cache.num_pages,
+             opts.engine.page_size, torch.get_num_threads())
     server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
                                            timeout_graceful_shutdown=30))
     try:

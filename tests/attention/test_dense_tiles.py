@@ -22,8 +22,9 @@ def test_tiled_chunk_attention_equals_the_explicit_softmax() -> None:
     q, k, v = torch.randn(300, 6, 32), torch.randn(1000, 2, 32), torch.randn(1000, 2, 32)
     pos = torch.arange(700, 1000)  # a chunk continuing a 700-token sequence
     ref = _reference(q, k, v, pos)
-    one_pass = causal_attention(q, k, v, pos)
-    tiled = causal_attention(q, k, v, pos, tile_bytes=6 * 1000 * 4 * 7)  # 7 query rows per tile
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # head-major, as the cache holds them
+    one_pass = causal_attention(q, kh, vh, pos)
+    tiled = causal_attention(q, kh, vh, pos, tile_bytes=6 * 1000 * 4 * 7)  # 7 query rows per tile
     assert torch.allclose(one_pass, ref, atol=1e-5)
     assert torch.allclose(tiled, ref, atol=1e-5)
 
@@ -32,4 +33,5 @@ def test_a_single_row_tile_still_sees_exactly_its_own_prefix() -> None:
     torch.manual_seed(1)
     q, k, v = torch.randn(5, 4, 16), torch.randn(12, 4, 16), torch.randn(12, 4, 16)
     pos = torch.arange(7, 12)
-    assert torch.allclose(causal_attention(q, k, v, pos, tile_bytes=1), _reference(q, k, v, pos), atol=1e-5)
+    out = causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), pos, tile_bytes=1)
+    assert torch.allclose(out, _reference(q, k, v, pos), atol=1e-5)

@@ -1,4 +1,4 @@
-"""Page summaries, page selection and sparse decode attention on constructed cases (pure torch)."""
+"""Page summaries, batched page selection and masked decode attention on constructed cases (pure torch)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,40 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvdrive.runtime.attention import SelectionConfig, decode_attention, key_bounds, page_scores, select_pages
+from kvdrive.runtime.attention import (
+    SelectionConfig,
+    decode_attention,
+    key_bounds,
+    page_scores,
+    select_pages,
+    selection_masks,
+)
 
 S, HKV, G, D = 4, 2, 3, 8  # page size, KV heads, query heads per KV head, head dim
 
 
 def _pages(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn((n, S, HKV, D), generator=g) * 0.3  # [n, S, Hkv, D]
+    return torch.randn((n, HKV, S, D), generator=g) * 0.3  # [n, Hkv, S, D] head-major
+
+
+def _summaries(*pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch summaries [B, Hkv, Pmax, 2D] (zero padded) and page counts [B]."""
+    pmax = max(p.shape[0] for p in pages)
+    out = torch.zeros((len(pages), HKV, pmax, 2 * D))
+    for i, p in enumerate(pages):
+        out[i, :, : p.shape[0]] = key_bounds(p).transpose(0, 1)
+    return out, torch.tensor([p.shape[0] for p in pages])
 
 
 def test_summary_bound_is_an_upper_bound_of_every_key_score() -> None:
     """For any query, a page's bound is >= the best q.k/sqrt(D) of its keys (per head)."""
     k = _pages(20, seed=1)
-    kmin, kmax = key_bounds(k)
+    b = key_bounds(k)  # [P, Hkv, 2D]: kmax then kmin
+    kmax, kmin = b[..., :D], b[..., D:]
     q = torch.randn((HKV * G, D), generator=torch.Generator().manual_seed(2))
     qg = q.view(HKV, G, D)
-    true = torch.einsum("hgd,pshd->phgs", qg, k).amax(-1) / math.sqrt(D)  # [P, Hkv, G]
+    true = torch.einsum("hgd,phsd->phgs", qg, k).amax(-1) / math.sqrt(D)  # [P, Hkv, G]
     lo = torch.einsum("hgd,phd->phg", qg.clamp(max=0), kmin)
     hi = torch.einsum("hgd,phd->phg", qg.clamp(min=0), kmax)
     assert torch.all((lo + hi) / math.sqrt(D) >= true - 1e-6)
@@ -34,39 +51,48 @@ def test_selection_finds_the_pages_that_match_the_query() -> None:
     sink page and the recent window, and nothing beyond the budget."""
     n = 40
     k = _pages(n, seed=3)
-    q = torch.zeros((HKV * G, D))
-    q[4, :] = 1.0  # query head 4 (KV head 1) looks along the all-ones direction
+    q = torch.zeros((1, HKV * G, D))
+    q[0, 4, :] = 1.0  # query head 4 (KV head 1) looks along the all-ones direction
     hot = [7, 19, 26]
     for p in hot:
-        k[p, 2, 1, :] = 3.0  # one key of KV head 1 in each hot page
-    kmin, kmax = key_bounds(k)
+        k[p, 1, 2, :] = 3.0  # one key of KV head 1 in each hot page
+    summ, npages = _summaries(k)
     cfg = SelectionConfig(token_budget=12 * S, page_size=S, sink_pages=1, recent_pages=4)
-    sel = select_pages(q, kmin, kmax, cfg).tolist()
+    masks = selection_masks(npages, n, cfg)
+    idx, near = select_pages(q, summ, masks, cfg, runners_up=2)
+    sel = idx[0].tolist()
     assert len(sel) == cfg.budget_pages == 11 and sel == sorted(sel)
     assert set(hot) <= set(sel)
     assert 0 in sel and set(range(n - 4, n)) <= set(sel)
-    scores = page_scores(q, kmin, kmax)
+    assert near.shape == (1, 2) and not set(near[0].tolist()) & set(sel)
+    scores = page_scores(q, summ, masks)[0]
     assert scores[hot].min() > scores[[p for p in range(1, n - 4) if p not in hot]].max()
 
 
-def test_everything_is_selected_when_it_fits_the_budget() -> None:
-    k = _pages(5)
-    kmin, kmax = key_bounds(k)
-    cfg = SelectionConfig(token_budget=1024, page_size=S)
-    assert select_pages(torch.randn(HKV * G, D), kmin, kmax, cfg).tolist() == [0, 1, 2, 3, 4]
+def test_a_short_sequence_in_a_long_batch_takes_all_its_pages_first() -> None:
+    """Batched selection: a 5-page sequence next to a 40-page one selects its 5 pages (in order, first),
+    the rest of its row points past its pages; the long one selects budget_pages distinct pages."""
+    long, short = _pages(40, seed=4), _pages(5, seed=5)
+    summ, npages = _summaries(long, short)
+    cfg = SelectionConfig(token_budget=12 * S, page_size=S)
+    q = torch.randn((2, HKV * G, D), generator=torch.Generator().manual_seed(6))
+    idx, _ = select_pages(q, summ, selection_masks(npages, 40, cfg), cfg)
+    assert idx[1, :5].tolist() == [0, 1, 2, 3, 4] and bool((idx[1, 5:] >= 5).all())
+    assert len(set(idx[0].tolist())) == cfg.budget_pages and bool((idx[0] < 40).all())
 
 
-def test_sparse_attention_over_all_pages_equals_dense_attention() -> None:
-    """Batched decode attention with padding equals SDPA per sequence; mass sums to the head count."""
+def test_decode_attention_with_masks_equals_dense_attention_per_sequence() -> None:
+    """Batched masked decode attention equals SDPA over each sequence's own keys; each head's
+    probabilities over the attended keys sum to 1 and masked keys get none."""
     g = torch.Generator().manual_seed(5)
-    lens = [13, 7, 21]
+    lens, t = [13, 7, 21], 24
     q = torch.randn((3, HKV * G, D), generator=g)
-    ks = [torch.randn((t, HKV, D), generator=g) for t in lens]
-    vs = [torch.randn((t, HKV, D), generator=g) for t in lens]
-    out, mass = decode_attention(q, ks, vs)
-    for i, t in enumerate(lens):
-        ref = F.scaled_dot_product_attention(q[i][:, None], ks[i].transpose(0, 1), vs[i].transpose(0, 1),
-                                             enable_gqa=True)[:, 0]
+    k = torch.randn((3, HKV, t, D), generator=g)
+    v = torch.randn((3, HKV, t, D), generator=g)
+    mask = torch.arange(t)[None, :] >= torch.tensor(lens)[:, None]  # [B, T]
+    out, probs = decode_attention(q, k, v, mask[:, None, None, :])
+    for i, n in enumerate(lens):
+        ref = F.scaled_dot_product_attention(q[i][:, None], k[i, :, :n], v[i, :, :n], enable_gqa=True)[:, 0]
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
-        assert mass[i].shape == (t,)
-        assert abs(float(mass[i].sum()) - HKV * G) < 1e-4
+        assert torch.allclose(probs[i].sum(-1), torch.ones(HKV, G), atol=1e-5)
+        assert float(probs[i, :, :, n:].abs().sum()) == 0.0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from kvdrive.runtime.kvcache import BlockKey, KVLayout, private_digest
+from kvdrive.runtime.kvcache import DIGEST_BYTES, BlockKey, KVLayout
 
 # 2 layers, page of 16 tokens, 3 KV heads of 64 dims, fp16: one block (layer page) = 12 KiB
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=64, page_size=16, dtype=torch.float16)
@@ -18,7 +20,7 @@ def content(key: BlockKey, nbytes: int = BB) -> torch.Tensor:
 
 
 def make_keys(n: int, layer: int = 0) -> list[BlockKey]:
-    return [BlockKey(private_digest(), layer) for _ in range(n)]
+    return [BlockKey(os.urandom(DIGEST_BYTES), layer) for _ in range(n)]
 
 
 def blocks_for(keys: list[BlockKey], nbytes: int = BB) -> torch.Tensor:

@@ -118,7 +118,7 @@ def hugetlbfs(tmp_path: Path) -> Iterator[Path]:
 
 def test_dram_tier_on_hugetlbfs(hugetlbfs: Path) -> None:
     free_before = _meminfo("HugePages_Free")
-    tier = DramTier(BB, 300, hugetlbfs_dir=str(hugetlbfs), chunk_bytes=2 << 20)  # 300 x 12 KiB: 2 chunks
+    tier = DramTier(BB, 300, hugetlbfs_dir=str(hugetlbfs))  # 300 x 12 KiB (+ the zero row): 2 huge pages
     assert tier.backing.startswith(f"hugetlbfs:{hugetlbfs}") and tier.allocator.capacity == 300
     keys = make_keys(300)
     slots = [tier.allocator.alloc() for _ in keys]
@@ -144,7 +144,7 @@ def _meminfo(field: str) -> int:
 
 def test_int8_ssd_tier_halves_the_bytes_with_a_small_error(tmp_path: Path) -> None:
     codec = Int8Codec(LAYOUT.page_size, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.dtype)
-    x = (torch.randn(64, 2, 16, 3, 64) * torch.linspace(0.1, 4, 3)[None, None, None, :, None]).to(torch.float16)
+    x = (torch.randn(64, 2, 3, 16, 64) * torch.linspace(0.1, 4, 3)[None, None, :, None, None]).to(torch.float16)
     blocks = x.contiguous().view(torch.uint8).view(64, BB)
     err = measure_error(codec, blocks, LAYOUT.dtype)
     assert err.bytes_ratio < 0.51 and err.rel_rms < 0.01  # ~0.5% relative RMS on Gaussian KV

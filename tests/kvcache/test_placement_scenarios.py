@@ -1,38 +1,50 @@
 """Narrated placement scenarios: attention hotness decides which blocks stay on the device tier.
 
-The store evicts in the order placement gives (coldest first); LRU is the contrast.
+The placer records the attention mass each block received (a tensor per layer and page id); the store
+evicts in the order the placer gives (coldest first). LRU is the contrast.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
 
-from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
-from kvdrive.runtime.placement import Hotness, PrefetchLedger, PrefetchThrottle, policy_for
+from kvdrive.runtime.kvcache import BlockKey, TierBudgets, TieredKVStore
+from kvdrive.runtime.placement import Placer, PrefetchLedger, PrefetchThrottle, policy_for
 
 
-def _store(tmp_path: Path, hot: Hotness | None) -> TieredKVStore:
-    return TieredKVStore(LAYOUT, TierBudgets(3 * BB, 3 * BB, 2 << 20), ssd_dir=str(tmp_path / "ssd"),
-                         victim_order=hot.coldest_first if hot is not None else None)
+def _store(tmp_path: Path) -> TieredKVStore:
+    return TieredKVStore(LAYOUT, TierBudgets(3 * BB, 3 * BB, 2 << 20), ssd_dir=str(tmp_path / "ssd"))
+
+
+def _placed(tmp_path: Path) -> tuple[TieredKVStore, Placer]:
+    s = _store(tmp_path)
+    return s, Placer(policy_for("kvdrive"), s)
+
+
+def _attend(placer: Placer, store: TieredKVStore, keys: list[BlockKey], masses: list[float]) -> None:
+    """One decode step in which ``keys`` (layer 0) received ``masses`` of attention."""
+    placer.begin_step()
+    pids = torch.tensor([store.index.find(k.digest) for k in keys])
+    placer.record(0, pids, torch.tensor(masses))
+    placer.end_decode_step()
 
 
 def test_a_page_that_keeps_receiving_attention_stays_on_the_device_tier(tmp_path: Path) -> None:
     """Three blocks fill the device tier. Block A was stored first but receives attention every step;
     B and C receive none. A new block arrives: the coldest (B) is demoted to DRAM, A stays, although
     plain LRU would have evicted A (the least recently stored)."""
-    hot = Hotness()
-    s = _store(tmp_path, hot)
+    s, placer = _placed(tmp_path)
     a, b, c, d = make_keys(4)
     s.put([a, b, c], blocks_for([a, b, c]))
     for _ in range(5):
-        hot.record([a], [2.5])
-        hot.advance()
+        _attend(placer, s, [a], [2.5])
     s.put([d], blocks_for([d]))
     assert [s.where(k) for k in (a, b, c, d)] == ["gpu", "dram", "gpu", "gpu"]
 
-    lru = _store(tmp_path / "lru", None)
+    lru = _store(tmp_path / "lru")
     lru.put([a, b, c], blocks_for([a, b, c]))
     lru.put([d], blocks_for([d]))
     assert lru.where(a) == "dram"  # the contrast: recency alone demotes the attended block
@@ -40,47 +52,63 @@ def test_a_page_that_keeps_receiving_attention_stays_on_the_device_tier(tmp_path
 
 def test_a_page_that_stops_receiving_attention_cools_down_and_is_demoted(tmp_path: Path) -> None:
     """A was hot, then attention moved to B and C; a few steps later A is the coldest and goes first."""
-    hot = Hotness()
-    s = _store(tmp_path, hot)
+    s, placer = _placed(tmp_path)
     a, b, c, d = make_keys(4)
     s.put([a, b, c], blocks_for([a, b, c]))
-    hot.record([a], [3.0])
+    _attend(placer, s, [a], [3.0])
     for _ in range(8):
-        hot.advance()
-        hot.record([b, c], [0.5, 0.5])
-    assert hot.score(a) < hot.score(b)
+        _attend(placer, s, [b, c], [0.5, 0.5])
+    ids = torch.tensor([s.index.find(k.digest) for k in (a, b)])
+    score_a, score_b = placer.scores.of(torch.zeros(2, dtype=torch.int64), ids).tolist()
+    assert score_a < score_b
     s.put([d], blocks_for([d]))
     assert s.where(a) == "dram" and s.where(b) == "gpu" and s.where(c) == "gpu"
 
 
+def test_a_hot_block_read_from_the_ssd_is_admitted_over_a_cold_resident(tmp_path: Path) -> None:
+    """The device tier is full of blocks nobody attends to; a block read from the SSD that received
+    attention is admitted to the device tier (displacing the coldest), an unattended one is not."""
+    s, placer = _placed(tmp_path)
+    residents = make_keys(3)
+    s.put(residents, blocks_for(residents))
+    hot, cold = make_keys(2)
+    s.put([hot, cold], blocks_for([hot, cold]), tier="ssd")
+    _attend(placer, s, [hot], [2.0])
+    placer.begin_step()
+    pids = [s.index.find(k.digest) for k in (hot, cold)]
+    assert placer.promotion([hot, cold], pids, ["ssd", "ssd"]) == {"gpu": [0], "dram": [1]}
+
+
 def test_promotion_puts_a_demoted_hot_block_back_and_keeps_its_lower_copy(tmp_path: Path) -> None:
-    hot = Hotness()
-    s = _store(tmp_path, hot)
+    s, placer = _placed(tmp_path)
     keys = make_keys(5)
     s.put(keys, blocks_for(keys))  # 3 on gpu, 2 demoted to dram
     low = [k for k in keys if s.where(k) == "dram"]
-    hot.record(low, [4.0] * len(low))
+    _attend(placer, s, low, [4.0] * len(low))
     assert s.promote(low, "gpu") == len(low)
     assert all(s.where(k) == "gpu" for k in low)
     assert all("dram" in s.tiers_of(k) for k in low)  # inclusive: the clean copy stays below
 
 
 def test_prefetch_ledger_classifies_hits_late_and_wasted() -> None:
-    class Done:
+    class Job:
         def __init__(self, done: bool) -> None:
             self._done = done
 
         def done(self) -> bool:
             return self._done
 
+        def wait(self, timeout: float | None = None) -> None:
+            self._done = True
+
     a, b, c = make_keys(3)
     ledger = PrefetchLedger()
-    ledger.issued([a], Done(True))
-    running = Done(False)
+    ledger.issued([a], Job(True))
+    running = Job(False)
     ledger.issued([b], running)
-    ledger.issued([c], Done(True))
-    assert ledger.claim([a, b]) == [running]  # a was ready (hit); the step must wait for b (late)
-    ledger.end_step()  # c was never needed
+    ledger.issued([c], Job(True))
+    assert ledger.claim([b]) == [running]  # the step must wait for b (late)
+    ledger.settle({a, b})  # the step attended to a (landed: hit) and b; c was never needed
     assert ledger.counts() == {"hit": 1, "late": 1, "wasted": 1}
 
 

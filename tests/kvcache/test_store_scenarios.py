@@ -16,8 +16,8 @@ from kvdrive.runtime.kvcache import (
     CacheFullError,
     TierBudgets,
     TieredKVStore,
-    prefix_digests,
 )
+from kvdrive.runtime.kvcache.keys import chain_digest, root_digest
 from kvdrive.runtime.kvcache.tiers import PosixIO, SsdTier
 
 
@@ -67,8 +67,7 @@ def test_live_shrink_demotes_and_grow_adds_room(tmp_path: Path) -> None:
     assert all(hit) and torch.equal(out, blocks_for(keys))
     s.set_budgets(gpu_bytes=16 * BB)
     assert {u.tier: u.capacity_bytes for u in s.usage()}["gpu"] == 16 * BB
-    for k in keys:
-        assert s.move(k, "gpu")
+    assert s.promote(keys, "gpu") == 7  # 3 were on the gpu already
     assert all(s.where(k) == "gpu" for k in keys)
 
 
@@ -177,7 +176,7 @@ def test_corrupt_ssd_copy_is_a_miss_and_a_dram_copy_is_used(tmp_path: Path) -> N
     s = store(tmp_path, 0, 4)
     keys = make_keys(2)
     s.put(keys, blocks_for(keys), tier="ssd")
-    assert s.move(keys[1], "dram") and s.tiers_of(keys[1]) == ["dram", "ssd"]
+    assert s.promote([keys[1]], "dram") == 1 and s.tiers_of(keys[1]) == ["dram", "ssd"]
     ssd = s.tiers["ssd"]
     assert isinstance(ssd, SsdTier)
     for k in keys:  # corrupt both ssd copies on disk
@@ -190,6 +189,15 @@ def test_corrupt_ssd_copy_is_a_miss_and_a_dram_copy_is_used(tmp_path: Path) -> N
     assert torch.equal(out[1], blocks_for(keys[1:])[0]) and ssd.corrupt == 1  # dram copy served first
     s._drop(s._blocks[keys[1]], "dram")
     assert s.get(keys[1:])[1] == [False] and ssd.corrupt == 2
+
+
+def prefix_digests(fingerprint: str, tokens: list[int], page: int) -> list[bytes]:
+    """The digest of every full page of ``tokens``, chained from the model fingerprint."""
+    prev, out = root_digest(fingerprint), []
+    for start in range(0, len(tokens) - page + 1, page):
+        prev = chain_digest(prev, tokens[start : start + page])
+        out.append(prev)
+    return out
 
 
 def test_prefix_pages_survive_a_restart(tmp_path: Path) -> None:

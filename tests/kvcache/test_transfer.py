@@ -1,5 +1,5 @@
 """The transfer engine: priority order, merging and upgrading queued jobs, failed jobs, worker
-restarts, and prefetch/fetch moving real blocks between tiers."""
+restarts, prepared promotions and write-backs moving real blocks between tiers, draining."""
 
 from __future__ import annotations
 
@@ -40,19 +40,18 @@ def test_demand_before_prefetch_before_writeback(store: TieredKVStore) -> None:
     eng.close()
 
 
-def test_a_queued_prefetch_becomes_urgent(store: TieredKVStore) -> None:
-    keys = make_keys(3)
-    store.put(keys, blocks_for(keys), tier="ssd")
+def test_a_queued_job_submitted_again_at_a_higher_priority_jumps_the_queue(store: TieredKVStore) -> None:
     eng = TransferEngine(store, workers=1)
-    gate = threading.Event()
+    gate, order = threading.Event(), []
     busy(eng, gate)
-    other = eng.prefetch(keys[:1])
-    pre = eng.prefetch(keys[1:])
-    again = eng.move(keys[1:], "gpu", Priority.DEMAND)  # same job: merged, jumps ahead of `other`
-    assert again is pre and eng.upgraded == 1 and eng.queue_depth == 2
+    other = eng.submit(lambda: order.append("other"), Priority.PREFETCH)
+    wb = eng.submit(lambda: order.append("merged"), Priority.WRITEBACK, dedupe=("job", 1))
+    again = eng.submit(lambda: order.append("never"), Priority.DEMAND, dedupe=("job", 1))  # same job
+    assert again is wb and eng.upgraded == 1 and eng.queue_depth == 2
     gate.set()
-    assert pre.wait(10) == [True, True] and other.wait(10) == [True]
-    assert all(store.where(k) == "gpu" for k in keys)
+    wb.wait(10)
+    other.wait(10)
+    assert order == ["merged", "other"]
     eng.close()
 
 
@@ -77,14 +76,18 @@ def test_failed_jobs_complete_with_the_error_and_workers_survive(store: TieredKV
     eng.close()
 
 
-def test_prefetch_then_fetch_moves_real_blocks(store: TieredKVStore) -> None:
+def test_prepared_promotions_run_on_a_worker_and_write_backs_skip_clean_copies(store: TieredKVStore) -> None:
+    """The engine thread prepares (slots reserved, sources pinned); a worker copies and publishes."""
     keys = make_keys(6)
     store.put(keys, blocks_for(keys), tier="ssd", persistent=True, needed=False)
     eng = TransferEngine(store, workers=2)
-    assert eng.prefetch(keys[:3], "dram").wait(10) == [True] * 3
-    blocks, hit = eng.fetch(keys).wait(10)
-    assert hit == [True] * 6 and torch.equal(blocks, blocks_for(keys))
+    moves = store.prepare_promote(keys[:3], "dram")
+    assert [store.where(k) for k in keys[:3]] == ["ssd"] * 3  # reserved, not yet readable there
+    assert eng.run(moves).wait(10) == 3
+    out, hit = store.get(keys)
+    assert all(hit) and torch.equal(out, blocks_for(keys))
     assert [store.where(k) for k in keys] == ["dram"] * 3 + ["ssd"] * 3
-    assert eng.write_back(keys[:3], "ssd").wait(10) == [True] * 3  # already has a clean ssd copy
+    assert eng.replicate(keys[:3], "ssd").wait(10) == 0  # they already have a clean ssd copy
     assert store.transfer_bytes[("ssd", "dram")] == 3 * BB
+    assert eng.drain(10) and eng.queue_depth == 0
     eng.close()

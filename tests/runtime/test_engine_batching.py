@@ -17,6 +17,7 @@ from kvdrive.runtime.engine import (
     Request,
     SamplingParams,
     SchedulerConfig,
+    TierConfig,
 )
 from kvdrive.runtime.model import load_model
 
@@ -26,7 +27,7 @@ def _engine(path, pages: int, **sched) -> LLMEngine:  # type: ignore[no-untyped-
     gen = Generator(loaded, EngineConfig(page_size=4))
     # the gpu budget holds `pages` sealed pages plus one open page per running sequence
     budget = (pages + 16) * gen.cache.layout.page_bytes
-    gen = Generator(loaded, EngineConfig(page_size=4, kv_budget_bytes=budget))
+    gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig(gpu_bytes=budget)))
     return LLMEngine(gen, SchedulerConfig(**sched))
 
 

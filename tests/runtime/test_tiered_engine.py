@@ -15,6 +15,7 @@ from kvdrive.runtime.engine import (
     Request,
     SamplingParams,
     SchedulerConfig,
+    TierConfig,
 )
 from kvdrive.runtime.model import LoadedModel, load_model
 
@@ -32,8 +33,13 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 250, (n,), generator=g).tolist()
 
 
+TIER_FIELDS = {"gpu_bytes", "dram_bytes", "ssd_bytes", "ssd_dir", "persist"}
+
+
 def _gen(loaded: LoadedModel, **kw: object) -> Generator:
-    return Generator(loaded, EngineConfig(page_size=PAGE, max_sequences=2, **kw))  # type: ignore[arg-type]
+    tiers = TierConfig(**{k: v for k, v in kw.items() if k in TIER_FIELDS})  # type: ignore[arg-type]
+    rest = {k: v for k, v in kw.items() if k not in TIER_FIELDS}
+    return Generator(loaded, EngineConfig(tiers=tiers, page_size=PAGE, max_sequences=2, **rest))  # type: ignore[arg-type]
 
 
 def _greedy(gen: Generator, prompt: list[int], n: int = 12) -> list[int]:
@@ -91,13 +97,13 @@ def test_prefix_pages_are_shared_only_by_identical_token_prefixes(tiny: LoadedMo
 
 def test_prefix_pages_survive_a_restart_on_the_same_ssd_dir(tiny: LoadedModel, tmp_path: Path) -> None:
     prompt = _prompt(120, seed=2)
-    g1 = _gen(tiny, ssd_dir=str(tmp_path), ssd_budget_bytes=8 << 20)
+    g1 = _gen(tiny, ssd_dir=str(tmp_path), ssd_bytes=8 << 20)
     out1 = _greedy(g1, prompt)
     g1.close()
-    g2 = _gen(tiny, ssd_dir=str(tmp_path), ssd_budget_bytes=8 << 20)
+    g2 = _gen(tiny, ssd_dir=str(tmp_path), ssd_bytes=8 << 20)
     assert _greedy(g2, prompt) == out1
     assert g2.cache.prefix_hit_pages == 29  # (120 - 1) // 4 pages reused, the rest recomputed
-    assert g2.cache.store.page_reads["ssd"] >= 29 * tiny.config.num_layers
+    assert g2.cache.page_reads()["ssd"] >= 29 * tiny.config.num_layers
 
 
 @pytest.mark.parametrize("placement", ["kvdrive", "lru", "ondemand", "fullfetch"])
@@ -109,15 +115,15 @@ def test_every_placement_uses_all_three_tiers_and_changes_no_output(tiny: Loaded
     ref = _greedy(_gen(tiny, full_attention=True), prompt, 16)
     probe = _gen(tiny)
     page = probe.cache.layout.page_bytes
-    gen = _gen(tiny, kv_budget_bytes=10 * page, dram_budget_bytes=16 * page, ssd_dir=str(tmp_path),
-               ssd_budget_bytes=64 << 20, placement=placement, token_budget=2048)
+    gen = _gen(tiny, gpu_bytes=10 * page, dram_bytes=16 * page, ssd_dir=str(tmp_path),
+               ssd_bytes=64 << 20, placement=placement, token_budget=2048)
     assert _greedy(gen, prompt, 16) == ref
-    reads = gen.cache.store.page_reads
+    reads = gen.cache.page_reads()
     assert reads["gpu"] > 0 and reads["dram"] > 0 and reads["ssd"] > 0, reads
     for u in gen.cache.usage():
         assert u.used_bytes <= u.capacity_bytes <= u.budget_bytes
     if placement == "kvdrive":
-        assert sum(gen.cache.ledger.counts().values()) > 0  # it prefetched
+        assert sum(gen.cache.placer.ledger.counts().values()) > 0  # it prefetched
 
 
 def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_path: Path) -> None:
@@ -128,7 +134,7 @@ def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_pa
     ref = _greedy(_gen(tiny, full_attention=True), prompt, 20)
     probe = _gen(tiny)
     page = probe.cache.layout.page_bytes
-    gen = _gen(tiny, kv_budget_bytes=6 * page, ssd_dir=str(tmp_path), ssd_budget_bytes=16 << 20,
+    gen = _gen(tiny, gpu_bytes=6 * page, ssd_dir=str(tmp_path), ssd_bytes=16 << 20,
                placement="ondemand", token_budget=4096)
     engine = LLMEngine(gen, SchedulerConfig(max_running=2))
     engine.add_request(Request("r", tuple(prompt), params, 0.0))
@@ -153,8 +159,8 @@ def test_budgets_shrink_live_without_changing_outputs(tiny: LoadedModel, tmp_pat
     prompt = _prompt(300, seed=5)
     ref = _greedy(_gen(tiny, full_attention=True), prompt, 24)
     page = _gen(tiny).cache.layout.page_bytes
-    gen = _gen(tiny, kv_budget_bytes=120 * page, dram_budget_bytes=60 * page, ssd_dir=str(tmp_path),
-               ssd_budget_bytes=32 << 20, token_budget=4096)
+    gen = _gen(tiny, gpu_bytes=120 * page, dram_bytes=60 * page, ssd_dir=str(tmp_path),
+               ssd_bytes=32 << 20, token_budget=4096)
     engine = LLMEngine(gen, SchedulerConfig(max_running=2))
     engine.add_request(Request("r", tuple(prompt), SamplingParams(max_tokens=24, ignore_eos=True), 0.0))
     out: list[int] = []

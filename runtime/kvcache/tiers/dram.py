@@ -1,8 +1,9 @@
 """The DRAM tier: a host pool backed by hugetlbfs when a mount with free pages is given, else
 anonymous mmap with MADV_HUGEPAGE; registered as pinned memory (cudaHostRegister) when CUDA is present.
 
-Chunks are separate mappings so that a shrink returns memory to the system. A hugetlbfs chunk is a
-file created and unlinked at once in the mount (nothing is left behind after a crash).
+The pool is one mapping, replaced (and the old one unmapped) when the budget changes, so a shrink
+returns memory to the system. A hugetlbfs pool is a file created and unlinked at once in the mount
+(nothing is left behind after a crash).
 """
 
 from __future__ import annotations
@@ -16,11 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from kvdrive.runtime.kvcache.budgets import TierName
-from kvdrive.runtime.kvcache.tiers.memory import ChunkedMemoryTier
+from kvdrive.runtime.kvcache.tiers.memory import MemoryPoolTier
 
 log = logging.getLogger(__name__)
-
-DRAM_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -28,6 +27,7 @@ class _Mapping:
     mm: mmap.mmap
     kind: str  # "hugetlbfs" | "anon-thp" | "anon"
     pinned: bool
+    ptr: int
 
 
 def hugetlbfs_page_size(mount: str) -> int:
@@ -35,24 +35,21 @@ def hugetlbfs_page_size(mount: str) -> int:
     return os.statvfs(mount).f_bsize
 
 
-class DramTier(ChunkedMemoryTier):
+class DramTier(MemoryPoolTier):
     name: TierName = "dram"
 
     def __init__(self, block_bytes: int, slots: int, hugetlbfs_dir: str | None = None,
-                 pin: bool | None = None, chunk_bytes: int = DRAM_CHUNK_BYTES) -> None:
+                 pin: bool | None = None) -> None:
         self.hugetlbfs_dir = hugetlbfs_dir
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._huge = hugetlbfs_page_size(hugetlbfs_dir) if hugetlbfs_dir else 0
-        self.chunks_by_kind: dict[str, int] = {"hugetlbfs": 0, "anon-thp": 0, "anon": 0}
-        super().__init__(block_bytes, slots, max(chunk_bytes, self._huge))
+        self.kind = "hugetlbfs" if hugetlbfs_dir else "anon-thp"
+        super().__init__(block_bytes, slots)
         log.info("dram tier: %d slots of %d bytes, backing %s", self.allocator.capacity, block_bytes, self.backing)
 
     @property
     def backing(self) -> str:
-        kinds = [k for k, n in self.chunks_by_kind.items() if n]
-        text = "+".join(kinds) if kinds else ("hugetlbfs" if self.hugetlbfs_dir else "anon-thp")
-        if "hugetlbfs" in kinds:
-            text = text.replace("hugetlbfs", f"hugetlbfs:{self.hugetlbfs_dir}")
+        text = f"hugetlbfs:{self.hugetlbfs_dir}" if self.kind == "hugetlbfs" else self.kind
         return text + ("+pinned" if self.pin else "")
 
     def _map(self, nbytes: int) -> tuple[mmap.mmap, str]:
@@ -77,7 +74,7 @@ class DramTier(ChunkedMemoryTier):
         except (OSError, AttributeError):
             return mm, "anon"
 
-    def _new_chunk(self, rows: int) -> tuple[torch.Tensor, _Mapping]:
+    def _new_pool(self, rows: int) -> tuple[torch.Tensor, _Mapping]:
         nbytes = rows * self.slot_bytes
         mm, kind = self._map(nbytes)
         t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(rows, self.slot_bytes)
@@ -86,12 +83,11 @@ class DramTier(ChunkedMemoryTier):
             rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
             pinned = int(rc) == 0
             if not pinned:
-                log.warning("dram tier: cudaHostRegister failed (%s); chunk is pageable", rc)
-        self.chunks_by_kind[kind] += 1
-        return t, _Mapping(mm, kind, pinned)
+                log.warning("dram tier: cudaHostRegister failed (%s); the pool is pageable", rc)
+        self.kind = kind
+        return t, _Mapping(mm, kind, pinned, t.data_ptr())
 
-    def _drop_chunk(self, handle: _Mapping) -> None:
+    def _drop_pool(self, handle: _Mapping) -> None:
         if handle.pinned:
-            torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(handle.mm, dtype=torch.uint8).data_ptr())
-        self.chunks_by_kind[handle.kind] -= 1
+            torch.cuda.cudart().cudaHostUnregister(handle.ptr)
         # the mapping is unmapped when the last tensor view of it is freed

@@ -1,0 +1,116 @@
+"""Reading one layer's pages for a batch into a step buffer, from wherever placement left them.
+
+The buffer is ``[2 (K, V), B, Hkv, W, S*D]``: per sequence W page columns (the selected pages, then the
+open tail page when asked for), head-major, so K and V come out as ``[B, Hkv, W*S, D]`` ready for
+attention. The device tier is read in place with one ``index_select`` over the pool's (page, head) rows,
+where every entry that is not on the device tier points at the pool's zero row. Only the entries that
+missed reach further code: on the compute device, the DRAM tier's rows are gathered with tensor ops too
+(on a CPU host the DRAM pool is the same memory; on CUDA it is pinned host memory copied up); what no
+memory tier holds goes through the store (host code: the work grows with these misses, never with the
+context length or the pages that hit), and placement decides whether it gets a copy further up.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvdrive.runtime.engine.kv_state import PageLostError
+from kvdrive.runtime.kvcache.tiers.rows import gather_rows
+
+if TYPE_CHECKING:
+    from kvdrive.runtime.engine.tiered_cache import TieredKVCache
+
+
+class PageReader:
+    def __init__(self, cache: TieredKVCache, batch: int, pages: int, tail: bool) -> None:
+        lay = cache.layout
+        self.cache, self.store, self.layout = cache, cache.store, lay
+        self.batch, self.pages, self.width = batch, pages, pages + int(tail)
+        hkv = lay.num_kv_heads
+        self.buf = torch.empty((2, batch, hkv, self.width, lay.row_elems), dtype=lay.dtype, device=cache.device)
+        self.rows = self.buf.view(-1, lay.row_elems)
+        dev = cache.device
+        self._kv = torch.arange(2, device=dev).view(2, 1, 1)
+        self._h = torch.arange(hkv, device=dev).view(1, 1, hkv)
+        self._base = (self._kv * hkv + self._h)[..., None]  # [2, 1, Hkv, 1]: (page, kv, head) row = page * 2 Hkv + base
+
+    def _pool_rows(self, tier: str) -> torch.Tensor:
+        """The (page, head) rows of a memory tier's pool: [slots * 2 * Hkv, S * D] in the cache dtype."""
+        pool = self.store.tiers[tier].pool  # type: ignore[attr-defined]
+        return pool.view(self.layout.dtype).view(-1, self.layout.row_elems)
+
+    def read(self, layer: int, pids: torch.Tensor, valid: torch.Tensor, n_valid: int, tails: torch.Tensor | None,
+             seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """pids [B, P] (padding at the index's scratch id), valid [B, P] (n_valid of them True), tails [B]
+        (device pool rows of the open pages) -> K, V [B, Hkv, W * S, D]."""
+        store, lay = self.store, self.layout
+        b, p, w, hkv = self.batch, self.pages, self.width, lay.num_kv_heads
+        gpu = store.tiers["gpu"]
+        ds = store.index.slot["gpu"][layer].index_select(0, pids.view(-1)).view(b, p)
+        hit = ds >= 0
+        src = torch.where(hit, ds, gpu.zero_slot)  # type: ignore[attr-defined]
+        if tails is not None:
+            src = torch.cat([src, tails[:, None]], dim=1)
+        sub = src[None, :, None, :] * (2 * hkv) + self._base  # [2, B, Hkv, W]
+        torch.index_select(self._pool_rows("gpu"), 0, sub.view(-1), out=self.rows)
+        miss = valid & ~hit
+        n_miss = int(miss.sum()) if n_valid else 0
+        self.cache.hot_reads["gpu"] += n_valid - n_miss
+        if n_miss:
+            self._misses(layer, pids, miss, n_miss, seq_ids)
+        t = w * lay.page_size
+        return self.buf[0].view(b, hkv, t, lay.head_dim), self.buf[1].view(b, hkv, t, lay.head_dim)
+
+    def _dst(self, bi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+        """Rows of ``self.rows`` of entries (bi[i], ki[i]): [2 * m * Hkv] in (kv, entry, head) order."""
+        hkv = self.layout.num_kv_heads
+        return (((self._kv * self.batch + bi[None, :, None]) * hkv + self._h) * self.width
+                + ki[None, :, None]).view(-1)
+
+    def _misses(self, layer: int, pids: torch.Tensor, miss: torch.Tensor, n_miss: int, seq_ids: list[int]) -> None:
+        store = self.store
+        dram = store.tiers["dram"]
+        if dram.allocator.capacity:
+            dm = store.index.slot["dram"][layer].index_select(0, pids.view(-1)).view(self.batch, self.pages)
+            dhit = miss & (dm >= 0)
+            bi, ki = dhit.nonzero(as_tuple=True)
+            m = int(bi.numel())
+            if m:
+                hkv = self.layout.num_kv_heads
+                sub = dm[bi, ki][None, :, None] * (2 * hkv) + self._base[:, :, :, 0]  # [2, m, Hkv]
+                rows = self._pool_rows("dram")
+                data = rows.index_select(0, sub.view(-1).to(rows.device)).to(self.buf.device, non_blocking=True)
+                self.rows.index_copy_(0, self._dst(bi, ki), data)
+                self.cache.hot_reads["dram"] += m
+                miss = miss & ~dhit
+                n_miss -= m
+        if n_miss:
+            self._from_store(layer, pids, miss, seq_ids)
+
+    def _from_store(self, layer: int, pids: torch.Tensor, miss: torch.Tensor, seq_ids: list[int]) -> None:
+        """Misses of every memory tier: read through the store (waiting for a late prefetch first), then
+        placement decides where each gets a copy."""
+        cache, store, lay = self.cache, self.store, self.layout
+        bi, ki = miss.nonzero(as_tuple=True)
+        ids = pids[bi, ki].tolist()
+        keys = [store.key_of(pid, layer) for pid in ids]
+        t0 = time.perf_counter()
+        for late in cache.placer.ledger.claim(keys):
+            try:
+                late.wait()
+            except Exception:  # a failed prefetch only means the read below goes to a lower tier
+                pass
+        raw, served = store.fetch(keys)
+        cache.fetch_wait_seconds += time.perf_counter() - t0
+        if None in served:
+            cache.pages_lost += 1
+            seq = seq_ids[int(bi[served.index(None)])]
+            raise PageLostError(seq, f"{served.count(None)} KV pages of sequence {seq} could not be read")
+        m = len(keys)
+        data = lay.typed(raw).permute(1, 0, 2, 3, 4).reshape(2 * m * lay.num_kv_heads, lay.row_elems)
+        self.rows.index_copy_(0, self._dst(bi, ki), data.to(self.buf.device))
+        for dst, rows in cache.placer.promotion(keys, ids, served).items():
+            store.admit([keys[i] for i in rows], gather_rows(raw, rows), dst, [served[i] for i in rows])

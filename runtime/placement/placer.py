@@ -1,0 +1,185 @@
+"""The one owner of every tier decision. Pure bookkeeping: it decides, it never moves bytes.
+
+| decision | kvdrive | lru | ondemand / fullfetch |
+| --- | --- | --- | --- |
+| where a new page goes | device tier | device tier | device tier |
+| what a read from a lower tier promotes | admission by hotness, per destination | everything, to the device tier | nothing |
+| eviction order (the store asks) | coldest by attention hotness | least recently used | least recently used |
+| prefetch for the next step | predicted blocks that admission accepts | none | none |
+
+Scores are tensors (``scores``): the decode loop adds each page's attention mass (or its read time) with
+one ``index_add_`` per layer. Admission compares against the coldest residents found by one ``topk``
+per tier and step. On a CPU host the device tier and DRAM are the same memory, so only SSD reads are
+worth promoting; on CUDA, DRAM reads are too. The store (``kvcache``) stores and evicts in the order
+given here; the pipeline moves bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvdrive.runtime.kvcache import Block, BlockKey, TieredKVStore, TierName
+from kvdrive.runtime.placement.admission import Admission
+from kvdrive.runtime.placement.policy import PlacementPolicy
+from kvdrive.runtime.placement.predictor import PrefetchLedger, PrefetchThrottle
+from kvdrive.runtime.placement.scores import BlockScores, Hotness, HotnessConfig, Recency
+
+
+@dataclass(frozen=True)
+class PlacerConfig:
+    runners_up: int = 2  # pages beyond the budget predicted (and prefetched) per sequence and layer
+    promote_margin: float = 1.5  # a block replaces the device tier's coldest only when 1.5x hotter
+    promote_min_gain: float = 0.05  # ... and by at least this much attention mass (scores are in [0, Hq] per step)
+    prefetch_min_precision: float = 0.5  # prefetch while at least half of what it moves is then used
+    prefetch_probe: int = 8  # while prefetch does not pay, try it every 8th step
+    hotness: HotnessConfig = field(default_factory=HotnessConfig)
+
+
+class Placer:
+    initial_tier: TierName = "gpu"  # sealed pages start on the device tier, as a prefill leaves them
+
+    def __init__(self, policy: PlacementPolicy, store: TieredKVStore, config: PlacerConfig | None = None) -> None:
+        self.policy = policy
+        self.config = c = config or PlacerConfig()
+        self.store = store
+        self.index = store.index
+        cuda = store.device.type == "cuda"
+        layers = store.layout.num_layers
+        self.scores: BlockScores = Hotness(layers, store.device, self.index.capacity, c.hotness) \
+            if policy.hotness_eviction else Recency(layers, store.device, self.index.capacity)
+        self.promote_from: tuple[TierName, ...] = ("dram", "ssd") if cuda else ("ssd",)
+        self.runners_up = c.runners_up if policy.prefetch else 0
+        self.ledger = PrefetchLedger()
+        self.throttle = PrefetchThrottle(c.prefetch_min_precision, c.prefetch_probe)
+        self.decode_steps = 0
+        self._admission: dict[TierName, Admission] = {}
+        store.victim_order = self.victim_order
+
+    # --- the store's eviction order ---------------------------------------------------------------
+    def victim_order(self, tier: TierName, cands: list[Block]) -> list[Block]:
+        """Coldest first (a stable sort: ties keep the store's least-recently-used order)."""
+        dev = self.scores.device
+        layers = torch.tensor([b.key.layer for b in cands], dtype=torch.int64, device=dev)
+        pids = torch.tensor([b.pid for b in cands], dtype=torch.int64, device=dev)
+        order = torch.sort(self.scores.of(layers, pids), stable=True).indices.tolist()
+        return [cands[i] for i in order]
+
+    # --- a step ----------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before a forward step: scores follow the page ids (new capacity, freed ids reset); this step's
+        admission state is computed lazily, once per tier."""
+        self.scores.ensure(self.index.capacity)
+        self.scores.forget(self.store.drain_freed())
+        self._admission = {}
+
+    @property
+    def wants_mass(self) -> bool:
+        """Whether ``record`` needs the attention mass (hotness) or only which pages were read (recency)."""
+        return isinstance(self.scores, Hotness)
+
+    def record(self, layer: int, pids: torch.Tensor, mass: torch.Tensor | None) -> None:
+        """Decode attention of ``layer`` read pages ``pids`` [n] (padding at ``scratch``) with ``mass`` [n]."""
+        self.scores.record(layer, pids, mass)
+
+    def stored(self, layer: int | None, pids: list[int]) -> None:
+        """Pages ``pids`` were sealed in ``layer`` (None: every layer)."""
+        self.scores.touch(layer, pids)
+
+    def end_decode_step(self) -> None:
+        self.decode_steps += 1
+        self.scores.advance()
+
+    @property
+    def scratch(self) -> int:
+        return self.scores.scratch
+
+    # --- promotion -------------------------------------------------------------------------------
+    def _tier_admission(self, tier: TierName) -> Admission:
+        adm = self._admission.get(tier)
+        if adm is None:
+            alloc = self.store.tiers[tier].allocator
+            margin, gain = (self.config.promote_margin, self.config.promote_min_gain) if tier == "gpu" else (1.0, 0.0)
+            layers, pids = self.index.residents(tier)
+
+            def coldest(k: int, layers: torch.Tensor = layers, pids: torch.Tensor = pids) -> list[float]:
+                s = self.scores.of(layers, pids)
+                return torch.topk(s, min(k, s.numel()), largest=False).values.tolist()
+
+            adm = self._admission[tier] = Admission(alloc.free_count, coldest, margin, gain, int(layers.numel()))
+        return adm
+
+    def promotion(self, keys: list[BlockKey], pids: list[int], served: list[TierName | None]) -> dict[TierName, list[int]]:
+        """Blocks a step just read from lower tiers (rows of ``keys``): where each gets a copy, if anywhere.
+        Returns destination tier -> rows."""
+        if not self.policy.promote_on_read or not keys:
+            return {}
+        if not self.policy.hotness_eviction:  # lru: everything read goes to the device tier
+            rows = [i for i, t in enumerate(served) if t is not None and t != "gpu"]
+            return {"gpu": rows} if rows else {}
+        return self._admit(keys, pids, served)
+
+    def _admit(self, keys: list[BlockKey], pids: list[int], served: list[TierName | None]) -> dict[TierName, list[int]]:
+        rows = [i for i, t in enumerate(served) if t in self.promote_from]
+        if not rows:
+            return {}
+        dev = self.scores.device
+        layers = torch.tensor([keys[i].layer for i in rows], dtype=torch.int64, device=dev)
+        ids = torch.tensor([pids[i] for i in rows], dtype=torch.int64, device=dev)
+        scores = self.scores.of(layers, ids).tolist()
+        order = sorted(range(len(rows)), key=lambda j: -scores[j])  # the hottest claim the free slots first
+        out: dict[TierName, list[int]] = {}
+        cuda = self.store.device.type == "cuda"
+        dram_cap = "dram" in self.store.tiers and self.store.tiers["dram"].allocator.capacity > 0
+        for j in order:
+            i, s, src = rows[j], scores[j], served[rows[j]]
+            if (src == "ssd" or cuda) and self._tier_admission("gpu").admit(s):
+                out.setdefault("gpu", []).append(i)
+            elif src == "ssd" and dram_cap and self._tier_admission("dram").admit(s):
+                out.setdefault("dram", []).append(i)
+        return out
+
+    # --- prefetch --------------------------------------------------------------------------------
+    def prefetch_allowed(self) -> bool:
+        return self.policy.prefetch and self.throttle.allow(self.ledger.counts(), self.decode_steps)
+
+    def prefetch_plan(self, layers: torch.Tensor, pids: torch.Tensor) -> dict[TierName, list[BlockKey]]:
+        """The predicted blocks (layers[i], pids[i]) of the next step not yet in a tier worth reading from:
+        destination tier -> keys, as admission allows (hottest first)."""
+        if not self.policy.prefetch or pids.numel() == 0:
+            return {}
+        gpu = self.index.slot["gpu"]
+        away = gpu.view(-1)[layers * gpu.shape[1] + pids] < 0
+        if "dram" not in self.promote_from:
+            dram = self.index.slot["dram"]
+            away &= dram.view(-1)[layers * dram.shape[1] + pids] < 0
+        rows = away.nonzero().flatten()
+        if rows.numel() == 0:
+            return {}
+        ls, ps = layers[rows].tolist(), pids[rows].tolist()
+        seen: set[tuple[int, int]] = set()
+        keys: list[BlockKey] = []
+        kpids: list[int] = []
+        for layer, pid in zip(ls, ps, strict=True):
+            if (layer, pid) not in seen and self.index.digests[pid] is not None:
+                seen.add((layer, pid))
+                keys.append(self.store.key_of(pid, layer))
+                kpids.append(pid)
+        where = self.store.where_many(keys)
+        out = self._admit(keys, kpids, where)
+        return {t: [keys[i] for i in rows_] for t, rows_ in out.items()}
+
+    def settle_prefetch(self, selected: torch.Tensor) -> None:
+        """After a decode step: classify the last plan's prefetches. ``selected`` [L, Pcap + 1] bool marks
+        the blocks this step attended to."""
+        issued = self.ledger.outstanding
+        if not issued:
+            self.ledger.settle(set())
+            return
+        dev = selected.device
+        layers = torch.tensor([k.layer for k in issued], dtype=torch.int64, device=dev)
+        pids = torch.tensor([self.index.find(k.digest) if self.index.find(k.digest) is not None else self.scratch
+                             for k in issued], dtype=torch.int64, device=dev)
+        hit = selected.view(-1)[layers * selected.shape[1] + pids].tolist()
+        self.ledger.settle({k for k, h in zip(issued, hit, strict=True) if h})
