@@ -112,14 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--ssd-dir", required=True, help="directory on the drive to measure (writes ~270 MiB)")
     tb.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
 
-    dc = bsub.add_parser("decode", help="decode throughput of kvdrive vs the baselines across the tiers")
+    dc = bsub.add_parser("decode", help="decode throughput of kvdrive vs the baselines, the compute floor and "
+                                         "llama.cpp across the tiers")
     dc.add_argument("--model", default="demo")
     dc.add_argument("--ssd-dir", required=True, help="SSD tier directory (prompts are prefilled into it once)")
-    dc.add_argument("--contexts", type=int, nargs="+", default=[4096, 7168])
-    dc.add_argument("--batches", type=int, nargs="+", default=[1, 4])
-    dc.add_argument("--modes", nargs="+", default=None, help="subset of full sparse-gpu kvdrive lru ondemand fullfetch")
+    dc.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
+    dc.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    dc.add_argument("--modes", nargs="+", default=None, help="subset of sparse-gpu kvdrive lru ondemand fullfetch")
     dc.add_argument("--steps", type=int, default=16)
-    dc.add_argument("--warmup", type=int, default=4)
+    dc.add_argument("--warmup", type=int, default=8)
+    dc.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     dc.add_argument("--token-budget", type=int, default=1024)
     _add_threads_arg(dc)
     dc.add_argument("--ssd-budget", type=_size, default=4 << 30,
@@ -226,16 +228,18 @@ def _bench(args: argparse.Namespace) -> int:
         print(json.dumps(res, indent=2))
         return 0
     if args.bench == "decode":
-        from kvdrive.runtime.bench import decode_bench
+        from kvdrive.runtime.bench import decode_bench, decode_report
 
         res = decode_bench.run_decode_bench(
             args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
-            tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget)
+            tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget,
+            with_llama_cpp=not args.no_llama_cpp)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(decode_bench.table(res) + "\n\n" + decode_bench.ratios(res) + "\n")
-        decode_bench.plot(res, str(args.out.with_suffix(".png")))
-        print(decode_bench.table(res) + "\n\n" + decode_bench.ratios(res))
+        report = decode_report.markdown(res)
+        args.out.with_suffix(".md").write_text(report)
+        decode_report.plot(res, str(args.out.with_suffix(".png")))
+        print(report)
         return 0
     if args.bench == "rss":
         from kvdrive.runtime.bench import rss_bench

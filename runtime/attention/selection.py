@@ -35,7 +35,7 @@ class SelectionConfig:
 class SelectionMasks:
     """The parts of a batch's selection fixed for a whole step: which pages exist and which are forced."""
 
-    invalid: torch.Tensor  # [B, Pmax] bool: page index >= the sequence's sealed pages
+    invalid: torch.Tensor | None  # [B, Pmax] bool: page index >= the sequence's sealed pages (None: none is)
     forced: torch.Tensor  # [B, Pmax] bool: sinks and the recent window (of existing pages)
 
 
@@ -44,27 +44,33 @@ def selection_masks(npages: torch.Tensor, pmax: int, cfg: SelectionConfig) -> Se
     p = torch.arange(pmax, device=npages.device)[None, :]
     n = npages[:, None]
     forced = (p < cfg.sink_pages) | ((p >= n - cfg.recent_pages) & (p < n))
-    return SelectionMasks(p >= n, forced)
+    invalid = p >= n
+    return SelectionMasks(invalid if bool(invalid.any()) else None, forced)
 
 
 def page_scores(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks) -> torch.Tensor:
-    """q [B, Hq, D]; summaries [B, Hkv, P, 2D] (kmax, kmin) -> score [B, P] float32: estimated attention mass
-    summed over heads; forced pages +inf, missing pages -inf."""
+    """q [B, Hq, D]; summaries [B, Hkv, P, 2D] (center, radius) -> score [B, P] float32: estimated attention
+    mass summed over heads; forced pages +inf, missing pages -inf."""
     b, hq, d = q.shape
     hkv = summaries.shape[1]
     qg = q.float().view(b, hkv, hq // hkv, d) * (1.0 / math.sqrt(d))
-    qc = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)  # [B, Hkv, G, 2D]: q+ meets kmax, q- kmin
+    qc = torch.cat([qg, qg.abs()], dim=-1)  # [B, Hkv, G, 2D]: q meets the center, |q| the radius
     bound = torch.matmul(qc, summaries.transpose(-1, -2))  # [B, Hkv, G, P] >= max over the page of q.k / sqrt(D)
-    mass = torch.softmax(bound.masked_fill_(masks.invalid[:, None, None, :], float("-inf")), dim=-1).sum(dim=(1, 2))
-    return mass.masked_fill_(masks.invalid, float("-inf")).masked_fill_(masks.forced, float("inf"))
+    if masks.invalid is not None:
+        bound.masked_fill_(masks.invalid[:, None, None, :], float("-inf"))
+    mass = torch.softmax(bound, dim=-1).sum(dim=(1, 2))
+    if masks.invalid is not None:
+        mass.masked_fill_(masks.invalid, float("-inf"))
+    return mass.masked_fill_(masks.forced, float("inf"))
 
 
 def select_pages(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks, cfg: SelectionConfig,
-                 runners_up: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 runners_up: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Selected pages [B, K] int64 ascending (K = budget_pages; a sequence with fewer pages has them all
-    first, then indices >= its page count) and the next ``runners_up`` pages by score [B, R]: the pages
-    most likely to enter the selection at the next step (what prefetch fetches from the slow tiers)."""
+    first, then indices >= its page count), the next ``runners_up`` pages by score [B, R] (the pages most
+    likely to enter the selection at the next step: what prefetch fetches from the slow tiers) and every
+    page's score [B, Pmax] (``page_scores``)."""
     k = cfg.budget_pages
     scores = page_scores(q, summaries, masks)
     top = torch.topk(scores, min(scores.shape[1], k + runners_up), dim=1, sorted=True).indices
-    return torch.sort(top[:, :k], dim=1).values, top[:, k:]
+    return torch.sort(top[:, :k], dim=1).values, top[:, k:], scores

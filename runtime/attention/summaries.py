@@ -1,12 +1,14 @@
 """Per-page key summaries of the running sequences, one row per sequence, all layers in one tensor.
 
 A page's summary bounds q.k for every key in it (Quest's bound): for each dimension d, q_d * k_d <=
-max(q_d * kmin_d, q_d * kmax_d), so q+ . kmax + q- . kmin is an upper bound of any key's score. Summaries
-are small (2 x Hkv x D per layer page, 1/S of the page's keys) and stay on the compute device.
+max(q_d * kmin_d, q_d * kmax_d), so q+ . kmax + q- . kmin is an upper bound of any key's score. Stored as
+the box's center c = (kmax + kmin) / 2 and radius r = (kmax - kmin) / 2, the same bound is
+q . c + |q| . r: one ``bmm`` against ``[q, |q|]``. Summaries are small (2 x Hkv x D per layer page, 1/S of
+the page's keys) and stay on the compute device.
 
-Layout ``[L, rows, Hkv, Pcap, 2D]`` float32, last dim kmax then kmin: one layer's summaries of a batch of
-consecutive rows are a strided view whose (row, head) batch folds into one ``bmm`` against ``[q+, q-]``
-without a copy. Rows and page capacity grow by doubling, between steps.
+Layout ``[L, rows, Hkv, Pcap, 2D]`` float32, last dim center then radius: one layer's summaries of a batch
+of consecutive rows are a strided view whose (row, head) batch folds into one ``bmm`` without a copy. Rows
+and page capacity grow by doubling, between steps.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import torch
 
 
 def key_bounds(k: torch.Tensor) -> torch.Tensor:
-    """k [n, Hkv, S, D] (n full pages, head-major) -> [n, Hkv, 2D] float32: kmax then kmin over the page."""
+    """k [n, Hkv, S, D] (n full pages, head-major) -> [n, Hkv, 2D] float32: the center and the radius of the
+    box the page's keys span."""
     kf = k.float()
-    return torch.cat([kf.amax(dim=2), kf.amin(dim=2)], dim=-1)
+    hi, lo = kf.amax(dim=2), kf.amin(dim=2)
+    return torch.cat([(hi + lo) * 0.5, (hi - lo) * 0.5], dim=-1)
 
 
 class SummaryTable:

@@ -29,39 +29,66 @@ class PageReader:
         lay = cache.layout
         self.cache, self.store, self.layout = cache, cache.store, lay
         self.batch, self.pages, self.width = batch, pages, pages + int(tail)
+        self.miss_seconds = 0.0  # time in the miss path (store reads, placement's admissions)
         hkv = lay.num_kv_heads
         self.buf = torch.empty((2, batch, hkv, self.width, lay.row_elems), dtype=lay.dtype, device=cache.device)
-        self.rows = self.buf.view(-1, lay.row_elems)
+        # rows move as 8-byte words: PyTorch's CPU gathers and scatters run ~2x faster on int64 rows than on
+        # the same bytes as float32 (measured: 720 rows of 4 KiB, 285 vs 138 us)
+        self.word = torch.int64 if (lay.row_elems * lay.itemsize) % 8 == 0 else lay.dtype
+        self.rows = self.buf.view(-1, lay.row_elems).view(self.word)
         dev = cache.device
         self._kv = torch.arange(2, device=dev).view(2, 1, 1)
         self._h = torch.arange(hkv, device=dev).view(1, 1, hkv)
         self._base = (self._kv * hkv + self._h)[..., None]  # [2, 1, Hkv, 1]: (page, kv, head) row = page * 2 Hkv + base
 
-    def _pool_rows(self, tier: str) -> torch.Tensor:
-        """The (page, head) rows of a memory tier's pool: [slots * 2 * Hkv, S * D] in the cache dtype."""
-        pool = self.store.tiers[tier].pool  # type: ignore[attr-defined]
-        return pool.view(self.layout.dtype).view(-1, self.layout.row_elems)
+    def _rows_of(self, pool: torch.Tensor) -> torch.Tensor:
+        """The (page, head) rows of a pool [slots, block_bytes]: [slots * 2 * Hkv, S * D] as words."""
+        return pool.view(self.layout.dtype).view(-1, self.layout.row_elems).view(self.word)
 
     def read(self, layer: int, pids: torch.Tensor, valid: torch.Tensor, n_valid: int, tails: torch.Tensor | None,
              seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """pids [B, P] (padding at the index's scratch id), valid [B, P] (n_valid of them True), tails [B]
         (device pool rows of the open pages) -> K, V [B, Hkv, W * S, D]."""
         store, lay = self.store, self.layout
-        b, p, w, hkv = self.batch, self.pages, self.width, lay.num_kv_heads
+        b, p, hkv = self.batch, self.pages, lay.num_kv_heads
         gpu = store.tiers["gpu"]
-        ds = store.index.slot["gpu"][layer].index_select(0, pids.view(-1)).view(b, p)
-        hit = ds >= 0
-        src = torch.where(hit, ds, gpu.zero_slot)  # type: ignore[attr-defined]
+        flat = pids.view(-1)
+        arena = store.arena
+        if arena is not None:  # CPU host: one mapping holds both pools; ``row`` merges their slots
+            rows = store.index.row[layer].index_select(0, flat).view(b, p)
+            hit = rows >= 0
+            src, source = torch.where(hit, rows, gpu.zero_slot), arena.table  # type: ignore[attr-defined]
+        else:
+            ds = store.index.slot["gpu"][layer].index_select(0, flat).view(b, p)
+            hit = ds >= 0
+            src, source = torch.where(hit, ds, gpu.zero_slot), gpu.pool  # type: ignore[attr-defined]
         if tails is not None:
             src = torch.cat([src, tails[:, None]], dim=1)
         sub = src[None, :, None, :] * (2 * hkv) + self._base  # [2, B, Hkv, W]
-        torch.index_select(self._pool_rows("gpu"), 0, sub.view(-1), out=self.rows)
-        miss = valid & ~hit
-        n_miss = int(miss.sum()) if n_valid else 0
-        self.cache.hot_reads["gpu"] += n_valid - n_miss
+        torch.index_select(self._rows_of(source), 0, sub.view(-1), out=self.rows)
+        if not n_valid:
+            return self._outputs()
+        miss = valid & ~hit  # padding points at the scratch page id: never a hit
+        n_miss = int(miss.sum())
+        if arena is not None:
+            n_dev = int(((rows >= 0) & (rows < arena.dram_base)).sum())
+            self.cache.hot_reads["gpu"] += n_dev
+            self.cache.hot_reads["dram"] += n_valid - n_dev - n_miss
+        else:
+            self.cache.hot_reads["gpu"] += n_valid - n_miss
         if n_miss:
-            self._misses(layer, pids, miss, n_miss, seq_ids)
-        t = w * lay.page_size
+            t0 = time.perf_counter()
+            if arena is not None:
+                self._from_store(layer, pids, miss, seq_ids)
+            else:
+                self._misses(layer, pids, miss, n_miss, seq_ids)
+            self.miss_seconds += time.perf_counter() - t0
+        return self._outputs()
+
+    def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        lay = self.layout
+        t = self.width * lay.page_size
+        b, hkv = self.batch, lay.num_kv_heads
         return self.buf[0].view(b, hkv, t, lay.head_dim), self.buf[1].view(b, hkv, t, lay.head_dim)
 
     def _dst(self, bi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
@@ -81,7 +108,7 @@ class PageReader:
             if m:
                 hkv = self.layout.num_kv_heads
                 sub = dm[bi, ki][None, :, None] * (2 * hkv) + self._base[:, :, :, 0]  # [2, m, Hkv]
-                rows = self._pool_rows("dram")
+                rows = self._rows_of(dram.pool)  # type: ignore[attr-defined]
                 data = rows.index_select(0, sub.view(-1).to(rows.device)).to(self.buf.device, non_blocking=True)
                 self.rows.index_copy_(0, self._dst(bi, ki), data)
                 self.cache.hot_reads["dram"] += m
@@ -111,6 +138,6 @@ class PageReader:
             raise PageLostError(seq, f"{served.count(None)} KV pages of sequence {seq} could not be read")
         m = len(keys)
         data = lay.typed(raw).permute(1, 0, 2, 3, 4).reshape(2 * m * lay.num_kv_heads, lay.row_elems)
-        self.rows.index_copy_(0, self._dst(bi, ki), data.to(self.buf.device))
+        self.rows.index_copy_(0, self._dst(bi, ki), data.to(self.buf.device).view(self.word))
         for dst, rows in cache.placer.promotion(keys, ids, served).items():
             store.admit([keys[i] for i in rows], gather_rows(raw, rows), dst, [served[i] for i in rows])

@@ -27,7 +27,7 @@ from kvdrive.runtime.engine.page_reads import PageReader
 from kvdrive.runtime.engine.tiered_cache import StepSeq, TieredKVCache
 from kvdrive.runtime.kvcache import BlockKey
 
-PHASES = ("selection", "gather", "attention", "bookkeeping")
+PHASES = ("selection", "gather", "misses", "attention", "bookkeeping")
 
 
 class _DecodeBatch:
@@ -62,7 +62,8 @@ class _DecodeBatch:
         self.masks = selection_masks(self.npages, self.pmax, cache.selection) if self.sparse else None
         offs = torch.tensor([st.start % s for st in self.steps], dtype=torch.int64, device=dev)
         self.offs = offs
-        self.tails0 = cache.tail_base + self.rows * L  # + layer: the device pool row of each open page
+        # [L, B]: the device pool row of each sequence's open page, per layer
+        self.tails = cache.tail_base + self.rows[None, :] * L + torch.arange(L, device=dev)[:, None]
         tok = torch.arange(s, device=dev)
         tail_mask = tok[None, :] > offs[:, None]  # [B, S]: the open page's tokens not written yet
         page_mask = (~self.valid)[:, :, None].expand(b, k, s)
@@ -148,20 +149,25 @@ class TieredAttentionBackend:
         cache, dec = self.cache, self.dec
         assert dec is not None
         t0 = time.perf_counter()
-        tails = dec.tails0 + layer
+        tails = dec.tails[layer]
         self._pool()[tails, :, :, dec.offs] = torch.stack([k, v], dim=1).to(cache.layout.dtype)  # [B, 2, Hkv, D]
         near = None
         if dec.sparse:
             assert dec.masks is not None
             summ = cache.summaries.batch(layer, dec.rows, dec.first_row, dec.pmax)
-            idx, near = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up)
+            idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up)
         else:
             idx = dec.idx
         pids = dec.table.gather(1, idx)
         if not dec.all_valid:
             pids = torch.where(dec.valid, pids, dec.scratch)
         t0 = self._mark("selection", t0)
+        missed = dec.reader.miss_seconds
         kk, vv = dec.reader.read(layer, pids, dec.valid, dec.n_valid, tails, dec.seq_ids)
+        if self.timings is not None:
+            miss = dec.reader.miss_seconds - missed
+            self.timings["misses"] = self.timings.get("misses", 0.0) + miss
+            t0 += miss
         t0 = self._mark("gather", t0)
         out, probs = decode_attention(q, kk, vv, dec.mask)
         t0 = self._mark("attention", t0)
@@ -171,8 +177,9 @@ class TieredAttentionBackend:
         if dec.prefetch:
             dec.chosen[layer, :, :kk_] = pids
             if near is not None and near.shape[1]:
-                dec.chosen[layer, :, kk_:] = torch.where(near < dec.npages[:, None], dec.table.gather(1, near),
-                                                         dec.scratch)
+                near_pids = torch.where(near < dec.npages[:, None], dec.table.gather(1, near), dec.scratch)
+                dec.chosen[layer, :, kk_:] = near_pids
+                cache.placer.predicted(layer, near_pids.view(-1))
         self._mark("bookkeeping", t0)
         return out
 
@@ -198,6 +205,13 @@ class TieredAttentionBackend:
         cache, dec = self.cache, self.dec
         if dec is None:
             return
+        t0 = time.perf_counter()
+        try:
+            self._finish_decode(cache, dec)
+        finally:
+            self._mark("bookkeeping", t0)
+
+    def _finish_decode(self, cache: TieredKVCache, dec: _DecodeBatch) -> None:
         lay = cache.layout
         s, L = lay.page_size, lay.num_layers
         for st in dec.steps:
@@ -221,3 +235,4 @@ class TieredAttentionBackend:
                 pids = chosen.reshape(-1)
                 keep = pids != placer.scratch
                 cache.prefetch(layers[keep], pids[keep])
+

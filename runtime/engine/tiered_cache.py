@@ -52,7 +52,7 @@ class TieredKVCache:
             device=device, hugetlbfs_dir=tiers.hugetlbfs_dir, ssd_codec=tiers.ssd_codec,
             io_threads=tiers.io_threads, device_extra_rows=config.max_sequences * layout.num_layers)
         self.placer = Placer(self.policy, self.store)
-        self.transfers = TransferEngine(self.store, workers=2)
+        self.transfers = TransferEngine(self.store, workers=1)
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device)
         self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}

@@ -5,7 +5,9 @@ integer id, reused once nothing holds it. For each memory tier, ``slot[tier]`` i
 ``[L, Pcap + 1]`` on the compute device (the last column, ``scratch``, is always -1: padded entries of a
 batch point there): the slot of block (page id, layer)'s *ready* copy in that tier, or -1;
 ``owner[tier]`` is its inverse, slot -> block id (page id * L + layer) or -1, from which placement ranks
-a tier's residents with one ``topk``.
+a tier's residents with one ``topk``. When both memory pools live in one host mapping (``HostArena``, CPU
+compute), ``row`` is the merged table the decode loop gathers with: the block's device slot, else its DRAM
+slot offset by ``dram_base``, else -1.
 The decode hot path reads these tensors without the store lock: a value is written only after the
 copy it names is complete, and a published memory slot is unpublished and freed only on the thread that
 owns the hot path (see ``Residency``), so a slot read here names that block's bytes until the engine
@@ -33,6 +35,8 @@ class BlockIndex:
         self.freed: list[int] = []  # ids freed since the last ``drain_freed`` (their scores must reset)
         self.slot: dict[TierName, torch.Tensor] = {t: self._table(self.capacity) for t in MEMORY_TIERS}
         self.owner: dict[TierName, torch.Tensor] = {t: self._owners(0) for t in MEMORY_TIERS}
+        self.dram_base: int | None = None  # set when the pools share one host mapping
+        self.row = self._table(self.capacity)
 
     def __len__(self) -> int:
         """Page ids in use."""
@@ -83,6 +87,7 @@ class BlockIndex:
             self.digests[pid] = None
             for t in MEMORY_TIERS:
                 self.slot[t][:, pid] = -1
+            self.row[:, pid] = -1
             self._free.append(pid)
             self.freed.append(pid)
 
@@ -100,11 +105,28 @@ class BlockIndex:
             self.owner[tier] = own = grown
         own[slot] = pid * self.num_layers + layer
         self.slot[tier][layer, pid] = slot
+        self._refresh_row(pid, layer)
 
     def unplace(self, tier: TierName, pid: int, layer: int, slot: int) -> None:
         """Block (pid, layer) no longer has a copy in ``tier`` (it was at ``slot``)."""
         self.slot[tier][layer, pid] = -1
         self.owner[tier][slot] = -1
+        self._refresh_row(pid, layer)
+
+    def _refresh_row(self, pid: int, layer: int) -> None:
+        if self.dram_base is None:
+            return
+        g = int(self.slot["gpu"][layer, pid])
+        if g < 0:
+            d = int(self.slot["dram"][layer, pid])
+            g = d + self.dram_base if d >= 0 else -1
+        self.row[layer, pid] = g
+
+    def set_dram_base(self, base: int) -> None:
+        """The DRAM pool now starts at row ``base`` of the shared mapping: rebuild the merged table."""
+        self.dram_base = base
+        g, d = self.slot["gpu"], self.slot["dram"]
+        self.row.copy_(torch.where(g >= 0, g, torch.where(d >= 0, d + base, -1)))
 
     def residents(self, tier: TierName) -> tuple[torch.Tensor, torch.Tensor]:
         """(layers, page ids) of the blocks with a ready copy in ``tier``: [n] int64 each."""
@@ -126,4 +148,7 @@ class BlockIndex:
             new = self._table(capacity)
             new[:, : self.capacity] = old[:, : self.capacity]
             self.slot[t] = new
+        row = self._table(capacity)
+        row[:, : self.capacity] = self.row[:, : self.capacity]
+        self.row = row
         self.capacity = capacity

@@ -72,6 +72,7 @@ class Move:
 
 
 VictimOrder = Callable[[TierName, list[Block]], list[Block]]  # candidates -> coldest first
+ColdestOf = Callable[[TierName, int], list[tuple[int, int]]]  # memory tier, k -> k coldest (page id, layer)
 
 
 class Residency:
@@ -82,6 +83,7 @@ class Residency:
 
     def __init__(self, victim_order: VictimOrder | None, index: BlockIndex) -> None:
         self.victim_order = victim_order
+        self.coldest_of: ColdestOf | None = None  # placement's ranking of a memory tier, from its tensors
         self.index = index
         self._lock = threading.RLock()
         self._blocks: dict[BlockKey, Block] = {}
@@ -152,8 +154,21 @@ class Residency:
         frac = EVICT_BATCH_FRACTION if self._lower(tier) else LAST_TIER_EVICT_FRACTION
         return max(1, self.tiers[tier].allocator.capacity // frac)
 
-    def _candidates(self, tier: TierName) -> list[Block]:
-        """Unpinned blocks with a ready copy in ``tier``, in eviction order."""
+    def _candidates(self, tier: TierName, want: int | None = None) -> list[Block]:
+        """Unpinned blocks with a ready copy in ``tier``, in eviction order (at least ``want`` of them when
+        that many exist). A memory tier asks placement for its coldest residents (a ``topk`` over tensors:
+        work in proportion to ``want``); otherwise the tier's slots are walked and sorted."""
+        if want is not None and self.coldest_of is not None and tier in MEMORY_TIERS:
+            ranked = self.coldest_of(tier, 2 * want + 16)
+            digests, blocks = self.index.digests, self._blocks
+            out = []
+            for pid, layer in ranked:
+                d = digests[pid]
+                b = blocks.get(BlockKey(d, layer)) if d is not None else None
+                if b is not None and b.pins == 0 and tier in b.copies and b.copies[tier].ready:
+                    out.append(b)
+            if len(out) >= want:
+                return out
         cap = self.tiers[tier].allocator.capacity
         blocks = self._blocks
         if cap < len(blocks):  # walk the tier's slots, not every block of every tier
@@ -178,22 +193,32 @@ class Residency:
                 short = n - alloc.free_count
                 if short <= 0:
                     return True
-                want = max(short, self._evict_batch(tier)) if batch else short
+                # a tier walked in Python frees a batch per pass (one sort serves many evictions); a memory tier
+                # ranked by placement's tensors frees just what is asked (no copies made before they are needed)
+                ranked = self.coldest_of is not None and tier in MEMORY_TIERS
+                want = max(short, self._evict_batch(tier)) if batch and not ranked else short
                 lower = [t for t in self._lower(tier) if self.tiers[t].allocator.capacity > 0]
                 demote: list[Block] = []
                 freed = 0
-                for b in self._candidates(tier):
-                    if freed + len(demote) >= want:
+                seen: set[int] = set()
+                for cands in (self._candidates(tier, want), None):  # the ranked few, then (if short) the tier
+                    for b in cands if cands is not None else self._candidates(tier):
+                        if freed + len(demote) >= want:
+                            break
+                        if id(b) in seen or b.key not in self._blocks or tier not in b.copies:
+                            continue
+                        seen.add(id(b))
+                        if lower and lower[0] in b.copies and b.copies[lower[0]].ready:
+                            self._drop(b, tier)  # a clean copy sits right below
+                            freed += 1
+                        elif lower:
+                            demote.append(b)
+                        elif not b.needed:
+                            self._drop(b, tier)
+                            self.dropped += 1
+                            freed += 1
+                    if freed + len(demote) >= want or not ranked:
                         break
-                    if lower and lower[0] in b.copies and b.copies[lower[0]].ready:
-                        self._drop(b, tier)  # a clean copy sits right below
-                        freed += 1
-                    elif lower:
-                        demote.append(b)
-                    elif not b.needed:
-                        self._drop(b, tier)
-                        self.dropped += 1
-                        freed += 1
             if demote:
                 self._make_room(lower[0], len(demote))
                 moves = self._prepare_demotions(tier, demote, lower)
@@ -244,7 +269,7 @@ class Residency:
         for i, m in enumerate(moves):
             groups.setdefault((m.src, m.dst), []).append(i)
         for (src, dst), idx in groups.items():
-            buf = torch.empty((len(idx), self.block_bytes), dtype=torch.uint8, device=self.device)
+            buf = self._buffer(len(idx), self.device)  # aligned: the SSD tier reads into it in place
             read = self.tiers[src].read([moves[i].src_slot for i in idx], buf)
             good = [p for p, r in enumerate(read) if r]
             if not good:

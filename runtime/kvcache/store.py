@@ -31,6 +31,7 @@ from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.layout import CacheFullError, KVLayout
 from kvdrive.runtime.kvcache.reads import BlockReads
 from kvdrive.runtime.kvcache.residency import Block, Copy, Move, VictimOrder
+from kvdrive.runtime.kvcache.tiers.arena import HostArena
 from kvdrive.runtime.kvcache.tiers.base import Tier, TierIOError
 from kvdrive.runtime.kvcache.tiers.device import DeviceTier
 from kvdrive.runtime.kvcache.tiers.dram import DramTier
@@ -57,6 +58,9 @@ class TieredKVStore(BlockReads):
         }
         self.device = self.tiers["gpu"].device  # type: ignore[attr-defined]
         super().__init__(victim_order, BlockIndex(layout.num_layers, self.device))
+        # on a CPU host both memory tiers are host memory: one mapping, so one gather reads either
+        self.arena = HostArena(self.tiers["gpu"], self.tiers["dram"], self._rebased) \
+            if self.device.type == "cpu" else None  # type: ignore[arg-type]
         if ssd_tier is None and ssd_dir is not None:
             codec = Int8Codec(layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype) \
                 if ssd_codec == "int8" else None
@@ -69,6 +73,10 @@ class TieredKVStore(BlockReads):
             b = self._new_block(key, needed=False, persistent=True)
             b.copies["ssd"] = Copy(slot, True)
             self._owner[("ssd", slot)] = key
+
+    def _rebased(self, base: int) -> None:
+        with self._lock:
+            self.index.set_dram_base(base)
 
     # --- queries -----------------------------------------------------------------------------
     def where(self, key: BlockKey) -> TierName | None:

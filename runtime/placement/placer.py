@@ -29,7 +29,7 @@ from kvdrive.runtime.placement.scores import BlockScores, Hotness, HotnessConfig
 
 @dataclass(frozen=True)
 class PlacerConfig:
-    runners_up: int = 2  # pages beyond the budget predicted (and prefetched) per sequence and layer
+    runners_up: int = 2  # pages ranked after the selection that are kept warm and prefetched, per sequence and layer
     promote_margin: float = 1.5  # a block replaces the device tier's coldest only when 1.5x hotter
     promote_min_gain: float = 0.05  # ... and by at least this much attention mass (scores are in [0, Hq] per step)
     prefetch_min_precision: float = 0.5  # prefetch while at least half of what it moves is then used
@@ -56,6 +56,7 @@ class Placer:
         self.decode_steps = 0
         self._admission: dict[TierName, Admission] = {}
         store.victim_order = self.victim_order
+        store.coldest_of = self.coldest_of
 
     # --- the store's eviction order ---------------------------------------------------------------
     def victim_order(self, tier: TierName, cands: list[Block]) -> list[Block]:
@@ -65,6 +66,14 @@ class Placer:
         pids = torch.tensor([b.pid for b in cands], dtype=torch.int64, device=dev)
         order = torch.sort(self.scores.of(layers, pids), stable=True).indices.tolist()
         return [cands[i] for i in order]
+
+    def coldest_of(self, tier: TierName, k: int) -> list[tuple[int, int]]:
+        """The ``k`` coldest residents of memory tier ``tier`` as (page id, layer), coldest first."""
+        layers, pids = self.index.residents(tier)
+        if pids.numel() == 0:
+            return []
+        top = torch.topk(self.scores.of(layers, pids), min(k, pids.numel()), largest=False, sorted=True).indices
+        return list(zip(pids[top].tolist(), layers[top].tolist(), strict=True))
 
     # --- a step ----------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -83,6 +92,15 @@ class Placer:
         """Decode attention of ``layer`` read pages ``pids`` [n] (padding at ``scratch``) with ``mass`` [n]."""
         self.scores.record(layer, pids, mass)
 
+    def predicted(self, layer: int, pids: torch.Tensor) -> None:
+        """Pages ``pids`` [n] (padding at ``scratch``) ranked just below the selection of ``layer`` (the
+        runners-up): they get the credit of a selection without attention mass. Selection is a per-row
+        rank, so the pages worth keeping above the SSD are the ones ranked near the cut in every row, not
+        the globally heaviest; this is what keeps them there, and what prefetch admits them by."""
+        if isinstance(self.scores, Hotness):
+            self.scores.estimate(layer, pids, torch.full(pids.shape, self.config.hotness.selection_weight,
+                                                         device=pids.device))
+
     def stored(self, layer: int | None, pids: list[int]) -> None:
         """Pages ``pids`` were sealed in ``layer`` (None: every layer)."""
         self.scores.touch(layer, pids)
@@ -100,14 +118,13 @@ class Placer:
         adm = self._admission.get(tier)
         if adm is None:
             alloc = self.store.tiers[tier].allocator
-            margin, gain = (self.config.promote_margin, self.config.promote_min_gain) if tier == "gpu" else (1.0, 0.0)
-            layers, pids = self.index.residents(tier)
+            c = self.config
 
-            def coldest(k: int, layers: torch.Tensor = layers, pids: torch.Tensor = pids) -> list[float]:
-                s = self.scores.of(layers, pids)
-                return torch.topk(s, min(k, s.numel()), largest=False).values.tolist()
+            def coldest(tier: TierName = tier) -> torch.Tensor:
+                layers, pids = self.index.residents(tier)
+                return torch.sort(self.scores.of(layers, pids)).values
 
-            adm = self._admission[tier] = Admission(alloc.free_count, coldest, margin, gain, int(layers.numel()))
+            adm = self._admission[tier] = Admission(alloc.free_count, coldest, c.promote_margin, c.promote_min_gain)
         return adm
 
     def promotion(self, keys: list[BlockKey], pids: list[int], served: list[TierName | None]) -> dict[TierName, list[int]]:
@@ -118,26 +135,33 @@ class Placer:
         if not self.policy.hotness_eviction:  # lru: everything read goes to the device tier
             rows = [i for i, t in enumerate(served) if t is not None and t != "gpu"]
             return {"gpu": rows} if rows else {}
-        return self._admit(keys, pids, served)
-
-    def _admit(self, keys: list[BlockKey], pids: list[int], served: list[TierName | None]) -> dict[TierName, list[int]]:
         rows = [i for i, t in enumerate(served) if t in self.promote_from]
         if not rows:
             return {}
         dev = self.scores.device
         layers = torch.tensor([keys[i].layer for i in rows], dtype=torch.int64, device=dev)
         ids = torch.tensor([pids[i] for i in rows], dtype=torch.int64, device=dev)
-        scores = self.scores.of(layers, ids).tolist()
-        order = sorted(range(len(rows)), key=lambda j: -scores[j])  # the hottest claim the free slots first
-        out: dict[TierName, list[int]] = {}
+        from_ssd = torch.tensor([served[i] == "ssd" for i in rows], dtype=torch.bool, device=dev)
+        return {t: [rows[j] for j in js] for t, js in self._admit(layers, ids, from_ssd).items()}
+
+    def _admit(self, layers: torch.Tensor, pids: torch.Tensor, from_ssd: torch.Tensor) -> dict[TierName, list[int]]:
+        """Where candidate blocks (layers[i], pids[i]) from DRAM or (``from_ssd``) the SSD get a copy: hottest
+        first, into the device tier while it admits them, the SSD ones that it does not into DRAM while
+        that admits them. Returns destination tier -> candidate indices."""
+        scores = self.scores.of(layers, pids)
+        order = torch.sort(scores, descending=True).indices
         cuda = self.store.device.type == "cuda"
-        dram_cap = "dram" in self.store.tiers and self.store.tiers["dram"].allocator.capacity > 0
-        for j in order:
-            i, s, src = rows[j], scores[j], served[rows[j]]
-            if (src == "ssd" or cuda) and self._tier_admission("gpu").admit(s):
-                out.setdefault("gpu", []).append(i)
-            elif src == "ssd" and dram_cap and self._tier_admission("dram").admit(s):
-                out.setdefault("dram", []).append(i)
+        to_gpu = order if cuda else order[from_ssd[order]]  # on a CPU host only SSD reads are worth moving up
+        out: dict[TierName, list[int]] = {}
+        n_gpu = self._tier_admission("gpu").admit(scores[to_gpu])
+        if n_gpu:
+            out["gpu"] = to_gpu[:n_gpu].tolist()
+        rest = to_gpu[n_gpu:]
+        rest = rest[from_ssd[rest]]
+        if rest.numel() and "dram" in self.store.tiers and self.store.tiers["dram"].allocator.capacity:
+            n_dram = self._tier_admission("dram").admit(scores[rest])
+            if n_dram:
+                out["dram"] = rest[:n_dram].tolist()
         return out
 
     # --- prefetch --------------------------------------------------------------------------------
@@ -149,26 +173,28 @@ class Placer:
         destination tier -> keys, as admission allows (hottest first)."""
         if not self.policy.prefetch or pids.numel() == 0:
             return {}
-        gpu = self.index.slot["gpu"]
-        away = gpu.view(-1)[layers * gpu.shape[1] + pids] < 0
+        gpu, dram = self.index.slot["gpu"], self.index.slot["dram"]
+        width = gpu.shape[1]
+        flat = torch.unique(layers * width + pids)
+        in_dram = dram.view(-1)[flat] >= 0
+        away = gpu.view(-1)[flat] < 0
         if "dram" not in self.promote_from:
-            dram = self.index.slot["dram"]
-            away &= dram.view(-1)[layers * dram.shape[1] + pids] < 0
-        rows = away.nonzero().flatten()
-        if rows.numel() == 0:
+            away &= ~in_dram
+        flat, in_dram = flat[away], in_dram[away]
+        if flat.numel() == 0:
             return {}
-        ls, ps = layers[rows].tolist(), pids[rows].tolist()
-        seen: set[tuple[int, int]] = set()
-        keys: list[BlockKey] = []
-        kpids: list[int] = []
-        for layer, pid in zip(ls, ps, strict=True):
-            if (layer, pid) not in seen and self.index.digests[pid] is not None:
-                seen.add((layer, pid))
-                keys.append(self.store.key_of(pid, layer))
-                kpids.append(pid)
-        where = self.store.where_many(keys)
-        out = self._admit(keys, kpids, where)
-        return {t: [keys[i] for i in rows_] for t, rows_ in out.items()}
+        ls, ps = flat // width, flat % width
+        plan = self._admit(ls, ps, ~in_dram)
+        chosen = sorted({i for js in plan.values() for i in js})
+        if not chosen:
+            return {}
+        lsl, psl = ls.tolist(), ps.tolist()
+        out: dict[TierName, list[BlockKey]] = {}
+        for t, js in plan.items():
+            keys = [self.store.key_of(psl[j], lsl[j]) for j in js if self.index.digests[psl[j]] is not None]
+            if keys:
+                out[t] = keys
+        return out
 
     def settle_prefetch(self, selected: torch.Tensor) -> None:
         """After a decode step: classify the last plan's prefetches. ``selected`` [L, Pcap + 1] bool marks

@@ -94,6 +94,11 @@ class Hotness(BlockScores):
         assert mass is not None, "hotness needs the attention mass"
         self.values[layer].index_add_(0, pids, (mass + self.config.selection_weight) * self._scale())
 
+    def estimate(self, layer: int, pids: torch.Tensor, mass: torch.Tensor) -> None:
+        """pids [n] were *estimated* to draw ``mass`` [n] (the selection's scores of pages it did not
+        read): a page whose estimate rises is kept or brought up before it enters the selection."""
+        self.values[layer].index_add_(0, pids, mass * self._scale())
+
 
 class Recency(BlockScores):
     def record(self, layer: int, pids: torch.Tensor, mass: torch.Tensor | None) -> None:

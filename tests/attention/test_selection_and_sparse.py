@@ -36,14 +36,15 @@ def _summaries(*pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_summary_bound_is_an_upper_bound_of_every_key_score() -> None:
     """For any query, a page's bound is >= the best q.k/sqrt(D) of its keys (per head)."""
     k = _pages(20, seed=1)
-    b = key_bounds(k)  # [P, Hkv, 2D]: kmax then kmin
-    kmax, kmin = b[..., :D], b[..., D:]
+    b = key_bounds(k)  # [P, Hkv, 2D]: center then radius
+    kmax, kmin = b[..., :D] + b[..., D:], b[..., :D] - b[..., D:]
     q = torch.randn((HKV * G, D), generator=torch.Generator().manual_seed(2))
     qg = q.view(HKV, G, D)
     true = torch.einsum("hgd,phsd->phgs", qg, k).amax(-1) / math.sqrt(D)  # [P, Hkv, G]
     lo = torch.einsum("hgd,phd->phg", qg.clamp(max=0), kmin)
     hi = torch.einsum("hgd,phd->phg", qg.clamp(min=0), kmax)
     assert torch.all((lo + hi) / math.sqrt(D) >= true - 1e-6)
+    assert torch.allclose(kmax, k.amax(dim=2)) and torch.allclose(kmin, k.amin(dim=2))
 
 
 def test_selection_finds_the_pages_that_match_the_query() -> None:
@@ -59,7 +60,7 @@ def test_selection_finds_the_pages_that_match_the_query() -> None:
     summ, npages = _summaries(k)
     cfg = SelectionConfig(token_budget=12 * S, page_size=S, sink_pages=1, recent_pages=4)
     masks = selection_masks(npages, n, cfg)
-    idx, near = select_pages(q, summ, masks, cfg, runners_up=2)
+    idx, near, _ = select_pages(q, summ, masks, cfg, runners_up=2)
     sel = idx[0].tolist()
     assert len(sel) == cfg.budget_pages == 11 and sel == sorted(sel)
     assert set(hot) <= set(sel)
@@ -76,7 +77,7 @@ def test_a_short_sequence_in_a_long_batch_takes_all_its_pages_first() -> None:
     summ, npages = _summaries(long, short)
     cfg = SelectionConfig(token_budget=12 * S, page_size=S)
     q = torch.randn((2, HKV * G, D), generator=torch.Generator().manual_seed(6))
-    idx, _ = select_pages(q, summ, selection_masks(npages, 40, cfg), cfg)
+    idx, _, _ = select_pages(q, summ, selection_masks(npages, 40, cfg), cfg)
     assert idx[1, :5].tolist() == [0, 1, 2, 3, 4] and bool((idx[1, 5:] >= 5).all())
     assert len(set(idx[0].tolist())) == cfg.budget_pages and bool((idx[0] < 40).all())
 

@@ -12,14 +12,17 @@ capacity first), so memory follows the budget.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvdrive.runtime.kvcache.budgets import TierName
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.tiers.base import SlotAllocator
-from kvdrive.runtime.kvcache.tiers.rows import gather_rows, scatter_rows
+from kvdrive.runtime.kvcache.tiers.rows import copy_rows, gather_rows, scatter_rows
+
+if TYPE_CHECKING:
+    from kvdrive.runtime.kvcache.tiers.arena import HostArena
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,7 @@ class MemoryPoolTier:
 
     def __init__(self, block_bytes: int, slots: int, extra_rows: int = 0) -> None:
         self.extra_rows = extra_rows
+        self.arena: HostArena | None = None  # set when this pool is a view of a shared host mapping
         self.block_bytes = block_bytes
         self.slot_bytes = block_bytes
         self.allocator = SlotAllocator(0)
@@ -62,8 +66,14 @@ class MemoryPoolTier:
         """Bytes of block slots allocated (the zero row excluded)."""
         return self.allocator.capacity * self.slot_bytes
 
+    def log_alloc_failure(self, slots: int, exc: BaseException) -> None:
+        log.error("%s tier: could not allocate %d slots (%s); capacity stays at %d slots",
+                  self.name, slots, exc, self.allocator.capacity)
+
     def resize(self, slots: int) -> int:
         """Make the pool ``slots`` slots; every used slot must be below. Returns the slots now usable."""
+        if self.arena is not None:
+            return self.arena.resize(self, slots)
         extra = self.extra_rows
         if slots == self.allocator.capacity and self.pool.shape[0] == slots + 1 + extra:
             return slots
@@ -88,8 +98,7 @@ class MemoryPoolTier:
                 self.pool[slots].zero_()
                 self.allocator.resize(slots)
                 return slots
-            log.error("%s tier: could not allocate %d slots (%s); capacity stays at %d slots",
-                      self.name, slots, exc, self.allocator.capacity)
+            self.log_alloc_failure(slots, exc)
             return self.allocator.capacity
         old = self._handle
         self.pool, self._handle = pool, handle
@@ -108,7 +117,7 @@ class MemoryPoolTier:
         if out.device == self.pool.device and out.is_contiguous():
             gather_rows(self.pool, slots, out)
         else:
-            out.copy_(gather_rows(self.pool, slots), non_blocking=True)
+            copy_rows(out, gather_rows(self.pool, slots))
         self.page_reads += len(slots)
         return [True] * len(slots)
 
@@ -116,6 +125,7 @@ class MemoryPoolTier:
         """Nothing persists in memory tiers."""
 
     def close(self) -> None:
+        self.arena = None
         if self._handle is not None:
             self._drop_pool(self._handle)
         self._handle = None

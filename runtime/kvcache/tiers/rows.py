@@ -1,51 +1,65 @@
-"""Fast row gathers and scatters of byte blocks.
+"""Row gathers, scatters and copies of byte blocks, safe to run on any thread.
 
-Blocks travel as uint8 ``[n, block_bytes]`` tensors. PyTorch's CPU ``index_copy_`` / index assignment
-on uint8 rows moves one byte per element and is 4-8x slower than the same operation on the rows seen
-as int64 words (measured: 16 rows of 48 KiB, 450 us as uint8 vs 60-115 us as int64). These helpers
-take the wide view whenever the rows allow it (width a multiple of 8, 8-byte aligned storage) and
-fall back to the byte view otherwise; the bytes moved are identical either way.
+Blocks travel as uint8 ``[n, block_bytes]`` tensors. On the CPU the rows are moved by numpy (one thread,
+no OpenMP): the tier stores and the transfer workers run these on helper threads, and a torch op that
+opens an OpenMP team on a second thread makes libgomp count more threads than CPUs and throttle its
+spin-waiting, which slowed every parallel op of the decode loop afterwards (measured on 2 cores: the
+model's linear layers 40% slower for the rest of the run). numpy moves the same rows at memcpy speed.
+Device tensors use torch (PyTorch's own streams, no host threads). Where the rows allow it, they are
+moved as int64 words (8x fewer elements than bytes).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` [n, B] uint8 viewed as [n, B / 8] int64 when layout allows, else ``t`` itself."""
-    if (t.dtype == torch.uint8 and t.dim() == 2 and t.shape[1] % 8 == 0 and t.stride(1) == 1
-            and t.stride(0) % 8 == 0 and t.data_ptr() % 8 == 0):
-        return t.view(torch.int64)
-    return t
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor [n, B] uint8 as a numpy view, as int64 words when the layout allows."""
+    a = t.numpy()
+    if a.ndim == 2 and a.shape[1] % 8 == 0 and a.strides[1] == 1 and a.strides[0] % 8 == 0 and a.ctypes.data % 8 == 0:
+        return a.view(np.int64)
+    return a
 
 
-def _index(idx: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    if isinstance(idx, torch.Tensor):
-        return idx.to(device=device, dtype=torch.long)
-    return torch.tensor(idx, dtype=torch.long, device=device)
+def _idx(idx: list[int] | torch.Tensor) -> np.ndarray:
+    return idx.cpu().numpy() if isinstance(idx, torch.Tensor) else np.asarray(idx, dtype=np.int64)
 
 
 def gather_rows(src: torch.Tensor, idx: list[int] | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``src[idx]`` for src [n, B] uint8 -> [len(idx), B] uint8 (into ``out`` when given, same device)."""
-    ws = _wide(src)
-    i = _index(idx, src.device)
+    """``src[idx]`` for src [n, B] uint8 -> [len(idx), B] uint8 (into ``out`` when given)."""
+    n = len(idx)
     if out is None:
-        return ws.index_select(0, i).view(torch.uint8).view(len(i), src.shape[1])
-    wo = _wide(out)
-    if wo.dtype == ws.dtype and out.device == src.device and out.is_contiguous():
-        torch.index_select(ws, 0, i, out=wo)
-    else:
+        out = torch.empty((n, src.shape[1]), dtype=src.dtype, device=src.device)
+    if src.device.type != "cpu" or out.device.type != "cpu":
+        i = idx.to(src.device) if isinstance(idx, torch.Tensor) else torch.tensor(idx, device=src.device)
         out.copy_(src.index_select(0, i), non_blocking=True)
+        return out
+    s, o = _np(src), _np(out)
+    if s.dtype == o.dtype:
+        np.take(s, _idx(idx), axis=0, out=o)
+    else:
+        np.take(src.numpy(), _idx(idx), axis=0, out=out.numpy())
     return out
 
 
 def scatter_rows(dst: torch.Tensor, idx: list[int] | torch.Tensor, rows: torch.Tensor) -> None:
-    """``dst[idx] = rows`` for dst [n, B] uint8 and rows [len(idx), B] uint8 (any device)."""
-    rows = rows.to(dst.device, non_blocking=True)
-    wd, wr = _wide(dst), _wide(rows.contiguous())
-    i = _index(idx, dst.device)
-    if wd.dtype == wr.dtype:
-        wd.index_copy_(0, i, wr)
+    """``dst[idx] = rows`` for dst [n, B] uint8 and rows [len(idx), B] uint8 (any devices)."""
+    if dst.device.type != "cpu":
+        i = idx.to(dst.device) if isinstance(idx, torch.Tensor) else torch.tensor(idx, device=dst.device)
+        dst.index_copy_(0, i, rows.to(dst.device, non_blocking=True))
+        return
+    rows = rows.cpu().contiguous()
+    d, r = _np(dst), _np(rows)
+    if d.dtype != r.dtype:
+        d, r = dst.numpy(), rows.numpy()
+    d[_idx(idx)] = r
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for same-shape byte rows, by numpy on the CPU."""
+    if dst.device.type != "cpu" or src.device.type != "cpu":
+        dst.copy_(src, non_blocking=True)
     else:
-        dst.index_copy_(0, i, rows)
+        np.copyto(dst.numpy(), src.numpy())

@@ -26,7 +26,7 @@ from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.tiers.aligned import AlignedBuffer, AlignedBufferPool
 from kvdrive.runtime.kvcache.tiers.base import SlotAllocator, TierIOError
 from kvdrive.runtime.kvcache.tiers.checksum import slot_crcs
-from kvdrive.runtime.kvcache.tiers.rows import gather_rows, scatter_rows
+from kvdrive.runtime.kvcache.tiers.rows import copy_rows, gather_rows, scatter_rows
 from kvdrive.runtime.kvcache.tiers.ssd_index import REC_BYTES, IndexEntry, SsdIndex, meta_reserve_bytes
 from kvdrive.runtime.kvcache.tiers.ssd_io import IOV_MAX, Borrowed, Piece, PieceRunner, PosixIO, iovecs, plan
 
@@ -229,11 +229,10 @@ class SsdTier:
             rows = buf.tensor[: dest.shape[0] * sb].view(-1, sb)
             # a pool thread does not inherit the caller's inference mode; the destination may be an
             # inference tensor (allocated inside the model's forward)
-            with torch.inference_mode(dest.is_inference()):
-                if isinstance(pos, range):
-                    dest[pos.start : pos.stop].copy_(rows[pos.start : pos.stop])
-                else:
-                    scatter_rows(dest, list(pos), gather_rows(rows, list(pos)))
+            if isinstance(pos, range):
+                copy_rows(dest[pos.start : pos.stop], rows[pos.start : pos.stop])
+            else:
+                scatter_rows(dest, list(pos), gather_rows(rows, list(pos)))
         return crcs
 
     def _crcs(self, mv: memoryview, pos: Sequence[int]) -> list[int]:
@@ -255,9 +254,9 @@ class SsdTier:
             payload = self.codec.encode(blocks.cpu())  # [n, payload_bytes]
             buf = self._bufs.acquire(n * sb)
             staged = buf.tensor[: n * sb].view(n, sb)
-            staged[:, :pb].copy_(payload)
+            copy_rows(staged[:, :pb], payload)
             if sb > pb:
-                staged[:, pb:].zero_()
+                staged.numpy()[:, pb:] = 0
         try:
             pieces = self._pieces(slots)
             results = self._runner.run(lambda pc: self._do(pc, buf, True), pieces)

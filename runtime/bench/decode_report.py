@@ -1,0 +1,127 @@
+"""The decode benchmark's report: the table of every row, kvdrive's ratios (to the floor, llama.cpp and the
+other policies, and across contexts) with its per-step breakdown, and a PNG of tokens/s per case."""
+
+from __future__ import annotations
+
+from kvdrive.runtime.bench.decode_bench import PHASES, DecodeBenchResult, ModeResult
+
+ORDER = ("floor", "llama.cpp", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
+
+
+def _by(result: DecodeBenchResult) -> dict[tuple[int, int, str], ModeResult]:
+    return {(r.context, r.batch, r.mode): r for r in result.results}
+
+
+def _cases(result: DecodeBenchResult) -> list[tuple[int, int]]:
+    return sorted({(r.context, r.batch) for r in result.results})
+
+
+def header(result: DecodeBenchResult) -> str:
+    return (f"{result.model}, {result.threads} threads, token budget {result.token_budget}, median of {result.steps} "
+            f"decode steps after {result.warmup} warm-up steps; budgets: device 10%, DRAM 25% of the case's KV, "
+            f"SSD all; llama.cpp: {result.llama_cpp}; host {result.host}")
+
+
+def table(result: DecodeBenchResult) -> str:
+    rows = ["| context | batch | mode | tokens/s | step ms (median / p90) | read MB/token (gpu/dram/ssd) "
+            "| prefetch hit/late/wasted |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    by = _by(result)
+    for ctx, b in _cases(result):
+        for mode in ORDER:
+            r = by.get((ctx, b, mode))
+            if r is None:
+                continue
+            rd = "/".join(f"{r.read_bytes_per_token.get(t, 0) / 1e6:.2f}" for t in ("gpu", "dram", "ssd")) \
+                if r.read_bytes_per_token else "-"
+            pf = "/".join(str(r.prefetch.get(k, 0)) for k in ("hit", "late", "wasted")) if r.prefetch else "-"
+            rows.append(f"| {ctx} | {b} | {mode} | {r.tokens_per_s:.2f} | {r.step_ms:.1f} / {r.step_ms_p90:.1f} "
+                        f"| {rd} | {pf} |")
+    return "\n".join(rows)
+
+
+def ratios(result: DecodeBenchResult) -> str:
+    """kvdrive per case: step / floor, and tokens/s against llama.cpp and each policy."""
+    by = _by(result)
+    rows = ["| context | batch | kvdrive step / floor step | sparse-gpu / floor | vs llama.cpp | vs ondemand | vs lru "
+            "| vs fullfetch |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for ctx, b in _cases(result):
+        kv = by.get((ctx, b, "kvdrive"))
+        if kv is None:
+            continue
+
+        def vs(mode: str, ctx: int = ctx, b: int = b, kv: ModeResult = kv) -> str:
+            other = by.get((ctx, b, mode))
+            return f"{kv.tokens_per_s / other.tokens_per_s:.2f}x" if other else "-"
+
+        floor, gpu = by.get((ctx, b, "floor")), by.get((ctx, b, "sparse-gpu"))
+        f = f"{kv.step_ms / floor.step_ms:.2f}" if floor else "-"
+        g = f"{gpu.step_ms / floor.step_ms:.2f}" if floor and gpu else "-"
+        rows.append(f"| {ctx} | {b} | {f} | {g} | {vs('llama.cpp')} | {vs('ondemand')} | {vs('lru')} | {vs('fullfetch')} |")
+    return "\n".join(rows)
+
+
+def context_independence(result: DecodeBenchResult) -> str:
+    by = _by(result)
+    ctxs = sorted({r.context for r in result.results})
+    rows = ["| batch | " + " | ".join(f"kvdrive tok/s at {c}" for c in ctxs) + " | longest / shortest |",
+            "| --- | " + " | ".join("---" for _ in ctxs) + " | --- |"]
+    for b in sorted({r.batch for r in result.results}):
+        vals = [by.get((c, b, "kvdrive")) for c in ctxs]
+        if any(v is None for v in vals):
+            continue
+        cells = " | ".join(f"{v.tokens_per_s:.2f}" for v in vals if v)
+        rows.append(f"| {b} | {cells} | {vals[-1].tokens_per_s / vals[0].tokens_per_s:.2f} |")  # type: ignore[union-attr]
+    return "\n".join(rows)
+
+
+def breakdown(result: DecodeBenchResult) -> str:
+    rows = ["| context | batch | mode | step ms | " + " | ".join(PHASES) + " | model | floor step |",
+            "| --- | --- | --- | --- | " + " | ".join("---" for _ in PHASES) + " | --- | --- |"]
+    by = _by(result)
+    for ctx, b in _cases(result):
+        floor = by.get((ctx, b, "floor"))
+        for mode in ("sparse-gpu", "kvdrive"):
+            r = by.get((ctx, b, mode))
+            if r is None or not r.breakdown_ms:
+                continue
+            cells = " | ".join(f"{r.breakdown_ms.get(p, 0.0):.1f}" for p in (*PHASES, "model"))
+            rows.append(f"| {ctx} | {b} | {mode} | {r.step_ms:.1f} | {cells} | {floor.step_ms:.1f} |" if floor
+                        else f"| {ctx} | {b} | {mode} | {r.step_ms:.1f} | {cells} | - |")
+    return "\n".join(rows)
+
+
+def markdown(result: DecodeBenchResult) -> str:
+    return "\n\n".join([
+        "# Decode benchmark", header(result),
+        "## kvdrive against the floor, llama.cpp and the other policies", ratios(result),
+        "## Context independence", context_independence(result),
+        "## Per-step breakdown (ms per decode step; phases are mean, step is median)", breakdown(result),
+        "## Every row", table(result)]) + "\n"
+
+
+def plot(result: DecodeBenchResult, path: str) -> bool:
+    """Grouped bars of decode tokens/s per mode for each (context, batch); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cases = _cases(result)
+    modes = [m for m in ORDER if any(r.mode == m for r in result.results)]
+    by = _by(result)
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / len(modes)
+    for i, m in enumerate(modes):
+        ys = [by[(c, b, m)].tokens_per_s if (c, b, m) in by else 0.0 for c, b in cases]
+        ax.bar([j + i * width for j in range(len(cases))], ys, width, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], [f"{c // 1024}K · b{b}" for c, b in cases])
+    ax.set_ylabel("decode tokens/s (all sequences)")
+    ax.set_title(f"{result.model}: decode throughput ({result.threads} threads, token budget {result.token_budget}; "
+                 "device 10% / DRAM 25% of KV)", fontsize=10)
+    ax.legend(ncol=len(modes), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
