@@ -43,6 +43,8 @@ class LlamaCppDecoder:
 
         self.lc = lc
         self.prompts = prompts
+        self._quiet = lc.llama_log_callback(lambda level, text, data: None)  # kept: C holds the pointer
+        lc.llama_log_set(self._quiet, None)
         lc.llama_backend_init()
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0

@@ -27,7 +27,7 @@ class TierConfig:
     hugetlbfs_dir: str | None = None
     ssd_codec: str = "none"  # none | int8
     persist: bool = True  # write sealed pages through to the SSD tier (prefix reuse across restarts)
-    io_threads: int = 2
+    io_threads: int = 4
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,9 @@
 
 Each block is read from its fastest ready copy while pinned; the lock is held only to plan and to
 settle. A copy that fails its checksum is dropped and the next copy tried; a block no tier can serve
-is reported as a miss (recompute it), never returned as data. ``fetch_grouped`` lays the rows out by
-serving tier, so that each tier reads straight into one contiguous, aligned slice (no scatter; the
-SSD tier reads into it without a staging copy): callers whose use is order-free (promotion) take it
-with the row order it returns; ``fetch`` reads the same way and restores key order with one gather.
+is reported as a miss (recompute it), never returned as data. The rows are laid out by serving tier, so
+that each tier reads straight into one contiguous, aligned slice (no scatter; the SSD tier reads into it
+without a staging copy), and key order is restored with one gather.
 """
 
 from __future__ import annotations
@@ -38,11 +37,6 @@ class BlockReads(Residency):
         off = -raw.data_ptr() % IO_ALIGN
         return raw[off : off + n * bb].view(n, bb)
 
-    def get(self, keys: list[BlockKey], device: torch.device | None = None) -> tuple[torch.Tensor, list[bool]]:
-        """Blocks [n, block_bytes] uint8 on ``device`` and a hit flag per key (see ``fetch``)."""
-        out, served = self.fetch(keys, device)
-        return out, [t is not None for t in served]
-
     def fetch(self, keys: list[BlockKey], device: torch.device | None = None,
               count: bool = True) -> tuple[torch.Tensor, list[TierName | None]]:
         """Blocks [n, block_bytes] uint8 on ``device`` (the compute device by default), row i holding
@@ -52,16 +46,6 @@ class BlockReads(Residency):
         if row != list(range(len(keys))):  # tiers read into grouped slices: one gather restores key order
             out = gather_rows(out, row, self._buffer(len(keys), out.device))
         return out, served
-
-    def fetch_grouped(self, keys: list[BlockKey], device: torch.device | None = None,
-                      count: bool = True) -> tuple[torch.Tensor, list[TierName | None], list[int]]:
-        """Like ``fetch`` with rows grouped by serving tier: returns (blocks, tier per row, order) where
-        row r holds keys[order[r]]."""
-        out, served, row = self._fetch(keys, device, count)
-        order = [0] * len(keys)
-        for i, r in enumerate(row):
-            order[r] = i
-        return out, [served[i] for i in order], order
 
     def _fetch(self, keys: list[BlockKey], device: torch.device | None,
                count: bool) -> tuple[torch.Tensor, list[TierName | None], list[int]]:

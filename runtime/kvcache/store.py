@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
 from kvdrive.runtime.kvcache.block_index import BlockIndex
-from kvdrive.runtime.kvcache.budgets import TIER_ORDER, TierBudgets, TierName, TierUsage
+from kvdrive.runtime.kvcache.budgets import TierBudgets, TierName, TierUsage
 from kvdrive.runtime.kvcache.compression import Int8Codec
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.layout import CacheFullError, KVLayout
@@ -93,11 +91,6 @@ class TieredKVStore(BlockReads):
                 out.append(self._fastest(b) if b else None)
             return out
 
-    def tiers_of(self, key: BlockKey) -> list[TierName]:
-        with self._lock:
-            b = self._blocks.get(key)
-            return [t for t in TIER_ORDER if b and t in b.copies and b.copies[t].ready]
-
     def usage(self) -> list[TierUsage]:
         with self._lock:
             out = []
@@ -115,27 +108,7 @@ class TieredKVStore(BlockReads):
     def capacity_blocks(self) -> int:
         return sum(t.allocator.capacity for t in self.tiers.values())
 
-    # --- pins, flags and page references -----------------------------------------------------
-    def pin(self, keys: list[BlockKey]) -> None:
-        with self._lock:
-            for k in keys:
-                self._blocks[k].pins += 1
-
-    def unpin(self, keys: list[BlockKey]) -> None:
-        with self._lock:
-            for k in keys:
-                b = self._blocks.get(k)
-                if b is not None:
-                    b.pins -= 1
-
-    @contextmanager
-    def pinned(self, keys: list[BlockKey]) -> Iterator[None]:
-        self.pin(keys)
-        try:
-            yield
-        finally:
-            self.unpin(keys)
-
+    # --- flags and page references -----------------------------------------------------
     def set_needed(self, keys: list[BlockKey], needed: bool) -> None:
         """``needed``: a running sequence needs the block (demote, never drop)."""
         with self._lock:
@@ -152,11 +125,6 @@ class TieredKVStore(BlockReads):
     def unref_page(self, pid: int) -> None:
         with self._lock:
             self.index.release(pid)
-
-    def reserve_pages(self, n: int) -> None:
-        """Room for ``n`` more page ids before a forward step (see ``BlockIndex.reserve``)."""
-        with self._lock:
-            self.index.reserve(len(self.index) + n)
 
     def drain_freed(self) -> list[int]:
         """Page ids freed since the last call (placement resets their scores)."""

@@ -124,7 +124,10 @@ class Placer:
                 layers, pids = self.index.residents(tier)
                 return torch.sort(self.scores.of(layers, pids)).values
 
-            adm = self._admission[tier] = Admission(alloc.free_count, coldest, c.promote_margin, c.promote_min_gain)
+            # hysteresis on the device tier (a block must be clearly hotter than the one it displaces);
+            # DRAM takes any block hotter than its coldest (the SSD read it saves is the expensive one)
+            margin, gain = (c.promote_margin, c.promote_min_gain) if tier == "gpu" else (1.0, 0.0)
+            adm = self._admission[tier] = Admission(alloc.free_count, coldest, margin, gain)
         return adm
 
     def promotion(self, keys: list[BlockKey], pids: list[int], served: list[TierName | None]) -> dict[TierName, list[int]]:

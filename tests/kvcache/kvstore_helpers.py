@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
-from kvdrive.runtime.kvcache import DIGEST_BYTES, BlockKey, KVLayout
+from kvdrive.runtime.kvcache import DIGEST_BYTES, BlockKey, KVLayout, TieredKVStore, TierName
 
 # 2 layers, page of 16 tokens, 3 KV heads of 64 dims, fp16: one block (layer page) = 12 KiB
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=64, page_size=16, dtype=torch.float16)
@@ -25,3 +27,29 @@ def make_keys(n: int, layer: int = 0) -> list[BlockKey]:
 
 def blocks_for(keys: list[BlockKey], nbytes: int = BB) -> torch.Tensor:
     return torch.stack([content(k, nbytes) for k in keys])  # [n, nbytes]
+
+
+def read(store: TieredKVStore, keys: list[BlockKey]) -> tuple[torch.Tensor, list[bool]]:
+    """Blocks of ``keys`` (rows in key order) and whether each was found in some tier."""
+    out, served = store.fetch(keys)
+    return out, [t is not None for t in served]
+
+
+def tiers_of(store: TieredKVStore, key: BlockKey) -> list[TierName]:
+    """The tiers holding a readable copy of ``key``, fastest first."""
+    b = store._blocks.get(key)
+    return [t for t in ("gpu", "dram", "ssd") if b is not None and t in b.copies and b.copies[t].ready]
+
+
+@contextmanager
+def pinned(store: TieredKVStore, keys: list[BlockKey]) -> Iterator[None]:
+    """Hold ``keys`` pinned, as an in-flight read does."""
+    with store._lock:
+        for k in keys:
+            store._blocks[k].pins += 1
+    try:
+        yield
+    finally:
+        with store._lock:
+            for k in keys:
+                store._blocks[k].pins -= 1

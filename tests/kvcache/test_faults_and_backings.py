@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
+from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 
 from kvdrive.runtime.kvcache import Int8Codec, TierBudgets, TieredKVStore, measure_error
 from kvdrive.runtime.kvcache.tiers import DramTier, PosixIO, SsdTier
@@ -41,7 +41,7 @@ def test_eio_is_counted_and_the_store_keeps_serving(tmp_path: Path, caplog: pyte
     s.put(on_ssd, blocks_for(on_ssd), tier="ssd", needed=False)
     io.fail_reads = io.fail_writes = True
     with caplog.at_level(logging.ERROR):
-        out, hit = s.get(on_ssd)  # unreadable: a miss (recompute), never garbage
+        out, hit = read(s, on_ssd)  # unreadable: a miss (recompute), never garbage
         assert hit == [False, False] and s.where(on_ssd[0]) is None
         keys = make_keys(6)
         for k in keys:  # demotion to the failing ssd: needed blocks stay where they are or drop? never lost
@@ -52,7 +52,7 @@ def test_eio_is_counted_and_the_store_keeps_serving(tmp_path: Path, caplog: pyte
                 break
     assert ssd.faults.get("EIO", 0) >= 3 and "EIO" in caplog.text
     live = [k for k in keys if s.where(k)]
-    out, hit = s.get(live)
+    out, hit = read(s, live)
     assert all(hit) and torch.equal(out, blocks_for(live)) and len(live) == 4
     io.fail_reads = io.fail_writes = False
     more = make_keys(2)
@@ -80,7 +80,7 @@ def test_enospc_on_a_full_filesystem_limits_the_tier(tmp_path: Path) -> None:
         s = TieredKVStore(LAYOUT, TierBudgets(BB, BB, 8 << 20), ssd_tier=tier)
         keys = make_keys(tier.allocator.capacity + 2)
         s.put(keys, blocks_for(keys))
-        out, hit = s.get(keys)
+        out, hit = read(s, keys)
         assert all(hit) and torch.equal(out, blocks_for(keys))
         s.close()
 

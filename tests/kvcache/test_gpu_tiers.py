@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
+from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 
 from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
 from kvdrive.runtime.kvcache.tiers import DeviceTier, DramTier, SsdTier
@@ -24,11 +24,10 @@ needs_kvikio = pytest.mark.skipif(not KVIKIO, reason="needs kvikio (extra 'gpu')
 
 
 def test_device_tier_lives_on_cuda_and_round_trips() -> None:
-    tier = DeviceTier(BB, 3000, chunk_bytes=8 << 20)  # several chunks
-    assert tier.device.type == "cuda" and tier.backing.startswith("cuda")
-    assert all(t.is_cuda for t, _ in tier._chunks)
+    tier = DeviceTier(BB, 3000)
+    assert tier.device.type == "cuda" and tier.backing.startswith("cuda") and tier.pool.is_cuda
     keys = make_keys(64)
-    slots = [tier.allocator.alloc() for _ in keys][::-1]  # reversed: spans chunks out of order
+    slots = [tier.allocator.alloc() for _ in keys][::-1]  # reversed: rows out of order
     host = blocks_for(keys)
     tier.write(slots, host.cuda(), keys, [False] * 64)  # type: ignore[arg-type]
     out = torch.empty((64, BB), dtype=torch.uint8, device="cuda")
@@ -44,27 +43,26 @@ def test_device_tier_lives_on_cuda_and_round_trips() -> None:
 
 
 def test_dram_tier_is_pinned_with_cuda_host_register() -> None:
-    tier = DramTier(BB, 1000, chunk_bytes=4 << 20)
+    tier = DramTier(BB, 1000)
     assert tier.backing.endswith("+pinned")
-    assert all(h.pinned for _, h in tier._chunks) and all(t.is_pinned() for t, _ in tier._chunks)
+    assert tier._handle.pinned and tier.pool.is_pinned()
     keys = make_keys(32)
     slots = [tier.allocator.alloc() for _ in keys]
     tier.write(slots, blocks_for(keys).cuda(), keys, [False] * 32)  # type: ignore[arg-type]
-    chunk = tier._chunks[0][0]
     dev = torch.empty((32, BB), dtype=torch.uint8, device="cuda")
-    dev.copy_(chunk[:32], non_blocking=True)  # pinned source: an asynchronous DMA
+    dev.copy_(tier.pool[:32], non_blocking=True)  # pinned source: an asynchronous DMA
     torch.cuda.synchronize()
     assert torch.equal(dev.cpu(), blocks_for(keys))
     for slot in slots:
         tier.allocator.release(slot)
-    tier.resize(0)  # every chunk unregistered (cudaHostUnregister) and dropped
+    tier.resize(0)  # the pool unregistered (cudaHostUnregister) and dropped
     assert tier.allocated_bytes == 0
     tier.close()
 
 
 def test_pinning_can_be_turned_off() -> None:
     tier = DramTier(BB, 10, pin=False)
-    assert not tier.backing.endswith("+pinned") and not any(h.pinned for _, h in tier._chunks)
+    assert not tier.backing.endswith("+pinned") and not tier._handle.pinned
     tier.close()
 
 
@@ -117,6 +115,6 @@ def test_store_on_cuda_moves_pages_through_all_tiers(tmp_path: Path) -> None:
     keys = make_keys(20)  # 4 fit on the gpu, 4 in dram, the rest demoted to the ssd
     s.put(keys, blocks_for(keys).cuda(), needed=False)
     assert {s.where(k) for k in keys} == {"gpu", "dram", "ssd"}
-    out, hit = s.get(keys)
+    out, hit = read(s, keys)
     assert all(hit) and out.is_cuda and torch.equal(out.cpu(), blocks_for(keys))
     s.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
+from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, tiers_of
 
 from kvdrive.runtime.kvcache import BlockKey, TierBudgets, TieredKVStore
 from kvdrive.runtime.placement import Placer, PrefetchLedger, PrefetchThrottle, policy_for
@@ -87,7 +87,7 @@ def test_promotion_puts_a_demoted_hot_block_back_and_keeps_its_lower_copy(tmp_pa
     _attend(placer, s, low, [4.0] * len(low))
     assert s.promote(low, "gpu") == len(low)
     assert all(s.where(k) == "gpu" for k in low)
-    assert all("dram" in s.tiers_of(k) for k in low)  # inclusive: the clean copy stays below
+    assert all("dram" in tiers_of(s, k) for k in low)  # inclusive: the clean copy stays below
 
 
 def test_prefetch_ledger_classifies_hits_late_and_wasted() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
+from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, pinned, read, tiers_of
 
 from kvdrive.runtime.kvcache import (
     BlockKey,
@@ -40,10 +40,10 @@ def test_blocks_flow_down_in_lru_order(tmp_path: Path) -> None:
         assert_within_budgets(s)
     assert [s.where(k) for k in keys] == ["ssd"] * 4 + ["dram"] * 4 + ["gpu"] * 4
     # touching the oldest gpu block makes it recent: the next put demotes keys[9] instead
-    s.get([keys[8]])
+    read(s, [keys[8]])
     s.put(make_keys(1), torch.zeros((1, BB), dtype=torch.uint8))
     assert s.where(keys[8]) == "gpu" and s.where(keys[9]) == "dram"
-    out, hit = s.get(keys)
+    out, hit = read(s, keys)
     assert all(hit) and torch.equal(out, blocks_for(keys))
     assert s.transfer_bytes[("gpu", "dram")] >= 5 * BB and s.transfer_bytes[("dram", "ssd")] >= 5 * BB
     reads = {u.tier: u.page_reads for u in s.usage()}
@@ -63,7 +63,7 @@ def test_live_shrink_demotes_and_grow_adds_room(tmp_path: Path) -> None:
     assert where.count("gpu") == 3 and where.count("dram") == 2 and where.count("ssd") == 5
     assert s.tiers["gpu"].allocated_bytes == 3 * BB  # type: ignore[attr-defined]
     assert s.tiers["dram"].allocated_bytes == 2 * BB  # type: ignore[attr-defined]
-    out, hit = s.get(keys)
+    out, hit = read(s, keys)
     assert all(hit) and torch.equal(out, blocks_for(keys))
     s.set_budgets(gpu_bytes=16 * BB)
     assert {u.tier: u.capacity_bytes for u in s.usage()}["gpu"] == 16 * BB
@@ -99,7 +99,7 @@ def test_pinned_blocks_are_not_evicted_or_shrunk_away(tmp_path: Path) -> None:
     s = store(tmp_path, 2, 4)
     a = make_keys(2)
     s.put(a, blocks_for(a))
-    with s.pinned(a):
+    with pinned(s, a):
         b = make_keys(2)
         s.put(b, blocks_for(b), tier="dram")
         with pytest.raises(CacheFullError):
@@ -140,10 +140,10 @@ def test_a_block_being_written_is_not_readable(tmp_path: Path) -> None:
     writer = threading.Thread(target=s.put, args=(key, blocks_for(key)), kwargs={"tier": "ssd"})
     writer.start()
     assert io.in_write.wait(10)
-    assert s.where(key[0]) is None and s.get(key)[1] == [False]  # mid-write: a miss, never half a block
+    assert s.where(key[0]) is None and read(s, key)[1] == [False]  # mid-write: a miss, never half a block
     io.write_gate.set()
     writer.join()
-    out, hit = s.get(key)
+    out, hit = read(s, key)
     assert hit == [True] and torch.equal(out, blocks_for(key))
 
 
@@ -156,7 +156,7 @@ def test_a_block_being_read_is_pinned_against_eviction(tmp_path: Path) -> None:
     s.put(key, blocks_for(key), tier="ssd", needed=False)
     io.read_gate.clear()
     got: list[object] = []
-    reader = threading.Thread(target=lambda: got.append(s.get(key)))
+    reader = threading.Thread(target=lambda: got.append(read(s, key)))
     reader.start()
     assert io.in_read.wait(10)
     others = make_keys(cap - 1)
@@ -176,7 +176,7 @@ def test_corrupt_ssd_copy_is_a_miss_and_a_dram_copy_is_used(tmp_path: Path) -> N
     s = store(tmp_path, 0, 4)
     keys = make_keys(2)
     s.put(keys, blocks_for(keys), tier="ssd")
-    assert s.promote([keys[1]], "dram") == 1 and s.tiers_of(keys[1]) == ["dram", "ssd"]
+    assert s.promote([keys[1]], "dram") == 1 and tiers_of(s, keys[1]) == ["dram", "ssd"]
     ssd = s.tiers["ssd"]
     assert isinstance(ssd, SsdTier)
     for k in keys:  # corrupt both ssd copies on disk
@@ -184,11 +184,11 @@ def test_corrupt_ssd_copy_is_a_miss_and_a_dram_copy_is_used(tmp_path: Path) -> N
         with open(tmp_path / "ssd" / "slab-00000.kv", "r+b") as f:
             f.seek(slot * ssd.slot_bytes + 100)
             f.write(b"\xff\x00\xff")
-    out, hit = s.get(keys)
+    out, hit = read(s, keys)
     assert hit == [False, True] and s.where(keys[0]) is None
     assert torch.equal(out[1], blocks_for(keys[1:])[0]) and ssd.corrupt == 1  # dram copy served first
     s._drop(s._blocks[keys[1]], "dram")
-    assert s.get(keys[1:])[1] == [False] and ssd.corrupt == 2
+    assert read(s, keys[1:])[1] == [False] and ssd.corrupt == 2
 
 
 def prefix_digests(fingerprint: str, tokens: list[int], page: int) -> list[bytes]:
@@ -211,13 +211,14 @@ def test_prefix_pages_survive_a_restart(tmp_path: Path) -> None:
     s.close()
     again = store(tmp_path, 2, 2)
     assert all(again.where(k) == "ssd" for k in keys)
-    out, hit = again.get(keys)
+    out, hit = read(again, keys)
     assert all(hit) and torch.equal(out, blocks_for(keys))
 
 
-def test_a_grouped_fetch_reads_each_tier_into_one_slice_and_says_which_row_is_which(tmp_path: Path) -> None:
-    """Blocks spread over the three tiers, asked for interleaved: the grouped fetch returns the gpu
-    rows first, then dram, then ssd, then misses (zeros); ``order`` maps every row back to its key."""
+def test_a_fetch_across_tiers_returns_key_order_and_the_serving_tier(tmp_path: Path) -> None:
+    """Blocks spread over the three tiers, asked for interleaved with a missing one: each row holds its
+    key's bytes (a miss is zeros), the tier that served each key is reported, and the buffer is aligned
+    (each tier reads its part in place, then one gather restores key order)."""
     s = store(tmp_path, 4, 4)
     keys = make_keys(12)
     for k in keys:
@@ -225,13 +226,8 @@ def test_a_grouped_fetch_reads_each_tier_into_one_slice_and_says_which_row_is_wh
     ask = [keys[0], keys[11], keys[5], keys[1], keys[10], keys[6]]  # ssd, gpu, dram, ssd, gpu, dram
     missing = make_keys(13)[12]
     ask.insert(3, missing)
-    out, served, order = s.fetch_grouped(ask)
-    assert served == ["gpu", "gpu", "dram", "dram", "ssd", "ssd", None]
-    assert sorted(order) == list(range(len(ask)))
-    for row, i in enumerate(order):
-        want = torch.zeros(BB, dtype=torch.uint8) if ask[i] == missing else blocks_for([ask[i]])[0]
+    out, served = s.fetch(ask)
+    assert served == ["ssd", "gpu", "dram", None, "ssd", "gpu", "dram"]
+    for row, k in enumerate(ask):
+        want = torch.zeros(BB, dtype=torch.uint8) if k == missing else blocks_for([k])[0]
         assert torch.equal(out[row], want)
-    assert out.data_ptr() % 4096 == 0  # aligned: the SSD tier reads its slice in place
-    plain, plain_served = s.fetch(ask)
-    assert [plain_served[i] for i in order] == served
-    assert torch.equal(plain[order], out)

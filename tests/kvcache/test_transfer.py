@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
+from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 
 from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
 from kvdrive.runtime.pipeline import Priority, TransferEngine
@@ -84,7 +84,7 @@ def test_prepared_promotions_run_on_a_worker_and_write_backs_skip_clean_copies(s
     moves = store.prepare_promote(keys[:3], "dram")
     assert [store.where(k) for k in keys[:3]] == ["ssd"] * 3  # reserved, not yet readable there
     assert eng.run(moves).wait(10) == 3
-    out, hit = store.get(keys)
+    out, hit = read(store, keys)
     assert all(hit) and torch.equal(out, blocks_for(keys))
     assert [store.where(k) for k in keys] == ["dram"] * 3 + ["ssd"] * 3
     assert eng.replicate(keys[:3], "ssd").wait(10) == 0  # they already have a clean ssd copy

@@ -36,7 +36,9 @@ def test_seed_reproduces() -> None:
     p = SamplingParams(temperature=1.0, seed=42)
     a = [sample(logits, p, g) for g in [make_generator(p)] for _ in range(20)]
     b = [sample(logits, p, g) for g in [make_generator(p)] for _ in range(20)]
-    assert a == b
+    other = SamplingParams(temperature=1.0, seed=43)
+    c = [sample(logits, other, g) for g in [make_generator(other)] for _ in range(20)]
+    assert a == b and a != c
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2)])

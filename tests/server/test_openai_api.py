@@ -51,12 +51,13 @@ def test_streamed_completion(client: openai.OpenAI) -> None:
                                              temperature=0).choices[0].text
 
 
-def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+def test_seeded_sampling_is_reproducible_and_the_seed_matters(client: openai.OpenAI) -> None:
     def ask(seed: int) -> str:
-        return client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=12, temperature=1.0,
+        return client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=12, temperature=1.5,
                                               seed=seed).choices[0].message.content or ""
 
     assert ask(3) == ask(3)
+    assert len({ask(s) for s in (1, 2, 3, 4)}) > 1  # a server that ignored the seed would answer alike
 
 
 def test_missing_or_wrong_api_key_is_401(live_server: LiveServer) -> None:

@@ -1,0 +1,140 @@
+"""The decode hot path's structural promises, on a tiny random model:
+
+- a decode step whose selected pages all sit on the device tier asks the store nothing;
+- the host work of a decode step does not grow with the context (the same Python calls at 250 and 1,800
+  tokens, everything resident);
+- no tier reads or writes while the store lock is held, whatever the tiers do (demotions, promotions,
+  prefetch, write-through, a live shrink).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvdrive.runtime.engine import EngineConfig, Generator, SamplingParams, TierConfig
+from kvdrive.runtime.kvcache import TieredKVStore
+from kvdrive.runtime.model import LoadedModel, load_model
+
+PAGE = 4
+STORE_LOOKUPS = ("fetch", "where", "where_many", "key_of", "admit", "put", "promote", "prepare_promote", "run_moves",
+                 "set_needed", "replicate", "ref_page")
+
+
+@pytest.fixture
+def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
+    return load_model(str(path), progress=False)
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def _opened(gen: Generator, n: int) -> tuple[int, int]:
+    """A sequence with ``n`` prompt tokens, positioned so that the next decode step seals no page."""
+    seq, _ = gen.open_sequence([])
+    gen.prefill(seq, _prompt(n))
+    last = 5
+    while gen.cache.length(seq) % PAGE != 1:
+        last = int(gen.decode([(seq, last)])[0].argmax())
+    return seq, last
+
+
+def _count_calls(store: TieredKVStore) -> dict[str, int]:
+    calls = dict.fromkeys(STORE_LOOKUPS, 0)
+
+    def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    for name in STORE_LOOKUPS:
+        setattr(store, name, spy(name, getattr(store, name)))
+    return calls
+
+
+def test_a_decode_step_whose_pages_are_all_on_the_device_tier_asks_the_store_nothing(tiny: LoadedModel) -> None:
+    gen = Generator(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
+    seq, last = _opened(gen, 300)  # 75 pages, all on the device tier; the budget selects 7 of them
+    calls = _count_calls(gen.cache.store)
+    before = gen.cache.page_reads()
+    gen.decode([(seq, last)])
+    layers = tiny.config.num_layers
+    assert gen.cache.page_reads()["gpu"] - before["gpu"] == layers * gen.cache.selection.budget_pages == layers * 7
+    assert calls == dict.fromkeys(STORE_LOOKUPS, 0)
+
+
+def _python_calls(gen: Generator, seq: int, last: int) -> int:
+    prof = cProfile.Profile()
+    prof.enable()
+    gen.decode([(seq, last)])
+    prof.disable()
+    return pstats.Stats(prof).total_calls  # type: ignore[attr-defined,no-any-return]
+
+
+def test_host_work_of_a_decode_step_does_not_grow_with_the_context(tiny: LoadedModel) -> None:
+    """Every Python-level call of a decode step (torch ops included) counted at 250 and at 1,800 tokens of
+    context, both beyond the token budget, everything on the device tier: the counts are equal."""
+    counts = []
+    for n in (250, 1800):
+        gen = Generator(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
+        seq, last = _opened(gen, n)
+        _python_calls(gen, seq, last)  # first step after the prompt: lazy state settles
+        seq2, last2 = seq, int(gen.decode([(seq, last)])[0].argmax())
+        while gen.cache.length(seq2) % PAGE != 1:
+            last2 = int(gen.decode([(seq2, last2)])[0].argmax())
+        counts.append(_python_calls(gen, seq2, last2))
+        assert gen.cache.page_reads().get("ssd", 0) == 0 and gen.cache.page_reads().get("dram", 0) == 0
+        gen.close()
+    assert counts[0] == counts[1], counts
+
+
+def _guard_tiers(store: TieredKVStore) -> tuple[list[str], dict[str, int]]:
+    """Wrap every tier's read and write in a double that records a call made with the store lock held;
+    returns (violations, calls per tier)."""
+    violations: list[str] = []
+    io = dict.fromkeys(store.tiers, 0)
+
+    def guard(name: str, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def checked(*a: Any, **kw: Any) -> Any:
+            if store._lock._is_owned():  # type: ignore[attr-defined]
+                violations.append(f"{name}.{op}")
+            io[name] += 1
+            return fn(*a, **kw)
+        return checked
+
+    for name, tier in store.tiers.items():
+        for op in ("read", "write"):
+            setattr(tier, op, guard(name, op, getattr(tier, op)))
+    return violations, io
+
+
+def test_no_tier_reads_or_writes_while_the_store_lock_is_held(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Every tier is wrapped in a double that records a read or write made with the store lock held. A
+    600-token sequence decodes through tiny device and DRAM tiers (demotions, promotions, prefetch,
+    write-through to SSD), with a live shrink halfway: all three tiers move bytes, none under the lock."""
+    page = Generator(tiny, EngineConfig(page_size=PAGE)).cache.layout.page_bytes
+    for placement in ("kvdrive", "lru"):
+        gen = Generator(tiny, EngineConfig(
+            tiers=TierConfig(gpu_bytes=12 * page, dram_bytes=24 * page, ssd_dir=str(tmp_path / placement),
+                             ssd_bytes=64 << 20), page_size=PAGE, max_sequences=2, placement=placement,
+            token_budget=16 * PAGE))
+        violations, io = _guard_tiers(gen.cache.store)
+        out = []
+        for i, tok in enumerate(gen.generate(_prompt(600, seed=7), SamplingParams(max_tokens=24, ignore_eos=True))):
+            out.append(tok)
+            if i == 12:
+                gen.cache.set_budgets(8 * page, 16 * page, 64 << 20)
+        gen.close()
+        assert len(out) == 24
+        assert all(n > 0 for n in io.values()), io
+        assert violations == [], f"{placement}: tier I/O under the store lock: {sorted(set(violations))}"
