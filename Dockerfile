@@ -25,7 +25,7 @@ COPY operator ./operator
 # The distribution without its dependencies (they include torch), then only what the operator
 # imports, with the version ranges of pyproject.toml.
 RUN /opt/venv/bin/pip install --no-deps . \
- && /opt/venv/bin/pip install "kopf>=1.37" "pydantic>=2.7" "pyyaml>=6" "aiohttp>=3.9" \
+ && /opt/venv/bin/pip install "kopf>=1.37" "kubernetes>=29" "urllib3>=1.26" "pydantic>=2.7" "pyyaml>=6" "aiohttp>=3.9" \
     "prometheus-client>=0.20"
 
 FROM ${PYTHON_IMAGE} AS operator

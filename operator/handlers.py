@@ -2,21 +2,25 @@
 
 Owns reconciliation of ``KVDriveDeployment`` objects: pre-flight checks of what the schema
 cannot see (the StorageClass, the model's PersistentVolumeClaim, children owned by someone
-else), then create-or-repair of the children from ``manifests`` and the status from
-``conditions``. Everything is idempotent; a CR, a child or a pod event all lead to the same
-``Reconciler.reconcile``. ``build_registry`` returns a fresh registry (no module state).
+else), then server-side apply of the children from ``manifests`` under the ``RECONCILER`` field
+manager, and the status' conditions from ``conditions``. A field the CR no longer sets leaves the
+child (SSA removes what its manager stops applying); a field another manager owns is left alone;
+a conflict is reported on the CR (Degraded, reason FieldConflict), never forced. StatefulSet
+``replicas`` have one writer: this reconciler in autoscaling modes none/external, the autoscaler
+(``live``) in mode operator. Everything is idempotent; a CR, a child or a pod event all lead to the
+same ``Reconciler.reconcile``. ``build_registry`` returns a fresh registry (no module state).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import logging
 import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import aiohttp
 import kopf
 
 from kvdrive.operator.conditions import (
@@ -27,30 +31,27 @@ from kvdrive.operator.conditions import (
     now_rfc3339,
     status_differs,
 )
-from kvdrive.operator.kubeapi import ApiError, KubeApi, Ref
+from kvdrive.operator.kubeclient import ApiError, Conflict, KubeApi, owns_field
 from kvdrive.operator.live import LiveController
 from kvdrive.operator.manifests import MANAGER, Names, admin_token_of, render, selector_labels
-from kvdrive.operator.objects import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS, STORAGE_CLASSES, pod_ready
+from kvdrive.operator.objects import (
+    AUTOSCALER,
+    CHILDREN,
+    CLAIMS,
+    CR,
+    PODS,
+    RECONCILER,
+    STATEFULSETS,
+    STORAGE_CLASSES,
+    pod_ready,
+)
 from kvdrive.operator.spec import GROUP, PLURAL, VERSION, KVDriveDeployment, SpecError, parse_cr
 
 __all__ = ["CHILDREN", "CLAIMS", "CR", "PODS", "STATEFULSETS", "STORAGE_CLASSES", "Reconciler", "build_registry"]
-# StatefulSet spec fields an update may change; the others need the object re-created.
-STS_MUTABLE = ("replicas", "template", "updateStrategy", "persistentVolumeClaimRetentionPolicy", "minReadySeconds")
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 INSTANCE_LABEL = "app.kubernetes.io/instance"
-
-
-def is_subset(desired: Any, actual: Any) -> bool:
-    """True when ``actual`` holds everything of ``desired`` (servers add defaults, never remove)."""
-    if isinstance(desired, Mapping):
-        return isinstance(actual, Mapping) and all(k in actual and is_subset(v, actual[k]) for k, v in desired.items())
-    if isinstance(desired, list):
-        return (
-            isinstance(actual, list)
-            and len(desired) == len(actual)
-            and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
-        )
-    return desired == actual or (isinstance(actual, str) and str(desired) == actual)
+# the API server's answer when an apply changes a StatefulSet field that only a new object can change
+STS_IMMUTABLE = "updates to statefulset spec for fields other than"
 
 
 def _controller_uid(obj: Mapping[str, Any]) -> str | None:
@@ -65,6 +66,40 @@ def _current_problem(status: Mapping[str, Any]) -> Problem | None:
         if condition.get("type") == "Degraded" and condition.get("status") == "True":
             return Problem(str(condition.get("reason", "Degraded")), str(condition.get("message", "")))
     return None
+
+
+def last_written_by_us(obj: Mapping[str, Any]) -> bool:
+    """True when the newest change to ``obj`` (status subresource left out) is one of the operator's own
+    applies: its watch event needs no reconcile (the reconcile that wrote it is the one in flight)."""
+    entries = [m for m in obj.get("metadata", {}).get("managedFields") or [] if not m.get("subresource")]
+    if not entries:
+        return False
+    newest = max(str(m.get("time") or "") for m in entries)  # to the second: a tie counts as someone else's
+    return all(m.get("manager") in (RECONCILER, AUTOSCALER) and m.get("operation") == "Apply"
+               for m in entries if str(m.get("time") or "") == newest)
+
+
+def statefulset_replicas(model: KVDriveDeployment, sts: Mapping[str, Any] | None) -> int | None:
+    """The replicas this reconciler applies; None leaves the field to the autoscaler.
+
+    Modes none/external: ``spec.replicas``. Mode operator: ``minReplicas`` when the StatefulSet is
+    created, then the current count for as long as this manager still owns the field (an SSA manager
+    that stops applying a field it alone owns deletes it), and nothing once the autoscaler has taken it.
+    """
+    spec = model.spec
+    if spec.autoscaling.mode != "operator":
+        return spec.desired_replicas()
+    if sts is None:
+        return spec.autoscaling.min_replicas
+    if owns_field(dict(sts), RECONCILER, ("spec", "replicas")):
+        return int(sts.get("spec", {}).get("replicas") or spec.autoscaling.min_replicas)
+    return None
+
+
+def _conflict_problem(kind: str, name: str, exc: Conflict) -> Problem:
+    fields = ", ".join(str(f) for f in exc.fields)
+    return Problem("FieldConflict", f"{kind} {name!r}: {fields}; the operator does not force fields that another "
+                                    "manager owns: remove them there, or let the CR stop setting them")
 
 
 class Reconciler:
@@ -108,7 +143,9 @@ class Reconciler:
             except SpecError as exc:
                 problem = Problem("InvalidSpec", "; ".join(exc.problems))
             if model is not None:
-                problem = await self._preflight(model) or await self._apply(model, logger)
+                problem, existing = await self._preflight(model)
+                if problem is None:
+                    problem = await self._apply(model, existing, logger)
             await self._write_status(cr, problem, logger)
 
     async def refresh_status(self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter) -> None:
@@ -119,58 +156,85 @@ class Reconciler:
                 return
             await self._write_status(cr, _current_problem(cr.get("status") or {}), logger)
 
-    async def _preflight(self, model: KVDriveDeployment) -> Problem | None:
-        """What the schema cannot check; nothing is created while any of it fails."""
+    async def _preflight(self, model: KVDriveDeployment) -> tuple[Problem | None, dict[str, dict[str, Any] | None]]:
+        """What the schema cannot check; nothing is applied while any of it fails. Returns the children
+        as they are now, by kind."""
         api, spec, namespace = self._api(), model.spec, model.metadata.namespace
         storage_class = spec.tiers.ssd.storage_class_name
-        found = await api.get(STORAGE_CLASSES, None, storage_class)
-        if found is None:
+        existing: dict[str, dict[str, Any] | None] = {}
+        if await api.get(STORAGE_CLASSES, None, storage_class) is None:
             return Problem(
                 "StorageClassNotFound",
                 f"spec.tiers.ssd.storageClassName: StorageClass {storage_class!r} does not exist",
-            )
+            ), existing
         if spec.model.source.startswith("pvc://"):
             claim = spec.model.source.removeprefix("pvc://").split("/", 1)[0]
             if await api.get(CLAIMS, namespace, claim) is None:
                 return Problem(
                     "ModelClaimNotFound",
                     f"spec.model.source: PersistentVolumeClaim {claim!r} does not exist in namespace {namespace!r}",
-                )
+                ), existing
         for child in render(model, admin_token="-"):
             kind, child_name = child["kind"], child["metadata"]["name"]
-            existing = await api.get(CHILDREN[kind], namespace, child_name)
-            owner = None if existing is None else _controller_uid(existing)
+            existing[kind] = found = await api.get(CHILDREN[kind], namespace, child_name)
+            owner = None if found is None else _controller_uid(found)
             if owner is not None and owner != model.metadata.uid:
-                return Problem("ChildConflict", f"{kind} {child_name!r} is controlled by another owner ({owner})")
+                return Problem("ChildConflict", f"{kind} {child_name!r} is controlled by another owner ({owner})"), existing
+        return None, existing
+
+    async def _apply(self, model: KVDriveDeployment, existing: Mapping[str, dict[str, Any] | None],
+                     logger: logging.Logger | logging.LoggerAdapter) -> Problem | None:
+        """Server-side apply of every child; the first conflict with another manager is the problem."""
+        api, namespace = self._api(), model.metadata.namespace
+        token = admin_token_of(existing.get("Secret")) or secrets.token_urlsafe(32)
+        replicas = statefulset_replicas(model, existing.get("StatefulSet"))
+        for child in render(model, token, replicas):
+            kind, child_name = child["kind"], child["metadata"]["name"]
+            if existing.get(kind) is None:
+                logger.info("creating %s %s", kind, child_name)
+            try:
+                if kind == "StatefulSet":
+                    await self._apply_statefulset(api, namespace, child, model, logger)
+                else:
+                    await api.apply(CHILDREN[kind], namespace, child, RECONCILER)
+            except Conflict as exc:
+                logger.warning("not applied: %s", exc)
+                return _conflict_problem(kind, child_name, exc)
         return None
 
-    async def _apply(
-        self, model: KVDriveDeployment, logger: logging.Logger | logging.LoggerAdapter
-    ) -> Problem | None:
-        api, namespace, names = self._api(), model.metadata.namespace, Names(model.metadata.name)
-        existing_sts = await api.get(STATEFULSETS, namespace, names.statefulset)
-        current = (existing_sts or {}).get("spec", {}).get("replicas")
-        secret = await api.get(CHILDREN["Secret"], namespace, names.secret)
-        token = admin_token_of(secret) or secrets.token_urlsafe(32)
-        for child in render(model, token, current):
-            ref, child_name = CHILDREN[child["kind"]], child["metadata"]["name"]
-            actual = existing_sts if child["kind"] == "StatefulSet" else await api.get(ref, namespace, child_name)
-            if actual is None:
-                logger.info("creating %s %s", child["kind"], child_name)
-                await _create(api, ref, namespace, child)
-            elif child["kind"] == "Secret":
-                if admin_token_of(actual) is None or not is_subset(child["metadata"], actual["metadata"]):
-                    await api.patch(ref, namespace, child_name, child)
-            elif child["kind"] == "StatefulSet":
-                await _apply_statefulset(api, namespace, child, actual, logger)
-            elif not is_subset(child, actual):
-                logger.info("repairing %s %s", child["kind"], child_name)
-                await api.patch(ref, namespace, child_name, child)
-        return None
+    async def _apply_statefulset(self, api: KubeApi, namespace: str, desired: dict[str, Any], model: KVDriveDeployment,
+                                 logger: logging.Logger | logging.LoggerAdapter) -> None:
+        name = desired["metadata"]["name"]
+        try:
+            await api.apply(STATEFULSETS, namespace, desired, RECONCILER)
+        except Conflict as exc:
+            if exc.managers() != {AUTOSCALER}:
+                raise
+            # replicas between our own two writers: in mode operator the autoscaler has them, so stop
+            # applying them; otherwise the mode left operator and the reconciler takes them back
+            if model.spec.autoscaling.mode == "operator":
+                desired = copy.deepcopy(desired)
+                desired["spec"].pop("replicas", None)
+                await api.apply(STATEFULSETS, namespace, desired, RECONCILER)
+            else:
+                logger.info("StatefulSet %s: replicas back from the autoscaler (mode %s)", name,
+                            model.spec.autoscaling.mode)
+                await api.apply(STATEFULSETS, namespace, desired, RECONCILER, force=True)
+        except ApiError as exc:
+            if exc.status != 422 or STS_IMMUTABLE not in exc.message:
+                raise
+            # selector, claim templates, service name: only a new object can change them. Orphan
+            # the pods so that they keep serving until the new StatefulSet rolls them. The garbage
+            # collector finishes the orphaning; the StatefulSet's DELETED event reconciles again and
+            # that apply creates the new one.
+            logger.warning("re-creating StatefulSet %s: a field that cannot be updated changed", name)
+            await api.delete(STATEFULSETS, namespace, name, propagation="Orphan")
 
     async def _write_status(
         self, cr: Mapping[str, Any], problem: Problem | None, logger: logging.Logger | logging.LoggerAdapter
     ) -> None:
+        """The reconciler's part of the status (replicas, selector, endpoint, conditions, observedGeneration),
+        applied on the status subresource; ``live`` owns the rest."""
         api, meta = self._api(), cr["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         sts = await api.get(STATEFULSETS, namespace, Names(name).statefulset)
@@ -191,37 +255,8 @@ class Reconciler:
             logger.warning("degraded: %s", problem.message)
             kopf.event(dict(cr), type="Warning", reason=problem.reason, message=problem.message)
         if status_differs(previous, status):
-            await api.patch(CR, namespace, name, {"status": status}, subresource="status")
-
-
-async def _create(api: KubeApi, ref: Ref, namespace: str, body: dict[str, Any]) -> None:
-    try:
-        await api.create(ref, namespace, body)
-    except ApiError as exc:
-        if exc.status != 409:  # created meanwhile: the next reconcile compares it
-            raise
-
-
-async def _apply_statefulset(
-    api: KubeApi,
-    namespace: str,
-    desired: dict[str, Any],
-    actual: Mapping[str, Any],
-    logger: logging.Logger | logging.LoggerAdapter,
-) -> None:
-    name = desired["metadata"]["name"]
-    immutable = {k: v for k, v in desired["spec"].items() if k not in STS_MUTABLE}
-    if not is_subset(immutable, actual.get("spec", {})):
-        # selector, claim templates, service name: only a new object can change them. Orphan
-        # the pods so that they keep serving until the new StatefulSet rolls them.
-        logger.warning("re-creating StatefulSet %s: a field that cannot be updated changed", name)
-        await api.delete(STATEFULSETS, namespace, name, propagation="Orphan")
-        await _create(api, STATEFULSETS, namespace, desired)
-        return
-    mutable = {"metadata": desired["metadata"], "spec": {k: v for k, v in desired["spec"].items() if k in STS_MUTABLE}}
-    if not is_subset(mutable, actual):
-        logger.info("updating StatefulSet %s", name)
-        await api.patch(STATEFULSETS, namespace, name, mutable)
+            body = {"apiVersion": cr["apiVersion"], "kind": cr["kind"], "metadata": {"name": name}, "status": status}
+            await api.apply(CR, namespace, body, RECONCILER, force=True, subresource="status")
 
 
 Connect = Callable[..., "kopf.ConnectionInfo | None | Any"]
@@ -233,7 +268,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> kopf.OperatorRegistry:
-    """A fresh registry with every handler; ``connect`` is the login (tests point it at kmock)."""
+    """A fresh registry with every handler; ``connect`` is the login (tests log in to their own API server)."""
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler()
     live = LiveController(reconciler.session)
@@ -246,6 +281,14 @@ def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> ko
         if info is not None:
             await reconciler.connect(info)
         return info
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Kopf's bookkeeping in annotations only: the CRD's status schema has no status.kopf, so the
+        # API server would prune it, and status belongs to the reconciler and the live loop
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        settings.persistence.finalizer = f"{GROUP}/finalizer"
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
@@ -273,7 +316,7 @@ def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> ko
             while not stopped:
                 try:
                     interval = await live.round(namespace, name, logger)
-                except (ApiError, kopf.TemporaryError, aiohttp.ClientError, TimeoutError) as exc:
+                except (ApiError, kopf.TemporaryError, OSError, TimeoutError) as exc:
                     logger.warning("live round failed: %s", exc)  # the API server is away: try again later
                     interval = 5.0
                 await stopped.wait(interval)
@@ -282,7 +325,7 @@ def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> ko
 
     async def child_changed(type: str | None, body: Mapping[str, Any], logger: logging.Logger, **_: Any) -> None:
         instance = (body.get("metadata", {}).get("labels") or {}).get(INSTANCE_LABEL)
-        if type in ("DELETED", "MODIFIED") and instance:
+        if instance and (type == "DELETED" or (type == "MODIFIED" and not last_written_by_us(body))):
             await reconciler.reconcile(body["metadata"]["namespace"], instance, logger)
 
     async def pod_changed(body: Mapping[str, Any], logger: logging.Logger, **_: Any) -> None:

@@ -2,7 +2,8 @@
 
 Split from ``handlers`` (which registers it as a Kopf daemon per CR, so that its period follows
 ``spec.tuning.intervalSeconds``). Each round: list the CR's ready pods (explicit ``KubeApi`` calls:
-list pods, get the admin Secret, patch the StatefulSet's replicas, patch the CR's status), read each
+list pods, get the admin Secret, apply the StatefulSet's replicas as the ``AUTOSCALER`` field manager,
+apply its part of the CR's status as ``LIVE``), read each
 pod's ``/metrics`` with a timeout, let ``tuning.decide`` and ``autoscale.decide`` judge, apply
 budgets through ``PUT /admin/tiers`` and replicas on the StatefulSet, post an Event for every change
 with the numbers behind it, and write ``status.pods``, ``status.budgets`` and ``status.autoscaling``.
@@ -21,10 +22,21 @@ from typing import Any
 
 from kvdrive.operator import autoscale, tuning
 from kvdrive.operator.conditions import now_rfc3339
-from kvdrive.operator.kubeapi import ApiError, KubeApi
+from kvdrive.operator.kubeclient import ApiError, Conflict, KubeApi
 from kvdrive.operator.livestatus import budget_event, budget_summary, last_budgets, pod_entry, scale_event
 from kvdrive.operator.manifests import Names, admin_token_of, runtime_settings, selector_labels
-from kvdrive.operator.objects import CR, EVENTS, PODS, SECRETS, STATEFULSETS, pod_ready, pod_url
+from kvdrive.operator.objects import (
+    AUTOSCALER,
+    CR,
+    EVENTS,
+    LIVE,
+    PODS,
+    RECONCILER,
+    SECRETS,
+    STATEFULSETS,
+    pod_ready,
+    pod_url,
+)
 from kvdrive.operator.podclient import PodClient
 from kvdrive.operator.podmetrics import Scrape, rates
 from kvdrive.operator.spec import KVDriveSpec, SpecError, parse_cr
@@ -99,7 +111,10 @@ class LiveController:
         start = runtime_settings(spec)
         status["budgets"] = budget_summary(status["pods"], {"gpu": start["gpu_budget"], "dram": start["dram_budget"],
                                                             "ssd": start["ssd_budget"]})
-        await api.patch(CR, namespace, name, {"status": status}, subresource="status")
+        previous = cr.get("status") or {}
+        if any(previous.get(key) != value for key, value in status.items()):  # an unchanged round writes nothing
+            body = {"apiVersion": cr["apiVersion"], "kind": cr["kind"], "metadata": {"name": name}, "status": status}
+            await api.apply(CR, namespace, body, LIVE, force=True, subresource="status")
         return float(spec.tuning.interval_seconds)
 
     async def _ready_pods(self, api: KubeApi, namespace: str, name: str) -> list[_Pod]:
@@ -175,7 +190,14 @@ class LiveController:
         decision = autoscale.decide(loads, current, autoscale.policy_from_spec(spec), memory.scale, self._clock())
         memory.scale = decision.history
         if decision.changed(current):
-            await api.patch(STATEFULSETS, namespace, sts_name, {"spec": {"replicas": decision.replicas}})
+            conflict = await self._scale(api, namespace, sts_name, decision.replicas)
+            if conflict is not None:
+                message = f"replicas {current} -> {decision.replicas} not applied: {conflict}"
+                logger.warning("%s", message)
+                await post_event(api, cr, "Warning", "ScaleConflict", message)
+                report.update(desiredReplicas=decision.replicas, recommendation=decision.recommendation,
+                              lastDecision=message[:1024])
+                return report
             reason, message = scale_event(current, decision.replicas, decision.reason)
             logger.info("%s", message)
             await post_event(api, cr, "Normal", reason, message)
@@ -185,6 +207,22 @@ class LiveController:
             report["lastScaleTime"] = memory.last_scale_time
         report["lastDecision"] = memory.last_decision or f"replicas {current}: {decision.reason}"[:1024]
         return report
+
+
+    @staticmethod
+    async def _scale(api: KubeApi, namespace: str, name: str, replicas: int) -> str | None:
+        """Apply the StatefulSet's replicas as the one writer of that field in mode operator. The
+        reconciler's own claim (it created the object) is taken over; any other manager's is reported,
+        not forced: the returned text says who holds it."""
+        body = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
+                "spec": {"replicas": replicas}}
+        try:
+            await api.apply(STATEFULSETS, namespace, body, AUTOSCALER)
+        except Conflict as exc:
+            if exc.managers() != {RECONCILER}:
+                return "; ".join(str(f) for f in exc.fields)
+            await api.apply(STATEFULSETS, namespace, body, AUTOSCALER, force=True)
+        return None
 
 
 async def post_event(api: KubeApi, cr: dict[str, Any], kind: str, reason: str, message: str) -> None:

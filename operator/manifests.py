@@ -14,7 +14,7 @@ import binascii
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -261,7 +261,7 @@ def _volumes(cr: KVDriveDeployment) -> tuple[list[dict[str, Any]], list[dict[str
     return volumes, mounts
 
 
-def statefulset(cr: KVDriveDeployment, current_replicas: int | None = None) -> dict[str, Any]:
+def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str, Any]:
     spec = cr.spec
     name = cr.metadata.name
     volumes, mounts = _volumes(cr)
@@ -311,12 +311,12 @@ def statefulset(cr: KVDriveDeployment, current_replicas: int | None = None) -> d
             "resources": {"requests": {"storage": spec.tiers.ssd.size}},
         },
     }
-    return {
+    sts = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _meta(cr, Names(name).statefulset, "server"),
         "spec": {
-            "replicas": spec.desired_replicas(current_replicas),
+            "replicas": replicas,
             "serviceName": Names(name).headless,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(name)},
@@ -332,15 +332,24 @@ def statefulset(cr: KVDriveDeployment, current_replicas: int | None = None) -> d
             "volumeClaimTemplates": [claim],
         },
     }
+    if replicas is None:  # another writer owns the count (see handlers.statefulset_replicas)
+        del sts["spec"]["replicas"]
+    return sts
 
 
-def render(cr: KVDriveDeployment, admin_token: str, current_replicas: int | None = None) -> list[dict[str, Any]]:
-    """All children of a CR, in creation order (config and secret before the pods need them)."""
+def render(cr: KVDriveDeployment, admin_token: str,
+           replicas: int | None | Literal["initial"] = "initial") -> list[dict[str, Any]]:
+    """All children of a CR, in creation order (config and secret before the pods need them).
+
+    ``replicas``: the StatefulSet's count; "initial" for the count a new object starts with, None to
+    leave the field out (another writer owns it)."""
+    if replicas == "initial":
+        replicas = cr.spec.desired_replicas()
     return [
         configmap(cr),
         secret(cr, admin_token),
         headless_service(cr),
         client_service(cr),
-        statefulset(cr, current_replicas),
+        statefulset(cr, replicas),
         pdb(cr),
     ]

@@ -1,7 +1,8 @@
 """The Kubernetes kinds the operator touches, and pure facts read from Pod objects.
 
 Owns the API addresses (``Ref``) shared by ``handlers`` and ``live`` (every call on them is an
-explicit ``KubeApi`` call in those two modules, so that RBAC can be derived from the code), and
+explicit ``KubeApi`` call in those two modules, so that RBAC can be derived from the code), the
+field managers (one per writer, so that each field has exactly one), and
 what a Pod says about itself: whether it is ready and where its ``kvdrive serve`` listens.
 """
 
@@ -10,24 +11,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvdrive.operator.kubeapi import Ref
+from kvdrive.operator.kubeclient import Ref
 from kvdrive.operator.manifests import CONTAINER_PORT
-from kvdrive.operator.spec import GROUP, PLURAL, VERSION
+from kvdrive.operator.spec import GROUP, KIND, PLURAL, VERSION
 
-CR = Ref(f"{GROUP}/{VERSION}", PLURAL)
-PODS = Ref("v1", "pods")
-CLAIMS = Ref("v1", "persistentvolumeclaims")
-STORAGE_CLASSES = Ref("storage.k8s.io/v1", "storageclasses")
-STATEFULSETS = Ref("apps/v1", "statefulsets")
-SECRETS = Ref("v1", "secrets")
-EVENTS = Ref("v1", "events")
+CR = Ref(f"{GROUP}/{VERSION}", KIND, PLURAL)
+PODS = Ref("v1", "Pod", "pods")
+CLAIMS = Ref("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
+STORAGE_CLASSES = Ref("storage.k8s.io/v1", "StorageClass", "storageclasses")
+STATEFULSETS = Ref("apps/v1", "StatefulSet", "statefulsets")
+SECRETS = Ref("v1", "Secret", "secrets")
+EVENTS = Ref("v1", "Event", "events")
 CHILDREN = {
-    "ConfigMap": Ref("v1", "configmaps"),
+    "ConfigMap": Ref("v1", "ConfigMap", "configmaps"),
     "Secret": SECRETS,
-    "Service": Ref("v1", "services"),
+    "Service": Ref("v1", "Service", "services"),
     "StatefulSet": STATEFULSETS,
-    "PodDisruptionBudget": Ref("policy/v1", "poddisruptionbudgets"),
+    "PodDisruptionBudget": Ref("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
 }
+# Field managers: the reconciler owns the children and status' conditions; the autoscaler owns the
+# StatefulSet's replicas in autoscaling mode operator; the live loop owns status.pods/budgets/autoscaling.
+RECONCILER = "kvdrive-operator"
+AUTOSCALER = "kvdrive-operator-autoscaler"
+LIVE = "kvdrive-operator-live"
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:

@@ -1,10 +1,10 @@
-"""What the operator asks of the API server, as RBAC rules: from kmock's recorded requests.
+"""What the operator asks of the API server, as RBAC rules: from the API server's audit log.
 
-A request becomes ``(apiGroup, resource[/subresource], verb)`` the way the API server's
-authorizer sees it: GET of a name is ``get``, of a collection ``list`` (or ``watch`` with
-``?watch=true``), POST ``create``, PATCH ``patch``, PUT ``update``, DELETE ``delete``.
-Discovery (``/api``, ``/apis``, ``/version``) is allowed to every authenticated user and is
-left out.
+An audit event carries the verb as the authorizer saw it (get, list, watch, create, patch, update,
+delete) and the object's group, resource and subresource. Discovery (``/api``, ``/apis``,
+``/version``) has no object and is allowed to every authenticated user; it is left out. A
+server-side apply that creates its object (a PATCH answered 201) also needs ``create``: the API
+server checks it on top of ``patch``.
 """
 
 from __future__ import annotations
@@ -15,43 +15,18 @@ from typing import Any
 Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
 
 
-def _verb(method: str, named: bool, params: Mapping[str, str]) -> str:
-    if method == "GET":
-        if params.get("watch") in ("true", "1"):
-            return "watch"
-        return "get" if named else "list"
-    verbs = {"POST": "create", "PATCH": "patch", "PUT": "update"}
-    if method in verbs:
-        return verbs[method]
-    if method == "DELETE":
-        return "delete" if named else "deletecollection"
-    raise ValueError(f"unexpected method {method}")
-
-
-def rule_of(method: str, path: str, params: Mapping[str, str]) -> Rule | None:
-    """The RBAC rule one request needs; None for discovery (non-resource URLs)."""
-    parts = [p for p in path.split("/") if p]
-    if parts[:1] == ["api"] and len(parts) >= 3:
-        group, rest = "", parts[2:]
-    elif parts[:1] == ["apis"] and len(parts) >= 4:
-        group, rest = parts[1], parts[3:]
-    else:
-        return None  # /api, /api/v1, /apis, /apis/GROUP/VERSION, /version: discovery
-    if rest[:1] == ["namespaces"] and len(rest) >= 3:
-        rest = rest[2:]  # namespaced: namespaces/NS/RESOURCE[/NAME[/SUB]]
-    resource, name, sub = rest[0], rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
-    return group, f"{resource}/{sub}" if sub else resource, _verb(method.upper(), name is not None, params)
-
-
-def rules_of(requests: Iterable[Any], token: str) -> set[Rule]:
-    """The rules of every kmock request sent with ``Authorization: Bearer <token>``."""
+def rules_of_audit(events: Iterable[Mapping[str, Any]]) -> set[Rule]:
+    """The rules of every request in ``events`` (audit.k8s.io/v1 Event objects)."""
     found: set[Rule] = set()
-    for request in requests:
-        if request.headers.get("Authorization") != f"Bearer {token}":
+    for event in events:
+        ref = event.get("objectRef")
+        if not ref or not ref.get("resource"):
             continue
-        rule = rule_of(str(request.method.value), request.url.path, request.params)
-        if rule is not None:
-            found.add(rule)
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        group = ref.get("apiGroup", "")
+        found.add((group, resource, event["verb"]))
+        if event["verb"] == "patch" and event.get("responseStatus", {}).get("code") == 201:
+            found.add((group, resource, "create"))
     return found
 
 

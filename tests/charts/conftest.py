@@ -1,9 +1,4 @@
-"""Fixtures of the chart tests: the operator test harness (tests/operator) made importable."""
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
+"""Fixtures of the chart tests: the operator test harness (tests/operator, on sys.path from tests/conftest.py)."""
 
 from kopfenv import cluster
 

@@ -1,11 +1,14 @@
-"""The chart's ClusterRole grants exactly what the operator asks of the API server.
+"""The chart's RBAC, for real: the operator runs with a token of the chart's ServiceAccount only.
 
-The real Kopf operator runs against kmock's KubernetesEmulator through every code path that
-talks to the API (create, repair of each child kind, re-creation of the StatefulSet, pod
-readiness, a degraded CR with its Warning Event, deletion); each request it sends is turned into
-an RBAC rule (``apicalls``). The ClusterRole rendered by the chart must grant all of them and
-nothing else. A static check makes sure the scenario keeps up with the code: every API
-resource the operator's modules name, and every kind of call they make, shows up in it.
+The chart's ServiceAccount, ClusterRole and ClusterRoleBinding are rendered with the real Helm
+library and applied to the test control plane; a token is minted for the ServiceAccount
+(TokenRequest), and the real Kopf operator logs in with it. It goes through every code path that
+talks to the API server (create, a spec change, pod readiness, a live round, a re-created
+StatefulSet, a degraded CR with its Warning Event, deletion). The API server's audit log says what
+the operator asked for and what it was refused: nothing may be refused (a permission missing from
+the chart), and nothing granted may go unused (a permission no code path needs). A static check
+makes sure the scenario keeps up with the code: every API resource the operator's modules name,
+and every kind of call they make, shows up in it.
 """
 
 from __future__ import annotations
@@ -13,57 +16,37 @@ from __future__ import annotations
 import ast
 import asyncio
 import copy
-import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import kopf
-import pytest
-from apicalls import Rule, granted, rules_of
+from apicalls import Rule, granted, rules_of_audit
 from chartrender import render_chart
 from crdcheck import load_example
-from kopfenv import NAMESPACE, Cluster, eventually
+from kopfenv import Cluster, eventually, run_operator
 
-from kvdrive.operator.handlers import build_registry
-from kvdrive.operator.kubeapi import KubeApi, Ref
+from kvdrive.operator.kubeclient import KubeApi, Ref
+from kvdrive.operator.objects import CHILDREN, CLAIMS, CR, EVENTS, PODS, STATEFULSETS
 
 REPO = Path(__file__).resolve().parents[2]
-TOKEN = "kvdrive-operator-under-test"
-EVENTS = Ref("v1", "events")
-CR = Ref("kvdrive.io/v1alpha1", "kvdrivedeployments")
-PODS = Ref("v1", "pods")
-CLAIMS = Ref("v1", "persistentvolumeclaims")
-STATEFULSETS = Ref("apps/v1", "statefulsets")
-CHILDREN = {
-    "ConfigMap": Ref("v1", "configmaps"), "Secret": Ref("v1", "secrets"), "Service": Ref("v1", "services"),
-    "StatefulSet": STATEFULSETS, "PodDisruptionBudget": Ref("policy/v1", "poddisruptionbudgets"),
-}
-KUBEAPI_VERBS = {"get": {"get"}, "list": {"list"}, "create": {"create"}, "patch": {"patch"}, "delete": {"delete"}}
+KUBECLIENT_VERBS = {"get": {"get"}, "list": {"list"}, "create": {"create"}, "apply": {"patch"}, "delete": {"delete"}}
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
 
 
-@pytest.fixture()
-async def operator(kmock: Any, cluster: Cluster) -> AsyncIterator[Cluster]:
-    """The real operator, logged in with its own token so that its requests can be told apart."""
-    settings = kopf.OperatorSettings()
-    settings.peering.standalone = True
-    settings.watching.reconnect_backoff = 0.1
-    settings.batching.idle_timeout = 0.1
-    settings.batching.batch_window = 0.02
-    settings.posting.level = 0
-    info = kopf.ConnectionInfo(server=str(kmock.url), token=TOKEN)
-    registry = build_registry(connect=lambda **_: info, resync_seconds=3600)
-    stop, ready = threading.Event(), threading.Event()
-    coro = kopf.operator(clusterwide=True, registry=registry, settings=settings, stop_flag=stop, ready_flag=ready)
-    thread = threading.Thread(target=asyncio.run, args=(coro,), name="kopf", daemon=True)
-    thread.start()
-    assert await asyncio.to_thread(ready.wait, 15), "the operator did not start"
-    try:
-        yield cluster
-    finally:
-        stop.set()
-        await asyncio.to_thread(thread.join, 15)
-        assert not thread.is_alive(), "the operator did not stop"
+async def _install_chart_rbac(cluster: Cluster) -> tuple[str, str, dict[str, Any]]:
+    """Applies the chart's ServiceAccount, ClusterRole and binding; returns (namespace, account, role)."""
+    objects = [o for o in render_chart({}, namespace=cluster.namespace) if o["kind"] in RBAC_KINDS]
+    assert sorted(o["kind"] for o in objects) == sorted(RBAC_KINDS)
+
+    def apply() -> None:
+        for obj in objects:
+            res = cluster.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+            res.server_side_apply(body=obj, name=obj["metadata"]["name"], namespace=obj["metadata"].get("namespace"),
+                                  field_manager="helm", force_conflicts=True)
+
+    await asyncio.to_thread(apply)
+    account = next(o for o in objects if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    role = next(o for o in objects if o["kind"] == "ClusterRole")
+    return cluster.namespace, account, role
 
 
 def _pod(name: str, instance: str) -> dict[str, Any]:
@@ -74,68 +57,74 @@ def _pod(name: str, instance: str) -> dict[str, Any]:
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
-async def _changed(cluster: Cluster, ref: Ref, name: str, check: Any, what: str) -> None:
+async def _changed(cluster: Cluster, ref: Ref, name: str, check: Any, what: str, timeout: float = 20) -> None:
     async def done() -> bool:
         obj = await cluster.get(ref, name)
         return obj is not None and bool(check(obj))
 
-    await eventually(done, what=what)
+    await eventually(done, timeout=timeout, what=what)
 
 
-async def _exercise(cluster: Cluster, api: KubeApi) -> None:
+async def _exercise(cluster: Cluster) -> None:
     """Every path of the operator that talks to the API server."""
     await cluster.storage_class()
     await cluster.create(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
                                   "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}})
-    await cluster.create(CR, copy.deepcopy(load_example("full.yaml")))
+    doc = copy.deepcopy(load_example("full.yaml"))
+    doc["spec"]["tuning"] = {"enabled": True, "intervalSeconds": 1}
+    await cluster.create(CR, doc)
     for kind, name in (("StatefulSet", "chat"), ("PodDisruptionBudget", "chat"), ("Secret", "chat-admin")):
         await _changed(cluster, CHILDREN[kind], name, lambda obj: True, f"{kind} created")
-    # pods come and go: the status follows them
+    # pods come and go: the status follows them (the live loop lists them and writes its status part)
     await cluster.create(PODS, _pod("chat-0", "chat"))
+    await cluster.patch(PODS, "chat-0", {"status": {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": "True"}]}}, subresource="status")
     await _changed(cluster, CR, "chat", lambda cr: (cr.get("status") or {}).get("readyReplicas") == 1, "readyReplicas")
-    # hand edits of each kind of child are patched back (the Secret when it lost its token)
-    await cluster.patch(CHILDREN["ConfigMap"], "chat-config", {"data": {"config.yaml": "edited"}})
-    await _changed(cluster, CHILDREN["ConfigMap"], "chat-config", lambda o: o["data"]["config.yaml"] != "edited", "ConfigMap")
-    await cluster.patch(CHILDREN["Service"], "chat", {"spec": {"type": "NodePort"}})
-    await _changed(cluster, CHILDREN["Service"], "chat", lambda o: o["spec"]["type"] == "ClusterIP", "Service")
-    await cluster.patch(CHILDREN["PodDisruptionBudget"], "chat", {"spec": {"maxUnavailable": 3}})
-    await _changed(cluster, CHILDREN["PodDisruptionBudget"], "chat", lambda o: o["spec"]["maxUnavailable"] == 1, "PDB")
-    await cluster.patch(CHILDREN["Secret"], "chat-admin", {"data": {"token": "!"}})
-    await _changed(cluster, CHILDREN["Secret"], "chat-admin", lambda o: o["data"]["token"] != "!", "Secret")
-    await cluster.patch(STATEFULSETS, "chat", {"spec": {"updateStrategy": {"type": "OnDelete"}}})
-    await _changed(cluster, STATEFULSETS, "chat", lambda o: o["spec"]["updateStrategy"]["type"] == "RollingUpdate", "sts")
-    # a field a StatefulSet cannot update: deleted (orphaning the pods) and created again
-    await cluster.patch(CR, "chat", {"metadata": {"generation": 2}, "spec": {"tiers": {"ssd": {"size": "2Ti"}}}})
+    await _changed(cluster, CR, "chat", lambda cr: "pods" in (cr.get("status") or {}), "the live loop's status")
+    # a deleted child is created again
+    await cluster.delete(CHILDREN["ConfigMap"], "chat-config")
+    await _changed(cluster, CHILDREN["ConfigMap"], "chat-config", lambda obj: True, "ConfigMap re-created")
+    # a field a StatefulSet cannot update: deleted (orphaning the pods; the garbage collector completes
+    # the orphaning) and applied again
+    await cluster.patch(CR, "chat", {"spec": {"tiers": {"ssd": {"size": "2Ti"}}}})
     await _changed(cluster, STATEFULSETS, "chat",
                    lambda o: o["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "2Ti",
-                   "StatefulSet re-created")
+                   "StatefulSet re-created", timeout=60)
     # a CR whose StorageClass is missing: Degraded and a Warning Event
     broken = copy.deepcopy(load_example("minimal.yaml"))
     broken["metadata"]["name"] = "broken"
-    broken["spec"]["tiers"] = {"ssd": {"storageClassName": "missing"}}
+    broken["spec"]["tiers"] = {"ssd": {"storageClassName": f"missing-{cluster.namespace}"}}
     await cluster.create(CR, broken)
 
     async def warned() -> bool:
-        events = await api.list(EVENTS, NAMESPACE, {})
+        events = await cluster.api.list(EVENTS, cluster.namespace, {})
         return any(e.get("reason") == "StorageClassNotFound" for e in events)
 
     await eventually(warned, what="a Warning Event")
     await cluster.delete(CR, "broken")
+    await eventually(lambda: _gone(cluster, CR, "broken"), what="the CR deleted (Kopf's finalizer released)")
     await cluster.delete(PODS, "chat-0")
-    await asyncio.sleep(0.5)  # let the last reactions reach the emulator
+    await asyncio.sleep(1.0)  # let the last reactions reach the server
 
 
-def _chart_cluster_role() -> dict[str, Any]:
-    (role,) = [o for o in render_chart({}) if o["kind"] == "ClusterRole"]
-    return role
+async def _gone(cluster: Cluster, ref: Ref, name: str) -> bool:
+    return await cluster.get(ref, name) is None
 
 
-async def test_cluster_role_grants_exactly_what_the_operator_uses(kmock: Any, operator: Cluster) -> None:
-    await _exercise(operator, operator.api)
-    needed = rules_of(list(kmock), TOKEN)
+async def test_cluster_role_grants_exactly_what_the_operator_uses(cluster: Cluster) -> None:
+    namespace, account, role = await _install_chart_rbac(cluster)
+    token = await asyncio.to_thread(cluster.plane.service_account_token, namespace, account)
+    offset = cluster.plane.audit_offset()
+    async with run_operator(cluster, token=token, clusterwide=True):  # as the chart runs it: --all-namespaces
+        await _exercise(cluster)
+    user = f"system:serviceaccount:{namespace}:{account}"
+    requests = [e for e in cluster.plane.audit(offset) if e["user"]["username"] == user]
+    refused = sorted({(e["verb"], e["requestURI"].split("?")[0]) for e in requests if e["responseStatus"]["code"] == 403})
+    assert not refused, f"the chart's ClusterRole misses: {refused}"
+    needed = rules_of_audit(requests)
     assert ("kvdrive.io", "kvdrivedeployments", "watch") in needed, sorted(needed)
     _assert_scenario_covers_the_code(needed)
-    grants = granted(_chart_cluster_role())
+    grants = granted(role)
     assert not needed - grants, f"the ClusterRole misses: {sorted(needed - grants)}"
     assert not grants - needed, f"the ClusterRole grants what the operator never uses: {sorted(grants - needed)}"
 
@@ -161,11 +150,11 @@ def _refs_named_in_code() -> set[tuple[str, str]]:
 
 
 def _kubeapi_methods_called() -> set[str]:
-    """Names of KubeApi methods the operator's modules call (``api.get(...)``, ``self._api().patch(...)``)."""
+    """Names of KubeApi methods the operator's modules call (``api.get(...)``, ``self._api().apply(...)``)."""
     methods = {name for name in vars(KubeApi) if not name.startswith("_") and name != "close"}
     called = set()
     for path in _operator_sources():
-        if path.name == "kubeapi.py":
+        if path.name == "kubeclient.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in methods:
@@ -181,6 +170,6 @@ def _assert_scenario_covers_the_code(rules: set[Rule]) -> None:
     assert not missing, f"the operator's code names {sorted(missing)}: exercise them in _exercise()"
     used_verbs = {verb for _, _, verb in rules}
     for method in _kubeapi_methods_called():
-        assert KUBEAPI_VERBS[method] & used_verbs, f"KubeApi.{method} is called but never exercised"
+        assert KUBECLIENT_VERBS[method] & used_verbs, f"KubeApi.{method} is called but never exercised"
     if any("kopf.event(" in path.read_text() for path in _operator_sources()):
         assert ("", "events", "create") in rules

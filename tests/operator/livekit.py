@@ -1,16 +1,16 @@
-"""Shared pieces of the live-loop tests: the CR, Pod objects that point at loopback servers, Events."""
+"""Shared pieces of the live-loop tests: the CR, Pods that point at loopback servers, Events, and
+the autoscaler's earlier decisions."""
 
 from __future__ import annotations
 
 import base64
 from typing import Any
 
-from kopfenv import NAMESPACE, Cluster
+from kopfenv import Cluster, eventually
 
-from kvdrive.operator.handlers import CHILDREN, CR
-from kvdrive.operator.kubeapi import Ref
+from kvdrive.operator.handlers import CHILDREN, CR, PODS, STATEFULSETS
+from kvdrive.operator.objects import AUTOSCALER, EVENTS
 
-EVENTS = Ref("v1", "events")
 LABELS = {"app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance": "chat",
           "app.kubernetes.io/managed-by": "kvdrive-operator"}
 
@@ -33,15 +33,31 @@ def live_cr(autoscaling: dict[str, Any] | None = None, **tuning: Any) -> dict[st
     }
 
 
-def pod_object(name: str, port: int, ready: bool = True, ip: str = "127.0.0.1") -> dict[str, Any]:
-    """A Pod of the StatefulSet as the kubelet would report it, its server on ``ip:port``."""
+def pod_object(name: str, port: int) -> dict[str, Any]:
+    """A Pod of the StatefulSet, its server listening on ``port``."""
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "labels": dict(LABELS)},
         "spec": {"containers": [{"name": "kvdrive", "image": "x",
                                  "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}]},
-        "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": str(ready)}]},
     }
+
+
+async def create_pod(cluster: Cluster, name: str, port: int, ready: bool = True, ip: str = "127.0.0.1") -> None:
+    """The Pod, and its status as the kubelet would report it (there is no kubelet: the test writes
+    the status subresource): running on ``ip``, ready or not."""
+    await cluster.create(PODS, pod_object(name, port))
+    await cluster.patch(PODS, name, {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+                                                "conditions": [{"type": "Ready", "status": str(ready)}]}},
+                        subresource="status")
+
+
+async def scaled_earlier(cluster: Cluster, replicas: int) -> None:
+    """The StatefulSet's replicas as an earlier decision of the autoscaler left them (its field manager),
+    once the reconciler has created the StatefulSet."""
+    await eventually(lambda: cluster.get(STATEFULSETS, "chat"), what="the StatefulSet")
+    body = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "chat"}, "spec": {"replicas": replicas}}
+    await cluster.api.apply(STATEFULSETS, cluster.namespace, body, AUTOSCALER, force=True)
 
 
 async def admin_token(cluster: Cluster) -> str | None:
@@ -50,7 +66,7 @@ async def admin_token(cluster: Cluster) -> str | None:
 
 
 async def events(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
-    items = await cluster.api.list(EVENTS, NAMESPACE, {})
+    items = await cluster.api.list(EVENTS, cluster.namespace, {})
     return [e for e in items if e.get("reason") == reason and e.get("involvedObject", {}).get("name") == "chat"]
 
 

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 from crdcheck import load_example
@@ -25,18 +24,12 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def test_run_serves_liveness_and_reconciles(kmock: Any, cluster: Cluster, tmp_path: Path) -> None:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\n"
-        f"clusters: [{{name: k, cluster: {{server: '{str(kmock.url).rstrip('/')}'}}}}]\n"
-        "users: [{name: u, user: {token: test}}]\n"
-        "contexts: [{name: c, context: {cluster: k, user: u}}]\ncurrent-context: c\n"
-    )
+async def test_run_serves_liveness_and_reconciles(cluster: Cluster, tmp_path: Path) -> None:
+    kubeconfig = cluster.plane.kubeconfig
     port = _free_port()
     log = (tmp_path / "operator.log").open("wb")
     process = await asyncio.create_subprocess_exec(
-        str(CLI), "run", "--liveness", f"http://127.0.0.1:{port}/healthz", cwd="/",
+        str(CLI), "run", "-n", cluster.namespace, "--liveness", f"http://127.0.0.1:{port}/healthz", cwd="/",
         env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin"},
         stdout=log, stderr=subprocess.STDOUT,
     )
@@ -50,8 +43,8 @@ async def test_run_serves_liveness_and_reconciles(kmock: Any, cluster: Cluster, 
 
         await eventually(alive, timeout=30, what="the liveness endpoint")
         await cluster.storage_class()
-        await cluster.create(CR, load_example("minimal.yaml"), namespace="default")
-        sts = await eventually(lambda: cluster.get(STATEFULSETS, "demo", namespace="default"), timeout=15,
+        await cluster.create(CR, load_example("minimal.yaml"))
+        sts = await eventually(lambda: cluster.get(STATEFULSETS, "demo"), timeout=30,
                                what="the StatefulSet")
         assert sts["spec"]["template"]["spec"]["containers"][0]["args"][:3] == ["serve", "--model", "demo"]
     finally:

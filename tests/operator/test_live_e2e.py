@@ -1,7 +1,7 @@
 """End to end: the real operator tunes and scales two real `kvdrive serve` processes.
 
 Two demo-model servers on loopback ports (CPU, small tiers) play the pods `chat-0` and `chat-1`;
-Pod objects in kmock's emulator carry their addresses. The test drives a workload at `chat-0` (long
+Pod objects on a real API server carry their addresses. The test drives a workload at `chat-0` (long
 prompts over a few shared prefixes, more concurrent requests than it runs), and checks that the
 operator, from the servers' own /metrics: changes `chat-0`'s budgets through PUT /admin/tiers (the
 server's GET /admin/tiers and /metrics show the new budgets, status.pods[] and an Event say why),
@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 from kopfenv import Cluster, eventually
-from livekit import events, live_cr, pod_object, pod_status, status
+from livekit import create_pod, events, live_cr, pod_status, scaled_earlier, status
 from liveservers import Server, complete, prompt, start, wait_ready
 
-from kvdrive.operator.handlers import CHILDREN, CR, PODS, STATEFULSETS
+from kvdrive.operator.handlers import CHILDREN, CR, STATEFULSETS
 
 TOKEN = "e2e-admin-token"
 SERVER_FLAGS = ("--max-running", "2", "--max-waiting", "64", "--step-tokens", "64")
@@ -71,9 +71,9 @@ async def test_the_operator_tunes_and_scales_real_servers_from_their_metrics(
     cr["spec"]["tuning"]["bounds"]["ssd"] = {"min": "128Mi"}
     await operator.create(CR, cr)
     await eventually(lambda: operator.get(STATEFULSETS, "chat"), what="the StatefulSet")
-    await operator.patch(STATEFULSETS, "chat", {"spec": {"replicas": 2}})  # the two pods below
+    await scaled_earlier(operator, 2)  # the two pods below
     for index, server in enumerate(servers):
-        await operator.create(PODS, pod_object(f"chat-{index}", server.port))
+        await create_pod(operator, f"chat-{index}", server.port)
 
     stop = asyncio.Event()
     load = asyncio.create_task(workload(hot, stop))

@@ -1,4 +1,4 @@
-"""The live loop of the real operator (Kopf on kmock) against pods whose metrics the test scripts.
+"""The live loop of the real operator (Kopf on a real API server) against pods whose metrics the test scripts.
 
 Edge cases that real servers cannot be made to show on demand: a pod that does not answer, a pod
 that refuses a budget, a queue of a given depth, external autoscaling.
@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 from kopfenv import Cluster, eventually, never
-from livekit import admin_token, events, live_cr, pod_object, pod_status, status
+from livekit import admin_token, create_pod, events, live_cr, pod_status, scaled_earlier, status
 from scriptedpod import MiB, ScriptedPod
 
-from kvdrive.operator.handlers import CR, PODS, STATEFULSETS
+from kvdrive.operator.handlers import CR, STATEFULSETS
 
 
 @pytest.fixture()
@@ -33,14 +33,12 @@ async def deploy(cluster: Cluster, pods: list[ScriptedPod], cr: dict | None = No
     token = await eventually(lambda: admin_token(cluster), what="the admin Secret")
     for index, pod in enumerate(pods):
         pod.token = token
-        await cluster.create(PODS, pod_object(f"chat-{index}", pod.port))
+        await create_pod(cluster, f"chat-{index}", pod.port)
 
 
 async def set_replicas(cluster: Cluster, n: int) -> None:
-    """Scale the StatefulSet as a user would, once the operator has created it (deploy() only waits for
-    the Secret, which the reconciler may create first: a patch before the StatefulSet exists is lost)."""
-    await eventually(lambda: cluster.get(STATEFULSETS, "chat"), timeout=15, what="the StatefulSet")
-    await cluster.patch(STATEFULSETS, "chat", {"spec": {"replicas": n}})
+    """Replicas ``n`` as an earlier autoscaler decision left them."""
+    await scaled_earlier(cluster, n)
     await eventually(lambda: _replicas_at_least(cluster, n), timeout=5, what=f"replicas {n}")
 
 
@@ -107,7 +105,7 @@ async def test_a_replica_whose_pod_is_not_ready_blocks_scaling_down(operator: Cl
     """Replicas 2, but only chat-0 is ready (chat-1 is starting): chat-0's empty queue alone would call
     for 1 replica; the replica without a ready pod counts as unknown load, as an unreadable pod does."""
     await deploy(operator, pods[:1])
-    await operator.create(PODS, pod_object("chat-1", pods[1].port, ready=False))
+    await create_pod(operator, "chat-1", pods[1].port, ready=False)
     await set_replicas(operator, 2)
 
     async def decided() -> dict | None:

@@ -29,8 +29,8 @@ def _by_kind(children: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _sts(cr: KVDriveDeployment, current: int | None = None) -> dict[str, Any]:
-    return _by_kind(render(cr, "t0ken", current))["StatefulSet"][0]
+def _sts(cr: KVDriveDeployment) -> dict[str, Any]:
+    return _by_kind(render(cr, "t0ken"))["StatefulSet"][0]
 
 
 @pytest.mark.parametrize("version", ["1.30", "1.33"])
@@ -117,9 +117,8 @@ def test_replicas_follow_the_autoscaling_mode() -> None:
     assert _sts(_cr(minimal, replicas=3))["spec"]["replicas"] == 3
     assert _sts(_cr(minimal, replicas=3, autoscaling={"mode": "external"}))["spec"]["replicas"] == 3
     operator = _cr(minimal, autoscaling={"mode": "operator", "minReplicas": 2, "maxReplicas": 5})
-    assert _sts(operator)["spec"]["replicas"] == 2
-    assert _sts(operator, current=4)["spec"]["replicas"] == 4  # the autoscaler's choice is kept
-    assert _sts(operator, current=9)["spec"]["replicas"] == 5  # but clamped to the bounds
+    assert _sts(operator)["spec"]["replicas"] == 2  # a new StatefulSet starts at minReplicas
+    assert "replicas" not in _by_kind(render(operator, "t", None))["StatefulSet"][0]["spec"]
 
 
 def test_children_are_owned_and_labelled() -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import ast
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
+from crdcheck import load_example
+from test_manifests import _cr
 
 from kvdrive.operator.conditions import Observed, Problem, build_status, degraded_changed, merge_conditions
-from kvdrive.operator.handlers import is_subset
+from kvdrive.operator.handlers import last_written_by_us, statefulset_replicas
+from kvdrive.operator.objects import AUTOSCALER, RECONCILER
 from kvdrive.operator.quantity import QuantityError, parse_quantity, to_bytes
 
 OPERATOR_DIR = Path(__file__).resolve().parents[2] / "operator"
@@ -67,16 +71,6 @@ def test_merge_conditions_without_previous() -> None:
     assert merge_conditions([], [], None, "t") == []
 
 
-def test_is_subset_tolerates_server_defaults_but_not_changes() -> None:
-    desired = {"spec": {"containers": [{"name": "a", "args": ["x"]}], "limits": {"nvidia.com/gpu": "1"}}}
-    defaulted = {"spec": {"containers": [{"name": "a", "args": ["x"], "terminationMessagePath": "/dev/t"}],
-                          "limits": {"nvidia.com/gpu": "1"}, "dnsPolicy": "ClusterFirst"}}
-    assert is_subset(desired, defaulted)
-    assert not is_subset(desired, {"spec": {"containers": [{"name": "a", "args": ["y"]}], "limits": {}}})
-    assert not is_subset(desired, {"spec": {"containers": [], "limits": {"nvidia.com/gpu": "1"}}})
-    assert is_subset({"replicas": 1}, {"replicas": 1}) and not is_subset({"replicas": 1}, {"replicas": 2})
-
-
 def _imports(path: Path) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -90,17 +84,49 @@ def _imports(path: Path) -> set[str]:
 def test_only_handlers_and_its_transport_talk_to_kopf() -> None:
     talkers = {p.name for p in OPERATOR_DIR.glob("*.py") if {"kopf", "aiohttp", "kubernetes"} & _imports(p)}
     # cli only calls kopf.run(); podclient talks HTTP to the pods, not to the API server
-    assert talkers == {"handlers.py", "kubeapi.py", "podclient.py", "cli.py"}
-    users_of_transport = {p.name for p in OPERATOR_DIR.glob("*.py") if "kvdrive.operator.kubeapi" in _imports(p)}
+    assert talkers == {"handlers.py", "kubeclient.py", "podclient.py", "cli.py"}
+    users_of_transport = {p.name for p in OPERATOR_DIR.glob("*.py") if "kvdrive.operator.kubeclient" in _imports(p)}
     assert users_of_transport == {"handlers.py", "live.py", "objects.py"}  # objects: only the Ref addresses
 
 
 def test_the_pure_modules_stay_pure() -> None:
     for name in ("tuning.py", "autoscale.py", "podmetrics.py", "livestatus.py"):
         imports = _imports(OPERATOR_DIR / name)
-        assert not {"kopf", "aiohttp", "asyncio", "kvdrive.operator.kubeapi", "kvdrive.operator.live"} & imports, name
+        assert not {"kopf", "aiohttp", "asyncio", "kvdrive.operator.kubeclient", "kvdrive.operator.live"} & imports, name
 
 
 def test_modules_stay_small() -> None:
     for path in OPERATOR_DIR.glob("*.py"):
         assert len(path.read_text().splitlines()) <= 400, path.name
+
+
+def _managed(manager: str) -> dict[str, Any]:
+    return {"metadata": {"managedFields": [{"manager": manager, "operation": "Apply",
+                                            "fieldsV1": {"f:spec": {"f:replicas": {}}}}]},
+            "spec": {"replicas": 4}}
+
+
+def test_one_writer_of_statefulset_replicas_per_mode() -> None:
+    """Modes none/external: the reconciler applies spec.replicas. Mode operator: it applies minReplicas at
+    creation, keeps applying the current count while it still owns the field (so that SSA does not delete
+    it), and leaves it out once the autoscaler's manager has taken it."""
+    minimal = load_example("minimal.yaml")
+    assert statefulset_replicas(_cr(minimal, replicas=3), _managed(AUTOSCALER)) == 3
+    assert statefulset_replicas(_cr(minimal, replicas=3, autoscaling={"mode": "external"}), None) == 3
+    operator = _cr(minimal, autoscaling={"mode": "operator", "minReplicas": 2, "maxReplicas": 5})
+    assert statefulset_replicas(operator, None) == 2
+    assert statefulset_replicas(operator, _managed(RECONCILER)) == 4
+    assert statefulset_replicas(operator, _managed(AUTOSCALER)) is None
+
+
+def test_only_changes_by_others_call_for_a_reconcile() -> None:
+    """A child's MODIFIED event whose newest change is the operator's own apply needs no reconcile; one
+    by anybody else (or at the same second as ours: managedFields times are to the second) does."""
+    ours = {"manager": RECONCILER, "operation": "Apply", "time": "2026-12-01T10:00:05Z"}
+    kubectl = {"manager": "kubectl-edit", "operation": "Update", "time": "2026-12-01T10:00:01Z"}
+    status = {"manager": "kube-controller-manager", "operation": "Update", "time": "2026-12-01T10:00:09Z",
+              "subresource": "status"}
+    assert last_written_by_us({"metadata": {"managedFields": [kubectl, ours, status]}})
+    assert not last_written_by_us({"metadata": {"managedFields": [ours, {**kubectl, "time": "2026-12-01T10:00:07Z"}]}})
+    assert not last_written_by_us({"metadata": {"managedFields": [ours, {**kubectl, "time": ours["time"]}]}})
+    assert not last_written_by_us({"metadata": {}})
