@@ -23,7 +23,9 @@ from kvdrive.operator.spec import API_VERSION, KIND, KVDriveDeployment, KVDriveS
 
 MANAGER = "kvdrive-operator"
 CONTAINER_PORT = 8000
-DRAIN_SECONDS = 120
+DRAIN_SECONDS = 120  # terminationGracePeriodSeconds of the runtime pods
+PRESTOP_SECONDS = 5  # preStop sleep: the Service stops routing to a terminating pod first
+SERVER_DRAIN_SECONDS = 90  # the server's own deadline (--drain-seconds) after SIGTERM: 5 + 90 < 120
 RUN_AS_USER = 10001
 SSD_BUDGET_FRACTION_PERCENT = 90  # leave file-system headroom: the tier never fills the volume
 HUGEPAGE_DIR = "/var/lib/kvdrive/hugepages"
@@ -145,6 +147,7 @@ def serve_args(spec: KVDriveSpec) -> list[str]:
     args += ["--ssd-dir", s["ssd_dir"], "--ssd-budget", str(s["ssd_budget"])]
     args += ["--token-budget", str(s["token_budget"]), "--page-size", str(s["page_size"])]
     args += ["--placement", s["placement"], "--admin-token-file", s["admin_token_file"]]
+    args += ["--drain-seconds", str(SERVER_DRAIN_SECONDS)]
     if spec.model.name:
         args += ["--served-model-name", spec.model.name]
     return args
@@ -277,6 +280,9 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
         "startupProbe": _probe("/healthz", 10, 60),
         "livenessProbe": _probe("/healthz", 10, 3),
         "readinessProbe": _probe("/readyz", 5, 3),
+        # the endpoints drop the pod before SIGTERM arrives; the server then drains within its
+        # --drain-seconds, inside terminationGracePeriodSeconds
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,

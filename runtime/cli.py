@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="model id served by /v1/models")
     s.add_argument("--api-key-file", default=None, help="file holding the Bearer key required on /v1")
     s.add_argument("--admin-token-file", default=None, help="file holding the Bearer token required on /admin")
+    s.add_argument("--protect-metadata", action="store_true",
+                   help="require the API key on /metrics, /openapi.json and /docs too (open by default)")
+    s.add_argument("--max-body-bytes", type=_size, default=8 << 20, help="largest request body (413 above)")
+    s.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="after SIGTERM/SIGINT: stop admitting, let in-flight requests finish this long, then abort "
+                        "them, flush the SSD index and exit 0")
     s.add_argument("--max-running", type=int, default=16, help="sequences in the running batch")
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     s.add_argument("--step-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
@@ -192,6 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, device=args.device, dtype=_dtype(args.dtype),
         engine=engine_config(args, max_sequences=args.max_running), served_model_name=args.served_model_name,
         api_key=read_secret(args.api_key_file), admin_token=read_secret(args.admin_token_file),
+        protect_metadata=args.protect_metadata, max_body_bytes=args.max_body_bytes, drain_seconds=args.drain_seconds,
         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                   step_token_budget=args.step_tokens),
         progress=sys.stderr.isatty() or args.verbose,

@@ -14,8 +14,10 @@ import yaml
 SERVE_KEYS = frozenset({
     "model", "device", "dtype", "page_size", "gpu_budget", "dram_budget", "dram_hugepage_dir", "ssd_dir",
     "ssd_budget", "ssd_compression", "token_budget", "full_attention", "placement", "host", "port",
-    "served_model_name", "api_key_file", "admin_token_file", "max_running", "max_waiting", "step_tokens",
+    "served_model_name", "api_key_file", "admin_token_file", "protect_metadata", "max_body_bytes", "max_running",
+    "max_waiting", "step_tokens", "drain_seconds",
 })
+SWITCHES = frozenset({"full_attention", "protect_metadata"})  # flags without a value
 
 
 class ConfigFileError(ValueError):
@@ -38,7 +40,7 @@ def config_flags(path: str) -> list[str]:
             raise ConfigFileError(f"--config {path}: unknown key {raw_key!r} (known: {', '.join(sorted(SERVE_KEYS))})")
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
-            if key != "full_attention":
+            if key not in SWITCHES:
                 raise ConfigFileError(f"--config {path}: {raw_key} takes a value, not true/false")
             flags += [flag] if value else []
         elif value is None or isinstance(value, (dict, list)):

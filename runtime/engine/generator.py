@@ -52,6 +52,12 @@ class Generator:
     def max_context(self) -> int:
         return self.loaded.config.context_length
 
+    def request_limit(self) -> int:
+        """Tokens one request can hold now (prompt + generated): the model's context or what the KV tiers
+        hold per request, the smaller (the tiers' budgets change live)."""
+        cache = self.cache
+        return min(self.max_context, (cache.num_pages + 1) * cache.layout.page_size - 1)
+
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """The one prompt-length check: a prompt must leave room for one generated token in the model's
         context and fit the KV tiers. Raises PromptTooLongError."""

@@ -93,6 +93,11 @@ class Tokenizer:
         chat_template: str | None,
     ) -> None:
         self._tok = tokenizer
+        # the same tokenizer with special-token parsing off: user text that spells a special token
+        # (``<|im_start|>``) is encoded as the characters it is, never as the control token
+        self._plain = HFTokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        self._specials = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos
@@ -115,8 +120,10 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``special=False`` encodes special-token spellings as plain text."""
+        _check_text(text)
+        ids = (self._tok if special else self._plain).encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
@@ -139,8 +146,38 @@ class Tokenizer:
         )
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        # The template writes the BOS token itself where the model wants one.
-        return self.encode(self.render_chat(messages), add_bos=False)
+        """The template's own text (its control tokens) with special tokens parsed; each message's content
+        as plain text, so that no message can forge a turn. The template writes BOS where the model wants
+        one. A conversation with no special-token spelling in any content is encoded in one piece (exactly
+        as before); otherwise the contents are found in the rendering through private-use placeholders and
+        encoded apart (a template that leaves a content out leaves it out)."""
+        for m in messages:
+            _check_text(m.content)
+        if not any(sp in m.content for m in messages for sp in self._specials):
+            return self.encode(self.render_chat(messages), add_bos=False)
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        rendered = self.render_chat([ChatMessage(m.role, mark) for m, mark in zip(messages, marks, strict=True)])
+        ids: list[int] = []
+        pos = 0
+        for message, mark in zip(messages, marks, strict=True):
+            at = rendered.find(mark, pos)
+            if at < 0:
+                continue  # the template left this message out
+            ids += self.encode(rendered[pos:at], add_bos=False)
+            ids += self.encode(message.content, add_bos=False, special=False)
+            pos = at + len(mark)
+        return ids + self.encode(rendered[pos:], add_bos=False)
+
+
+def _check_text(text: str) -> None:
+    """Text the tokenizer can take: valid Unicode (a lone UTF-16 surrogate, which JSON can spell as
+    ``"\\udfff"``, is not)."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(f"text holds an unpaired UTF-16 surrogate {text[exc.start]!r} at character "
+                                 f"{exc.start}; send valid Unicode") from None
 
 
 def _raise_template_error(message: str) -> None:

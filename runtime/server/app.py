@@ -1,7 +1,11 @@
 """The FastAPI application: OpenAI-compatible completions and chat, models, health, metrics, admin.
 
-Every user error is a 4xx with an OpenAI-style ``{"error": {...}}`` body naming what is wrong;
-nothing a client sends can produce a 5xx or stop the engine thread.
+Every user error is a 4xx with an OpenAI-style ``{"error": {...}}`` body naming what is wrong, with
+the OpenAI API's status codes: 400 for a request that is malformed or invalid (bad JSON, a wrong type,
+a value out of range, an unsupported field), 401 without the credential (the gate, before the body is
+read), 404 for a model not served, 413 for a body over the limit, 429 when the queue is full; 503
+when the engine cannot serve. Nothing a client sends can produce a 5xx or stop the engine thread.
+The OpenAPI document declares exactly these.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvdrive.runtime.engine import AsyncEngine, PromptTooLongError, QueueFullError, SamplingParams
@@ -23,7 +29,7 @@ from kvdrive.runtime.engine import Request as EngineRequest
 from kvdrive.runtime.model import ChatMessage, Tokenizer
 from kvdrive.runtime.model.tokenizer import TokenizerError
 from kvdrive.runtime.server import schemas as s
-from kvdrive.runtime.server.auth import bearer_ok
+from kvdrive.runtime.server.gate import Gate, GatePolicy
 from kvdrive.runtime.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -35,6 +41,8 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()
     api_key: str | None = None
     admin_token: str | None = None
+    protect_metadata: bool = False
+    max_body_bytes: int = 8 << 20
     default_chat_max_tokens: int = 512
     retry_after_seconds: int = 2
 
@@ -45,6 +53,7 @@ class ServerState:
     engine: AsyncEngine
     tokenizer: Tokenizer
     max_context: int
+    request_limit: Callable[[], int]
     metrics: ServerMetrics
     tiers: Callable[[], list[s.TierUsage]]
     set_tiers: Callable[[int, int, int], Awaitable[list[s.TierUsage]]]
@@ -65,10 +74,38 @@ def _error(status: int, message: str, kind: str, param: str | None = None,
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": s.ErrorResponse, "description": "malformed or invalid request (the message and param say what)"},
+    401: {"model": s.ErrorResponse, "description": "missing or invalid Bearer credential"},
+    413: {"model": s.ErrorResponse, "description": "request body over the limit"},
+}
+GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    404: {"model": s.ErrorResponse, "description": "the model is not served here"},
+    429: {"model": s.ErrorResponse, "description": "queue full; retry after Retry-After seconds"},
+    503: {"model": s.ErrorResponse, "description": "the engine cannot serve the request"},
+}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first problem as (message, param); a body that is not JSON names no param."""
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}", None
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    if first.get("type") == "missing" and not where:
+        return "a JSON request body is required", None
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return (f"{where}: {msg}" if where else msg), where or None
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="KVDrive", version="0.1.0",
                   description="OpenAI-compatible LLM serving with a three-tier (GPU/DRAM/SSD) KV cache")
     cfg = state.config
+    app.add_middleware(Gate, policy=GatePolicy(api_key=cfg.api_key, admin_token=cfg.admin_token,
+                                               protect_metadata=cfg.protect_metadata,
+                                               max_body_bytes=cfg.max_body_bytes))
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -76,24 +113,29 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        msg = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request"))
-        return _error(422, msg, "invalid_request_error", where or None)
+        message, param = _validation_message(exc)
+        return _error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {}))  # 405: Allow
 
-    def require_api_key(request: Request) -> None:
-        if not bearer_ok(cfg.api_key, request.headers.get("authorization")):
-            raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)", "authentication_error",
-                           headers={"WWW-Authenticate": "Bearer"})
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, with its generic 422 replaced by the 400 this server answers."""
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            for path in doc.get("paths", {}).values():
+                for operation in path.values():
+                    responses = operation.get("responses", {})
+                    if "HTTPValidationError" in json.dumps(responses.get("422", {})):
+                        del responses["422"]
+            for name in ("HTTPValidationError", "ValidationError"):
+                doc.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = doc
+        return app.openapi_schema
 
-    def require_admin(request: Request) -> None:
-        if not bearer_ok(cfg.admin_token, request.headers.get("authorization")):
-            raise ApiError(401, "missing or invalid admin token", "authentication_error",
-                           headers={"WWW-Authenticate": "Bearer"})
+    app.openapi = openapi  # type: ignore[method-assign]
 
     def check_model(name: str) -> None:
         if name not in (cfg.model_id, *cfg.aliases):
@@ -136,34 +178,40 @@ def create_app(state: ServerState) -> FastAPI:
         except PromptTooLongError as exc:
             raise ApiError(400, str(exc), param="prompt") from exc
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: GENERATION_ERRORS[503]})
     async def healthz() -> dict[str, str]:
         if not state.engine.alive:
             raise ApiError(503, "engine thread is not running", "server_error")
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: GENERATION_ERRORS[503]})
     async def readyz() -> dict[str, str]:
         if not state.ready():
             raise ApiError(503, "not ready: model or KV tiers unavailable", "server_error")
         return {"status": "ready"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format 0.0.4"},
+        401: ERRORS[401]})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", response_model=s.ModelList)
-    async def models(request: Request) -> s.ModelList:
-        require_api_key(request)
-        return s.ModelList(data=[s.ModelCard(id=cfg.model_id, created=state.started, max_model_len=state.max_context)])
+    @app.get("/v1/models", response_model=s.ModelList, responses={401: ERRORS[401]})
+    async def models() -> s.ModelList:
+        # max_model_len: what one request can hold now (the model's context, or less when the KV tiers
+        # as configured hold less per request)
+        return s.ModelList(data=[s.ModelCard(id=cfg.model_id, created=state.started,
+                                             max_model_len=state.request_limit())])
 
-    @app.post("/v1/completions", response_model=s.CompletionResponse)
-    async def completions(body: s.CompletionRequest, request: Request) -> Response:
-        require_api_key(request)
+    @app.post("/v1/completions", response_model=s.CompletionResponse, responses=GENERATION_ERRORS)
+    async def completions(body: s.CompletionRequest) -> Response:
         check_model(body.model)
-        prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode(body.prompt)
+        try:
+            prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode(body.prompt)
+        except TokenizerError as exc:
+            raise ApiError(400, f"prompt: {exc}", param="prompt") from exc
         if isinstance(body.prompt, list) and any(t < 0 or t >= state.tokenizer.vocab_size for t in prompt_ids):
-            raise ApiError(422, f"prompt: token ids must be in [0, {state.tokenizer.vocab_size})", param="prompt")
+            raise ApiError(400, f"prompt: token ids must be in [0, {state.tokenizer.vocab_size})", param="prompt")
         check_length(len(prompt_ids), body.max_tokens)
         params = sampling(body, body.max_tokens, len(prompt_ids))
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -176,9 +224,8 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(s.CompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
             s.CompletionChoice(text=prefix + text, finish_reason=reason)]).model_dump())
 
-    @app.post("/v1/chat/completions", response_model=s.ChatCompletionResponse)
-    async def chat(body: s.ChatCompletionRequest, request: Request) -> Response:
-        require_api_key(request)
+    @app.post("/v1/chat/completions", response_model=s.ChatCompletionResponse, responses=GENERATION_ERRORS)
+    async def chat(body: s.ChatCompletionRequest) -> Response:
         check_model(body.model)
         try:
             prompt_ids = state.tokenizer.encode_chat([ChatMessage(m.role, m.text()) for m in body.messages])
@@ -195,15 +242,13 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(s.ChatCompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
             s.ChatChoice(message=s.ChatMessageOut(content=text), finish_reason=reason)]).model_dump())
 
-    @app.get("/admin/tiers", response_model=s.TiersResponse)
-    async def get_tiers(request: Request) -> s.TiersResponse:
-        require_admin(request)
+    @app.get("/admin/tiers", response_model=s.TiersResponse, responses={401: ERRORS[401]})
+    async def get_tiers() -> s.TiersResponse:
         return s.TiersResponse(tiers=state.tiers())
 
-    @app.put("/admin/tiers", response_model=s.TiersResponse,
-             responses={422: {"model": s.ErrorResponse, "description": "impossible budgets (the reason)"}})
-    async def put_tiers(request: Request, body: s.TiersUpdate) -> s.TiersResponse:
-        require_admin(request)
+    @app.put("/admin/tiers", response_model=s.TiersResponse, responses={
+        **ERRORS, 422: {"model": s.ErrorResponse, "description": "impossible budgets (the reason)"}})
+    async def put_tiers(body: s.TiersUpdate) -> s.TiersResponse:
         try:
             tiers = await state.set_tiers(body.gpu_bytes, body.dram_bytes, body.ssd_bytes)
         except ValueError as exc:  # BudgetError: nothing changed

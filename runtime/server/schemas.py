@@ -1,27 +1,62 @@
-"""OpenAI-compatible request and response bodies (pydantic): the HTTP edge of the runtime."""
+"""OpenAI-compatible request and response bodies (pydantic): the HTTP edge of the runtime.
+
+Requests are strict: a number is not a string or a boolean (``max_tokens: true`` is refused), floats
+are finite, unknown fields are refused, and the OpenAI fields this server does not implement are
+refused by name when set to anything but their neutral value (rather than ignored as if applied).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # an int is a number too; a bool or a string is not
+Bool = Annotated[bool, Strict()]
+REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
+# OpenAI fields not implemented here, with the values that mean "not used"
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "suffix": (None, ""), "best_of": (None, 1), "parallel_tool_calls": (None,), "modalities": (None, ["text"]),
+    "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "service_tier": (None, "auto", "default"),
+}
+
+
+def _refuse_unsupported(name: str, value: Any) -> Any:
+    if value not in UNSUPPORTED[name]:
+        raise ValueError(f"{name} is not supported by this server; leave it out")
+    return value
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST
 
     model: str = Field(description="served model id (see GET /v1/models); 'demo' is an alias of the demo model")
-    max_tokens: int | None = Field(default=None, ge=1, description="tokens to generate at most")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1, description="-1 or 0: off (vLLM extension)")
+    max_tokens: Int | None = Field(default=None, ge=1, description="tokens to generate at most")
+    temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: Int = Field(default=-1, ge=-1, description="-1 or 0: off (vLLM extension)")
     stop: str | list[str] | None = Field(default=None)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stream: bool = False
+    seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1, description="only 1 completion per request is supported")
-    ignore_eos: bool = Field(default=False, description="vLLM extension for benchmarks")
+    n: Int = Field(default=1, ge=1, le=1, description="only 1 completion per request is supported")
+    ignore_eos: Bool = Field(default=False, description="vLLM extension for benchmarks")
+    user: str | None = Field(default=None, description="an end-user id (accepted, not used)")
+    logprobs: Any = Field(default=None, description="not supported: refused unless null/false")
+    top_logprobs: Any = Field(default=None, description="not supported: refused unless null/0")
+    presence_penalty: Any = Field(default=None, description="not supported: refused unless null/0")
+    frequency_penalty: Any = Field(default=None, description="not supported: refused unless null/0")
+    logit_bias: Any = Field(default=None, description="not supported: refused unless null/{}")
+
+    @field_validator("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias")
+    @classmethod
+    def _unsupported(cls, v: Any, info: Any) -> Any:
+        return _refuse_unsupported(info.field_name, v)
 
     @field_validator("stop")
     @classmethod
@@ -33,13 +68,21 @@ class _SamplingFields(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = REQUEST
+    include_usage: Bool = False
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] = Field(description="text, one string in a list, or token ids")
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
+    prompt: str | list[Int] | list[str] = Field(description="text, one string in a list, or token ids")
+    max_tokens: Int | None = Field(default=16, ge=1)
+    echo: Bool = False
+    suffix: Any = Field(default=None, description="not supported: refused unless null/empty")
+    best_of: Any = Field(default=None, description="not supported: refused unless null/1")
+
+    @field_validator("suffix", "best_of")
+    @classmethod
+    def _unsupported_completion(cls, v: Any, info: Any) -> Any:
+        return _refuse_unsupported(info.field_name, v)
 
     @field_validator("prompt")
     @classmethod
@@ -48,21 +91,22 @@ class CompletionRequest(_SamplingFields):
             if len(v) != 1:
                 raise ValueError("batched prompts are not supported: send one prompt per request")
             return v[0]
-        if isinstance(v, list) and not v:
+        if not v:
             raise ValueError("the prompt is empty")
         return v
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST
     type: Literal["text"]
     text: str
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = ""
+    name: str | None = Field(default=None, description="a participant name (accepted, not used)")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -72,7 +116,24 @@ class ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
+    tools: Any = Field(default=None, description="not supported: refused unless null/[]")
+    tool_choice: Any = Field(default=None, description="not supported: refused unless null/'none'")
+    functions: Any = Field(default=None, description="not supported: refused unless null/[]")
+    function_call: Any = Field(default=None, description="not supported: refused unless null/'none'")
+    response_format: Any = Field(default=None, description="not supported: refused unless null/{'type': 'text'}")
+    parallel_tool_calls: Any = Field(default=None, description="not supported: refused unless null")
+    modalities: Any = Field(default=None, description="not supported: refused unless null/['text']")
+    audio: Any = Field(default=None, description="not supported: refused unless null")
+    prediction: Any = Field(default=None, description="not supported: refused unless null")
+    reasoning_effort: Any = Field(default=None, description="not supported: refused unless null")
+    service_tier: Any = Field(default=None, description="accepted only as null, 'auto' or 'default'")
+
+    @field_validator("tools", "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls",
+                     "modalities", "audio", "prediction", "reasoning_effort", "service_tier")
+    @classmethod
+    def _unsupported_chat(cls, v: Any, info: Any) -> Any:
+        return _refuse_unsupported(info.field_name, v)
 
 
 class Usage(BaseModel):
@@ -172,10 +233,10 @@ class TierUsage(BaseModel):
 class TiersUpdate(BaseModel):
     """PUT /admin/tiers: new budgets, applied live."""
 
-    model_config = ConfigDict(extra="forbid")
-    gpu_bytes: int = Field(ge=0, description="device tier, including one open page per running sequence")
-    dram_bytes: int = Field(ge=0)
-    ssd_bytes: int = Field(ge=0)
+    model_config = REQUEST
+    gpu_bytes: Int = Field(ge=0, description="device tier, including one open page per running sequence")
+    dram_bytes: Int = Field(ge=0)
+    ssd_bytes: Int = Field(ge=0)
 
 
 class TiersResponse(BaseModel):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -29,6 +33,9 @@ class ServeOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     admin_token: str | None = None
+    protect_metadata: bool = False
+    max_body_bytes: int = 8 << 20
+    drain_seconds: float = 30.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     progress: bool = True
 
@@ -64,13 +71,37 @@ def build_state(opts: ServeOptions) -> ServerState:
 
     metrics = ServerMetrics(engine.stats, tiers, counters)
     config = ServerConfig(model_id=loaded.model_id, aliases=aliases, api_key=opts.api_key,
-                          admin_token=opts.admin_token)
+                          admin_token=opts.admin_token, protect_metadata=opts.protect_metadata,
+                          max_body_bytes=opts.max_body_bytes)
     return ServerState(config=config, engine=async_engine, tokenizer=loaded.tokenizer, max_context=gen.max_context,
+                       request_limit=gen.request_limit,
                        metrics=metrics, tiers=tiers, set_tiers=set_tiers, ready=lambda: async_engine.alive,
                        started=int(time.time()))
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, minus one habit: after its graceful shutdown it re-raises the SIGTERM/SIGINT it caught,
+    which kills the process before ``serve()`` can finish write-backs and flush the SSD index
+    (Kubernetes stops pods with SIGTERM). Here a signal only asks for the graceful exit (a second one
+    forces it, as in uvicorn)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def serve(opts: ServeOptions) -> None:
+    """Serve until SIGTERM/SIGINT; then stop admitting (the listener closes), give in-flight requests
+    ``drain_seconds`` to finish (then they are aborted), stop the engine, finish write-backs and flush
+    the SSD index, and return (exit status 0)."""
     state = build_state(opts)
     app = create_app(state)
     state.engine.start()
@@ -79,13 +110,12 @@ def serve(opts: ServeOptions) -> None:
     log.info("serving %s on http://%s:%d (KV: %d pages of %d tokens over the tiers; %d compute threads)",
              state.config.model_id, opts.host, opts.port, state.engine.engine.gen.cache.num_pages,
              opts.engine.page_size, torch.get_num_threads())
-    server = uvicorn.Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
-                                           timeout_graceful_shutdown=30))
+    server = _Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
+                                    timeout_graceful_shutdown=max(1, round(opts.drain_seconds))))
     try:
         server.run()
+        log.info("shutting down: in-flight requests drained or aborted")
     finally:
         state.engine.shutdown()
         state.engine.engine.gen.cache.close()  # finish write-backs, flush the SSD index
         log.info("stopped")
-
-

@@ -35,8 +35,9 @@ class LiveServer:
 
 
 def start_server(tmp: Path, *extra: str, wait_s: float = 120.0) -> LiveServer:
-    (tmp / "key").write_text(API_KEY + "\n")
-    (tmp / "admin").write_text(ADMIN_TOKEN + "\n")
+    for name, secret in (("key", API_KEY), ("admin", ADMIN_TOKEN)):
+        (tmp / name).write_text(secret + "\n")
+        (tmp / name).chmod(0o600)
     port = free_port()
     log = tmp / "server.log"
     proc = subprocess.Popen(
@@ -65,3 +66,25 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     yield server
     server.process.terminate()
     server.process.wait(30)
+
+
+@pytest.fixture(scope="session")
+def tiny_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A ServerState over a tiny random-weight llama (fast generation) with its engine thread running;
+    ``create_app(dataclasses.replace(state, config=...))`` makes apps with other settings over it."""
+    import importlib.util
+
+    from kvdrive.runtime.engine import SchedulerConfig
+    from kvdrive.runtime.server.serve import ServeOptions, build_state
+
+    path = ROOT / "tests" / "runtime" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("runtime_test_models", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    d = tmp_path_factory.mktemp("tiny")
+    module.make_hf_model(d, arch="llama", max_position_embeddings=256)
+    state = build_state(ServeOptions(model=str(d), served_model_name="tiny", progress=False,
+                                     scheduler=SchedulerConfig(max_waiting=8)))
+    state.engine.start()
+    yield state
+    state.engine.shutdown()

@@ -6,35 +6,16 @@ including huge max_tokens and odd prompts, finish quickly; the engine thread is 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from kvdrive.runtime.engine import SchedulerConfig
-from kvdrive.runtime.server.app import create_app
-from kvdrive.runtime.server.serve import ServeOptions, build_state
+from kvdrive.runtime.server.app import ServerState, create_app
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "runtime" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("runtime_test_models", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    make_hf_model = module.make_hf_model
-
-    d = tmp_path_factory.mktemp("tiny")
-    make_hf_model(d, arch="llama", max_position_embeddings=256)
-    state = build_state(ServeOptions(model=str(d), served_model_name="tiny", progress=False,
-                                     scheduler=SchedulerConfig(max_waiting=8)))
-    state.engine.start()
-    yield create_app(state)
-    state.engine.shutdown()
+def app(tiny_state: ServerState) -> object:
+    return create_app(tiny_state)
 
 
 def test_no_input_gives_a_server_error(app: object) -> None:

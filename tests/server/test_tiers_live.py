@@ -1,7 +1,8 @@
 """Live tier control and persistence against real `kvdrive serve` processes on the demo model.
 
 - PUT /admin/tiers shrinks the device and DRAM budgets while a request streams: the output is the same
-  as without the change, usage is under the new budgets right after, impossible budgets get a 422.
+  as without the change, usage is under the new budgets right after, impossible budgets get a 422
+  (a malformed body a 400).
 - A server stopped with SIGTERM or killed with SIGKILL and started again on the same --ssd-dir answers
   the same prompt identically, reading its prefix pages from the SSD tier instead of recomputing them.
 """
@@ -77,7 +78,7 @@ def test_put_admin_tiers_shrinks_budgets_during_generation(tmp_path: Path) -> No
         assert bad.status_code == 422 and "no room for KV pages" in bad.json()["error"]["message"]
         typo = httpx.put(server.url + "/admin/tiers", headers=_admin(server), timeout=30,
                          json={"gpu_bytes": "lots", "dram_bytes": 0, "ssd_bytes": 0})
-        assert typo.status_code == 422
+        assert typo.status_code == 400 and typo.json()["error"]["param"] == "gpu_bytes"  # a wrong type: 400
         assert _tiers(server)["gpu"]["budget_bytes"] == 16 * MiB  # refused changes changed nothing
     finally:
         server.process.terminate()
