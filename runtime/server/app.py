@@ -10,13 +10,14 @@ The OpenAPI document declares exactly these.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +34,33 @@ from kvdrive.runtime.server.gate import Gate, GatePolicy
 from kvdrive.runtime.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; its request was aborted."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``work``, cancelled the moment the client disconnects (its request is then aborted in the engine,
+    freeing its slot and pages at the next step). Starlette notices a disconnect by itself only while it
+    streams a response; this covers the wait before that: a prefill, or a whole non-streamed answer."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
 
 
 @dataclass(frozen=True)
@@ -110,6 +138,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.kind, exc.param, exc.headers)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the connection is closed (nginx's "client closed")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -204,7 +236,7 @@ def create_app(state: ServerState) -> FastAPI:
                                              max_model_len=state.request_limit())])
 
     @app.post("/v1/completions", response_model=s.CompletionResponse, responses=GENERATION_ERRORS)
-    async def completions(body: s.CompletionRequest) -> Response:
+    async def completions(body: s.CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         try:
             prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode(body.prompt)
@@ -217,15 +249,15 @@ def create_app(state: ServerState) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
         if body.stream:
-            return await _stream(rid, run(prompt_ids, params), chat=False, model=cfg.model_id,
-                                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                                 prefix=prefix)
-        text, reason, usage = await _collect(run(prompt_ids, params))
+            return await until_disconnect(request, _stream(
+                rid, run(prompt_ids, params), chat=False, model=cfg.model_id,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage), prefix=prefix))
+        text, reason, usage = await until_disconnect(request, _collect(run(prompt_ids, params)))
         return JSONResponse(s.CompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
             s.CompletionChoice(text=prefix + text, finish_reason=reason)]).model_dump())
 
     @app.post("/v1/chat/completions", response_model=s.ChatCompletionResponse, responses=GENERATION_ERRORS)
-    async def chat(body: s.ChatCompletionRequest) -> Response:
+    async def chat(body: s.ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         try:
             prompt_ids = state.tokenizer.encode_chat([ChatMessage(m.role, m.text()) for m in body.messages])
@@ -236,9 +268,10 @@ def create_app(state: ServerState) -> FastAPI:
         params = sampling(body, max_tokens, len(prompt_ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await _stream(rid, run(prompt_ids, params), chat=True, model=cfg.model_id,
-                                 include_usage=bool(body.stream_options and body.stream_options.include_usage))
-        text, reason, usage = await _collect(run(prompt_ids, params))
+            return await until_disconnect(request, _stream(
+                rid, run(prompt_ids, params), chat=True, model=cfg.model_id,
+                include_usage=bool(body.stream_options and body.stream_options.include_usage)))
+        text, reason, usage = await until_disconnect(request, _collect(run(prompt_ids, params)))
         return JSONResponse(s.ChatCompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
             s.ChatChoice(message=s.ChatMessageOut(content=text), finish_reason=reason)]).model_dump())
 
