@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-running", type=int, default=16, help="sequences in the running batch")
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     s.add_argument("--step-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
+    s.add_argument("--scheduling", choices=("fair", "fifo"), default="fair",
+                   help="how prompts share a step: fair (shortest remaining first, the oldest always moves) "
+                        "or fifo (arrival order)")
     s.add_argument("--config", default=None,
                    help="YAML/JSON file of flag values (keys as the long flags, e.g. gpu_budget: 512MiB); "
                         "flags given on the command line win")
@@ -144,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--clients", type=int, default=16)
     ld.add_argument("--seconds", type=float, default=60.0)
     ld.add_argument("--max-tokens", type=int, default=48)
+    ld.add_argument("--long-clients", type=int, default=0, help="clients sending long documents (mixed load)")
+    ld.add_argument("--long-sentences", type=int, default=170, help="length of a long document (~12 tokens each)")
     ld.add_argument("--api-key-file", default=None)
     ld.add_argument("--out", type=Path, default=None)
     return parser
@@ -200,7 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=read_secret(args.api_key_file), admin_token=read_secret(args.admin_token_file),
         protect_metadata=args.protect_metadata, max_body_bytes=args.max_body_bytes, drain_seconds=args.drain_seconds,
         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
-                                  step_token_budget=args.step_tokens),
+                                  step_token_budget=args.step_tokens, policy=args.scheduling),
         progress=sys.stderr.isatty() or args.verbose,
     )
     serve(opts)
@@ -264,7 +269,8 @@ def _bench(args: argparse.Namespace) -> int:
         from kvdrive.runtime.server.auth import read_secret
 
         res = asyncio.run(load_bench.run_load(args.url, args.clients, args.seconds, args.max_tokens,
-                                              read_secret(args.api_key_file)))
+                                              read_secret(args.api_key_file), args.long_clients,
+                                              args.long_sentences))
         text = json.dumps(load_bench.as_dict(res), indent=2)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)

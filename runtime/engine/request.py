@@ -43,6 +43,8 @@ class SequenceState:
     num_generated: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    bypassed: int = 0  # later requests admitted ahead of this one while it waited (fair scheduling)
+    lost_page_restarts: int = 0  # recomputations this request needed because a page of its was unreadable
 
     @property
     def pending(self) -> list[int]:

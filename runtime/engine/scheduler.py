@@ -1,7 +1,15 @@
 """Continuous batching: which sequences run in the next step and how many tokens each feeds.
 
 Every step, decoding sequences feed their one new token first; the remaining token budget goes to
-prompt chunks (chunked prefill), so a long prompt never stalls running decodes. The scheduler both
+prompt chunks (chunked prefill), so a long prompt never stalls running decodes.
+
+How the prompt budget is shared is the policy:
+- ``fair`` (the default): the oldest prompt in progress always gets ``oldest_share`` of the budget, and
+  the rest goes to the shortest remaining prompts first, running and waiting alike. A short request
+  starts within a step or two of its arrival instead of queueing behind a long prefill; a long prompt is
+  slowed by at most 1/``oldest_share``, never starved. A waiting request can be overtaken by at most
+  ``max_bypass`` later ones; then admission is first come, first served until it is in.
+- ``fifo``: prompts in arrival order, each taking what budget is left. The scheduler both
 checks and allocates: a ``KVAllocator`` answers ``can_admit`` / ``can_allocate`` and then ``allocate``s
 (opening a new sequence with prefix reuse, which may shorten what it still has to feed), so the chunks
 it returns are final. When the KV cache cannot hold a decode, the most recently admitted sequence is
@@ -13,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from kvdrive.runtime.engine.request import SequenceState
 
@@ -38,6 +46,13 @@ class SchedulerConfig:
     max_running: int = 16  # sequences in the running batch
     max_waiting: int = 64  # queued requests before new ones are refused (HTTP 429)
     step_token_budget: int = 512  # tokens fed per step (decodes + prefill chunks)
+    policy: Literal["fair", "fifo"] = "fair"  # how prompt chunks share the step's budget (module docstring)
+    oldest_share: float = 0.25  # fair: the budget fraction the oldest prompt in progress always gets
+    max_bypass: int = 16  # fair: later requests admitted ahead of a waiting one before it goes first
+
+    def __post_init__(self) -> None:
+        if not 0 < self.oldest_share <= 1:
+            raise ValueError(f"oldest_share must be in (0, 1], not {self.oldest_share}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,13 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, kv.allocate(seq, 1)))
             scheduled.add(id(seq))
             budget -= 1
+        if self.config.policy == "fifo":
+            self._prompts_fifo(kv, chunks, scheduled, budget)
+        else:
+            self._prompts_fair(kv, chunks, scheduled, budget)
+        return chunks
+
+    def _prompts_fifo(self, kv: KVAllocator, chunks: list[ScheduledChunk], scheduled: set[int], budget: int) -> None:
         for seq in self.running:  # prompt chunks of sequences already admitted
             if budget <= 0 or not seq.pending or id(seq) in scheduled:
                 continue
@@ -94,7 +116,48 @@ class Scheduler:
             n = kv.allocate(seq, budget)
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
-        return chunks
+
+    def _prompts_fair(self, kv: KVAllocator, chunks: list[ScheduledChunk], scheduled: set[int], budget: int) -> None:
+        prompts = [s for s in self.running if s.pending and id(s) not in scheduled]
+        oldest: ScheduledChunk | None = None
+        if prompts and budget > 0:  # the oldest prompt in progress always moves: slowed, never starved
+            seq = prompts.pop(0)
+            n = min(len(seq.pending), max(1, int(budget * self.config.oldest_share)))
+            if kv.can_allocate(seq, n):
+                oldest = ScheduledChunk(seq, kv.allocate(seq, n))
+                chunks.append(oldest)
+                budget -= oldest.num_tokens
+        head = self.waiting[0] if self.waiting else None
+        head_first = head is not None and head.bypassed >= self.config.max_bypass
+        pool = prompts + ([head] if head_first else list(self.waiting))  # type: ignore[list-item]
+        admitted = {id(s) for s in prompts}
+        for seq in sorted(pool, key=lambda s: len(s.pending)):  # shortest remaining prompt first (stable)
+            if budget <= 0:
+                break
+            if id(seq) in admitted:
+                n = min(len(seq.pending), budget)
+                if kv.can_allocate(seq, n):
+                    n = kv.allocate(seq, n)
+                    chunks.append(ScheduledChunk(seq, n))
+                    budget -= n
+                continue
+            if len(self.running) >= self.config.max_running:
+                continue
+            if not kv.can_admit(seq):  # admit only when the whole prompt (and one more token) fits: no thrashing
+                if head_first:
+                    break
+                continue
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            if head is not None and seq is not head and any(w is head for w in self.waiting):
+                head.bypassed += 1
+            n = kv.allocate(seq, budget)
+            chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        if oldest is not None and budget > 0 and len(oldest.seq.pending) > oldest.num_tokens:
+            n = min(len(oldest.seq.pending), oldest.num_tokens + budget)  # what nobody else wanted
+            if kv.can_allocate(oldest.seq, n):
+                chunks[chunks.index(oldest)] = ScheduledChunk(oldest.seq, kv.allocate(oldest.seq, n))
 
     def requeue(self, seq: SequenceState) -> None:
         """A preempted sequence goes back to the front of the queue."""
