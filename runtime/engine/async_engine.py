@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -24,8 +25,11 @@ _Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseExce
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, observe_step: Callable[[float], None] | None = None) -> None:
+        """``observe_step(seconds)``: called after each loop turn that ran a step, with the turn's time
+        (the commands handled before it, e.g. an admin change, and the step): what decoders waited."""
         self.engine = engine
+        self._observe = observe_step
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._wake = threading.Event()
@@ -111,6 +115,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            started = time.perf_counter()
             while True:
                 try:
                     kind, payload = self._commands.get_nowait()
@@ -129,3 +134,5 @@ class AsyncEngine:
                 outputs = self.engine.fail_all(f"internal engine error: {exc}")
             for out in outputs:
                 self._deliver(out.request_id, out)
+            if self._observe is not None:
+                self._observe(time.perf_counter() - started)

@@ -21,6 +21,7 @@ from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, Schedule
 from kvdrive.runtime.engine.tiered_cache import PageLostError
 
 log = logging.getLogger(__name__)
+MAX_LOST_PAGE_RESTARTS = 3  # recomputations of one request for unreadable pages before it fails
 
 
 class QueueFullError(RuntimeError):
@@ -125,14 +126,17 @@ class LLMEngine:
         chunks = self.scheduler.plan(self, self._preempt)
         if not chunks:
             return outputs
-        hidden = self._run(chunks)
+        hidden = self._run(chunks, outputs)
         if hidden is None:
             return outputs
         return outputs + self._postprocess(chunks, hidden)
 
-    def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-        """The forward pass of the step's chunks: hidden states [N, H], or None when a needed page was lost
-        (the step's sequences are recomputed: a lost page is never served)."""
+    def _run(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput]) -> torch.Tensor | None:
+        """The forward pass of the step's chunks: hidden states [N, H], or None when a needed page was lost.
+        A lost page is never served: the step is undone by preempting its sequences, which come back
+        through prefix reuse (their readable pages are read, not recomputed; the lost page and those after
+        it are recomputed). The request whose page was lost may need that at most MAX_LOST_PAGE_RESTARTS
+        times; then it ends with an error rather than loop (the SSD tier is failing under it)."""
         batch = [(c.seq.seq_id, c.seq.pending[: c.num_tokens]) for c in chunks]
         decoding = {c.seq.seq_id for c in chunks if c.num_tokens == 1 and c.seq.num_generated > 0}
         try:
@@ -140,9 +144,24 @@ class LLMEngine:
         except PageLostError as exc:
             log.warning("%s; recomputing the step's sequences", exc)
             for c in chunks:
-                if c.seq in self.scheduler.running:
-                    self._preempt(c.seq)
+                if c.seq not in self.scheduler.running:
+                    continue
+                if c.seq.seq_id == exc.seq_id:
+                    c.seq.lost_page_restarts += 1
+                    if c.seq.lost_page_restarts > MAX_LOST_PAGE_RESTARTS:
+                        outputs.append(self._give_up(c.seq))
+                        continue
+                self._preempt(c.seq)
             return None
+
+    def _give_up(self, seq: SequenceState) -> RequestOutput:
+        n = seq.lost_page_restarts - 1
+        log.error("%s: KV pages unreadable again after %d recomputations; ending it", seq.request.request_id, n)
+        out = self._finish(seq, "error", new_tokens=(), delta="")
+        return RequestOutput(out.request_id, (), "", out.prompt_tokens, out.completion_tokens, finished=True,
+                             finish_reason="error",
+                             error=f"KV pages of this request could not be read after {n} recomputations "
+                                   "(the SSD tier is failing: see kvdrive_tier_faults_total)")
 
     def _postprocess(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[RequestOutput]:
         ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1  # last row of each chunk

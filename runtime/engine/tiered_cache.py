@@ -313,9 +313,10 @@ class TieredKVCache:
         """Bytes held for running sequences (open pages and needed blocks; cached pages excluded)."""
         return sum(u.used_bytes - u.cached_bytes for u in self.usage())
 
-    def set_budgets(self, gpu_bytes: int, dram_bytes: int, ssd_bytes: int) -> None:
+    def set_budgets(self, gpu_bytes: int, dram_bytes: int, ssd_bytes: int, defer_ssd_shrink: bool = False) -> bool:
         """Apply new budgets live (BudgetError, nothing changed, when impossible). Runs between steps on
-        the engine thread; in-flight transfers finish first."""
+        the engine thread; in-flight transfers finish first. With ``defer_ssd_shrink`` a smaller SSD budget
+        is left to ``shrink_ssd`` (off the engine thread); returns whether one is pending."""
         if "ssd" not in self.store.tiers and ssd_bytes:
             raise BudgetError("the server has no SSD tier (start it with --ssd-dir to use one)")
         for tier, want, limit in (("gpu", gpu_bytes, self._memory_limit(self.device)),
@@ -326,7 +327,14 @@ class TieredKVCache:
         b = self._store_budgets(gpu_bytes, dram_bytes, ssd_bytes)
         self.transfers.drain()
         self.store.bind_owner()
-        self.store.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if "ssd" in self.store.tiers else None)
+        has_ssd = "ssd" in self.store.tiers
+        now = self.store.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if has_ssd else None,
+                                     defer=frozenset({"ssd"}) if defer_ssd_shrink else frozenset())
+        return has_ssd and now.ssd_bytes != b.ssd_bytes
+
+    def shrink_ssd(self, ssd_bytes: int) -> None:
+        """The SSD half of ``set_budgets(..., defer_ssd_shrink=True)``: any thread, while the engine steps."""
+        self.store.shrink("ssd", ssd_bytes)
 
     @staticmethod
     def _memory_limit(device: torch.device) -> int:

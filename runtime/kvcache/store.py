@@ -104,6 +104,14 @@ class TieredKVStore(BlockReads):
                                      t.errors, cached * t.slot_bytes))
             return out
 
+    def health(self) -> dict[TierName, str]:
+        """The degraded tiers and why (empty when every tier is healthy)."""
+        return {name: why for name, t in self.tiers.items() if (why := t.degraded()) is not None}
+
+    def faults(self) -> dict[tuple[TierName, str], int]:
+        """(tier, fault kind) -> faults since start."""
+        return {(name, kind): n for name, t in self.tiers.items() for kind, n in t.faults.items()}
+
     @property
     def capacity_blocks(self) -> int:
         return sum(t.allocator.capacity for t in self.tiers.values())
@@ -295,6 +303,7 @@ class TieredKVStore(BlockReads):
         return self.promote(keys, tier) if tier in self.tiers else 0
 
     def close(self) -> None:
+        self.wait_for_scrub()  # a scrub reads the tiers: let it finish first
         for t in self.tiers.values():
             t.close()
 

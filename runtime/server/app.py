@@ -87,6 +87,7 @@ class ServerState:
     set_tiers: Callable[[int, int, int], Awaitable[list[s.TierUsage]]]
     ready: Callable[[], bool]
     started: int
+    health: Callable[[], dict[str, str]] = dict  # degraded tier -> why
 
 
 class ApiError(Exception):
@@ -217,10 +218,13 @@ def create_app(state: ServerState) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/readyz", responses={503: GENERATION_ERRORS[503]})
-    async def readyz() -> dict[str, str]:
+    async def readyz() -> s.Readiness:
+        # a degraded tier (a failing SSD) keeps the pod ready: pages it cannot serve are recomputed, answers
+        # stay correct; it is reported here and in kvdrive_tier_degraded for alerts, not hidden from service
         if not state.ready():
             raise ApiError(503, "not ready: model or KV tiers unavailable", "server_error")
-        return {"status": "ready"}
+        degraded = state.health()
+        return s.Readiness(status="degraded" if degraded else "ready", degraded=degraded)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses={
         200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format 0.0.4"},
@@ -284,7 +288,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def put_tiers(body: s.TiersUpdate) -> s.TiersResponse:
         try:
             tiers = await state.set_tiers(body.gpu_bytes, body.dram_bytes, body.ssd_bytes)
-        except ValueError as exc:  # BudgetError: nothing changed
+        except ValueError as exc:  # BudgetError: nothing changed (or, it says, only what it names)
             raise ApiError(422, f"budgets not applied: {exc}", param="tiers") from exc
         log.info("tier budgets set via admin API: gpu=%d dram=%d ssd=%d bytes", body.gpu_bytes, body.dram_bytes,
                  body.ssd_bytes)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -27,6 +27,8 @@ class TierCounters:
     prefix_hit_pages: int = 0  # pages reused from the tiers instead of recomputed
     misses: int = 0  # needed pages no tier could serve (recomputed)
     prefetch_throttled: int = 0  # decode steps that skipped prefetching (recent prefetches mostly wasted)
+    faults: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, kind) -> faults since start
+    degraded: frozenset[str] | set[str] = frozenset()  # tiers degraded now
 
 
 class _LiveCollector(Collector):
@@ -80,8 +82,16 @@ class _LiveCollector(Collector):
         throttled = CounterMetricFamily("kvdrive_prefetch_throttled_steps", "decode steps that skipped prefetching "
                                         "because recent prefetches were mostly wasted")
         throttled.add_metric([], c.prefetch_throttled)
+        faults = CounterMetricFamily("kvdrive_tier_faults", "tier faults by kind: an errno name (EIO, ENOSPC, ...) "
+                                     "or crc (a block failed its checksum)", labels=["tier", "kind"])
+        for (tier, kind), n in sorted(c.faults.items()):
+            faults.add_metric([tier, kind], n)
+        degraded = GaugeMetricFamily("kvdrive_tier_degraded", "1 while a tier is unavailable or saw a fault in the "
+                                     "last minute (see /readyz for why)", labels=["tier"])
+        for t in ("gpu", "dram", "ssd"):
+            degraded.add_metric([t], 1.0 if t in c.degraded else 0.0)
         yield from (running, waiting, generated, prompt, preempt, cap, budget, used, cached, reads, moved, prefetch,
-                    wait, steps, hits, misses, throttled)
+                    wait, steps, hits, misses, throttled, faults, degraded)
 
 
 class ServerMetrics:
@@ -91,6 +101,9 @@ class ServerMetrics:
         self.registry.register(_LiveCollector(stats, tiers, counters))
         self.ttft = Histogram("kvdrive_time_to_first_token_seconds", "time from request arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.engine_step = Histogram("kvdrive_engine_step_seconds", "one turn of the engine loop that ran a step "
+                                     "(commands handled before it included): how long decoders waited",
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("kvdrive_inter_token_latency_seconds", "time between consecutive streamed tokens",
                              buckets=LATENCY_BUCKETS, registry=self.registry)
 

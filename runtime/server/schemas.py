@@ -219,6 +219,11 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class Readiness(BaseModel):
+    status: Literal["ready", "degraded"] = Field(description="degraded: serving, with a tier failing (see degraded)")
+    degraded: dict[str, str] = Field(default_factory=dict, description="tier -> why it is degraded")
+
+
 class TierUsage(BaseModel):
     tier: Literal["gpu", "dram", "ssd"]
     budget_bytes: int = Field(description="the configured budget (gpu: includes the open pages' reserve)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from kvdrive.runtime.engine import AsyncEngine, EngineConfig, Generator, LLMEngine, SchedulerConfig
+from kvdrive.runtime.kvcache import BudgetError
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.loader import DEMO_ALIAS
 from kvdrive.runtime.server.app import ServerConfig, ServerState, create_app
@@ -45,7 +47,6 @@ def build_state(opts: ServeOptions) -> ServerState:
                         model_id=opts.served_model_name)
     gen = Generator(loaded, opts.engine)
     engine = LLMEngine(gen, opts.scheduler)
-    async_engine = AsyncEngine(engine)
     aliases = (DEMO_ALIAS,) if opts.model == DEMO_ALIAS else ()
     cache = gen.cache
 
@@ -63,20 +64,30 @@ def build_state(opts: ServeOptions) -> ServerState:
         return TierCounters(page_reads=reads, transfer_bytes=dict(cache.store.transfer_bytes),
                             prefetch=cache.placer.ledger.counts(), fetch_wait_seconds=cache.fetch_wait_seconds,
                             decode_steps=cache.decode_steps, prefix_hit_pages=cache.prefix_hit_pages,
-                            misses=cache.store.misses, prefetch_throttled=cache.placer.throttle.throttled)
+                            misses=cache.store.misses, prefetch_throttled=cache.placer.throttle.throttled,
+                            faults=cache.store.faults(), degraded=set(cache.store.health()))
+
+    admin = asyncio.Lock()  # one budget change at a time
 
     async def set_tiers(gpu: int, dram: int, ssd: int) -> list[TierUsage]:
-        await async_engine.call(lambda _e: cache.set_budgets(gpu, dram, ssd))
+        async with admin:  # memory tiers between two engine steps; an SSD shrink (disk I/O) beside the steps
+            if await async_engine.call(lambda _e: cache.set_budgets(gpu, dram, ssd, defer_ssd_shrink=True)):
+                try:
+                    await asyncio.to_thread(cache.shrink_ssd, ssd)
+                except BudgetError as exc:
+                    raise BudgetError(f"{exc} (the gpu and dram budgets were applied; the ssd tier kept "
+                                      "its size)") from exc
         return tiers()
 
     metrics = ServerMetrics(engine.stats, tiers, counters)
+    async_engine = AsyncEngine(engine, metrics.engine_step.observe)
     config = ServerConfig(model_id=loaded.model_id, aliases=aliases, api_key=opts.api_key,
                           admin_token=opts.admin_token, protect_metadata=opts.protect_metadata,
                           max_body_bytes=opts.max_body_bytes)
     return ServerState(config=config, engine=async_engine, tokenizer=loaded.tokenizer, max_context=gen.max_context,
                        request_limit=gen.request_limit,
                        metrics=metrics, tiers=tiers, set_tiers=set_tiers, ready=lambda: async_engine.alive,
-                       started=int(time.time()))
+                       started=int(time.time()), health=lambda: dict(cache.store.health()))
 
 
 class _Server(uvicorn.Server):

@@ -186,9 +186,11 @@ def test_corrupt_ssd_copy_is_a_miss_and_a_dram_copy_is_used(tmp_path: Path) -> N
             f.write(b"\xff\x00\xff")
     out, hit = read(s, keys)
     assert hit == [False, True] and s.where(keys[0]) is None
-    assert torch.equal(out[1], blocks_for(keys[1:])[0]) and ssd.corrupt == 1  # dram copy served first
+    assert torch.equal(out[1], blocks_for(keys[1:])[0])  # dram copy served first
+    s.wait_for_scrub()  # the checksum failure started a scrub: it finds keys[1]'s corrupt ssd copy too
+    assert ssd.corrupt == 2 and tiers_of(s, keys[1]) == ["dram"] and s.scrubbed == 1
     s._drop(s._blocks[keys[1]], "dram")
-    assert read(s, keys[1:])[1] == [False] and ssd.corrupt == 2
+    assert read(s, keys[1:])[1] == [False] and ssd.corrupt == 2  # a miss: nothing corrupt is read again
 
 
 def prefix_digests(fingerprint: str, tokens: list[int], page: int) -> list[bytes]:

@@ -69,13 +69,9 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 
 
 @pytest.fixture(scope="session")
-def tiny_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    """A ServerState over a tiny random-weight llama (fast generation) with its engine thread running;
-    ``create_app(dataclasses.replace(state, config=...))`` makes apps with other settings over it."""
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight llama in HF format (fast generation)."""
     import importlib.util
-
-    from kvdrive.runtime.engine import SchedulerConfig
-    from kvdrive.runtime.server.serve import ServeOptions, build_state
 
     path = ROOT / "tests" / "runtime" / "conftest.py"
     spec = importlib.util.spec_from_file_location("runtime_test_models", path)
@@ -83,6 +79,17 @@ def tiny_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     d = tmp_path_factory.mktemp("tiny")
     module.make_hf_model(d, arch="llama", max_position_embeddings=256)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_state(tiny_model: Path) -> Iterator[object]:
+    """A ServerState over the tiny model with its engine thread running;
+    ``create_app(dataclasses.replace(state, config=...))`` makes apps with other settings over it."""
+    from kvdrive.runtime.engine import SchedulerConfig
+    from kvdrive.runtime.server.serve import ServeOptions, build_state
+
+    d = tiny_model
     state = build_state(ServeOptions(model=str(d), served_model_name="tiny", progress=False,
                                      scheduler=SchedulerConfig(max_waiting=8)))
     state.engine.start()

@@ -27,6 +27,8 @@ class SlotAllocator:
         self.capacity = capacity
         self._free: list[int] = list(range(capacity))
         self._used: set[int] = set()
+        self._parked: set[int] = set()  # free slots at or above a ceiling (a shrink in progress): not handed out
+        self.ceiling: int | None = None
 
     @property
     def used(self) -> int:
@@ -56,7 +58,25 @@ class SlotAllocator:
 
     def release(self, slot: int) -> None:
         self._used.remove(slot)
-        heapq.heappush(self._free, slot)
+        if self.ceiling is not None and slot >= self.ceiling:
+            self._parked.add(slot)
+        else:
+            heapq.heappush(self._free, slot)
+
+    def cap(self, ceiling: int) -> None:
+        """Hand out no slot at or above ``ceiling`` from now on (a shrink to ``ceiling`` has begun); the used
+        ones there stay used until released or moved."""
+        self._parked |= {s for s in self._free if s >= ceiling}
+        self._free = [s for s in self._free if s < ceiling]
+        heapq.heapify(self._free)
+        self.ceiling = ceiling
+
+    def uncap(self) -> None:
+        """The shrink was abandoned: every free slot can be handed out again."""
+        for s in self._parked:
+            heapq.heappush(self._free, s)
+        self._parked.clear()
+        self.ceiling = None
 
     def used_at_or_above(self, limit: int) -> list[int]:
         return sorted(s for s in self._used if s >= limit)
@@ -66,8 +86,11 @@ class SlotAllocator:
         if any(s >= capacity for s in self._used):
             raise ValueError("resize below a used slot: compact first")
         self._free = [s for s in self._free if s < capacity]
+        self._free.extend(s for s in self._parked if s < capacity)
         self._free.extend(range(self.capacity, capacity))
         heapq.heapify(self._free)
+        self._parked.clear()
+        self.ceiling = None
         self.capacity = capacity
 
 
@@ -96,6 +119,15 @@ class Tier(Protocol):
 
     def discard(self, slot: int) -> None:
         """The block in ``slot`` is no longer stored here (forget any persisted record)."""
+        ...
+
+    @property
+    def faults(self) -> dict[str, int]:
+        """Faults since start by kind (an errno name, "crc")."""
+        ...
+
+    def degraded(self) -> str | None:
+        """Why the tier is degraded now (unavailable, a recent fault), or None when it is healthy."""
         ...
 
     def close(self) -> None: ...

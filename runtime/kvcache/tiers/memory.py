@@ -44,6 +44,14 @@ class MemoryPoolTier:
         self.errors = 0
         self.resize(slots)
 
+    @property
+    def faults(self) -> dict[str, int]:
+        """Memory tiers do no I/O that can fail after they are sized: none."""
+        return {}
+
+    def degraded(self) -> str | None:
+        return None
+
     # --- memory ------------------------------------------------------------------------------
     def _new_pool(self, rows: int) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError

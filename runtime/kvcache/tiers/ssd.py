@@ -22,6 +22,7 @@ import torch
 
 from kvdrive.runtime.kvcache.budgets import TierName
 from kvdrive.runtime.kvcache.compression import BlockCodec, IdentityCodec
+from kvdrive.runtime.kvcache.faults import FaultLog
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.tiers.aligned import AlignedBuffer, AlignedBufferPool
 from kvdrive.runtime.kvcache.tiers.base import SlotAllocator, TierIOError
@@ -33,6 +34,7 @@ from kvdrive.runtime.kvcache.tiers.ssd_io import IOV_MAX, Borrowed, Piece, Piece
 log = logging.getLogger(__name__)
 
 __all__ = ["PosixIO", "SsdTier"]
+SAMPLE_PER_SLAB = 64  # indexed blocks of each slab read back at startup before the slab is trusted
 
 
 class SsdTier:
@@ -49,7 +51,8 @@ class SsdTier:
         self.journal_cap = journal_cap
         self.page_reads = self.page_writes = self.bytes_read = self.bytes_written = 0
         self.errors = self.corrupt = 0
-        self.faults: dict[str, int] = {}
+        self.forgotten_at_start = 0  # index entries the startup check did not trust
+        self.fault_log = FaultLog(log, "ssd")  # counts by kind (errno name, "crc"), rate-limited log lines
         self.allocator = SlotAllocator(0)
         self.available = False
         self.direct = False
@@ -58,6 +61,7 @@ class SsdTier:
         self.slab_slots = 1
         self.max_io_slots = 1
         self._crc: dict[int, int] = {}  # slot -> CRC32 of the slot's bytes, set when its write completed
+        self._found: dict[int, int] = {}  # slab -> its size in bytes when first opened (-1: it did not exist)
         self._fds: list[int] = []
         self._lock = threading.Lock()
         self._bufs = AlignedBufferPool()
@@ -81,6 +85,17 @@ class SsdTier:
             log.error("ssd tier unavailable (%s): serving from gpu and dram only", exc)
         log.info("ssd tier %s: %d slots of %d bytes (codec %s, %s, align %d)", directory, self.allocator.capacity,
                  self.slot_bytes, self.codec.name, "O_DIRECT" if self.direct else "buffered", self.align)
+
+    @property
+    def faults(self) -> dict[str, int]:
+        """Faults since start by kind: an errno name (EIO, ENOSPC, ...) or "crc" (a block failed its checksum)."""
+        return dict(self.fault_log.counts)
+
+    def degraded(self) -> str | None:
+        """Why this tier is degraded (unavailable, or a recent fault), or None."""
+        if not self.available:
+            return f"ssd tier unavailable ({self.dir}): serving from gpu and dram only"
+        return self.fault_log.degraded()
 
     @property
     def backing(self) -> str:
@@ -135,7 +150,9 @@ class SsdTier:
                 cur = 0
                 try:
                     if i >= len(self._fds):
+                        existed = os.path.exists(self._slab_path(i))
                         self._fds.append(self._open(i))
+                        self._found.setdefault(i, os.fstat(self._fds[i]).st_size if existed else -1)
                     fd, size = self._fds[i], rows * self.slot_bytes
                     cur = os.fstat(fd).st_size
                     if cur > size:
@@ -178,13 +195,52 @@ class SsdTier:
         return size // self.slot_bytes
 
     def _recover(self) -> None:
+        """Startup: the index checked against the slabs before any block is trusted. Entries beyond the
+        budget, or in a slab that was missing (created empty now) or shorter than they need, are forgotten;
+        then a sample of each slab's entries is read and checked, and a slab whose sample fails has every
+        entry checked (a replaced or damaged file); entries that fail are forgotten."""
         assert self.index is not None
-        cap = self.allocator.capacity
-        for slot in [s for s in self.index.entries if s >= cap]:
+        cap, ss = self.allocator.capacity, self.slab_slots
+        beyond = [s for s in self.index.entries if s >= cap]
+        missing = [s for s in self.index.entries if s < cap and self._found.get(s // ss, -1) < (s % ss + 1) * self.slot_bytes]
+        for slot in beyond + missing:
             self.index.delete(slot)
-        self.allocator.take_many(list(self.index.entries))
+        if missing:
+            log.warning("ssd tier %s: %d indexed blocks lie in missing or truncated slab files; forgotten", self.dir,
+                        len(missing))
         for slot, entry in self.index.entries.items():
             self._crc[slot] = entry.crc
+        by_slab: dict[int, list[int]] = {}
+        for slot in sorted(self.index.entries):
+            by_slab.setdefault(slot // ss, []).append(slot)
+        bad: list[int] = []
+        for slab, slots in by_slab.items():
+            step = max(1, len(slots) // SAMPLE_PER_SLAB)
+            sample = slots[::step]
+            checked = dict(zip(sample, self._verify(sample), strict=True))
+            if all(checked.values()):
+                continue
+            rest = [s for s in slots if s not in checked]  # each block read (and counted) once
+            checked.update(zip(rest, self._verify(rest), strict=True))
+            failed = [s for s in slots if not checked[s]]
+            log.warning("ssd tier %s: slab %d failed its sampled check; %d of %d blocks corrupt, forgotten", self.dir,
+                        slab, len(failed), len(slots))
+            bad += failed
+        for slot in bad:
+            self.index.delete(slot)
+            self._crc.pop(slot, None)
+        self.allocator.take_many(list(self.index.entries))
+        self.forgotten_at_start = len(beyond) + len(missing) + len(bad)
+
+    def _verify(self, slots: list[int]) -> list[bool]:
+        """Whether each slot's bytes match its CRC (read in chunks, into a scratch buffer)."""
+        ok: list[bool] = []
+        chunk = max(1, self.max_io_slots)
+        out = torch.empty((chunk, self.block_bytes), dtype=torch.uint8)
+        for i in range(0, len(slots), chunk):
+            part = slots[i : i + chunk]
+            ok += self.read(part, out[: len(part)])
+        return ok
 
     def recovered(self) -> list[tuple[int, BlockKey]]:
         """Persisted blocks found at startup: (slot, key); the store registers them."""
@@ -196,11 +252,10 @@ class SsdTier:
         with_lock = self._lock.acquire(blocking=False)
         try:
             self.errors += 1
-            self.faults[name] = self.faults.get(name, 0) + 1
         finally:
             if with_lock:
                 self._lock.release()
-        log.error("ssd tier %s: %s failed: %s (%s)", self.dir, what, exc, name)
+        self.fault_log.record(name, "ssd tier %s: %s failed: %s (%s)", self.dir, what, exc, name)
 
     # --- I/O ---------------------------------------------------------------------------------
     def _pieces(self, slots: list[int]) -> list[Piece]:
@@ -323,7 +378,8 @@ class SsdTier:
                 if g is not None and e is not None and g != e:
                     self.corrupt += 1
                     self.errors += 1
-                    log.warning("ssd tier: block in slot %d failed its CRC; treated as a miss", slots[p])
+                    self.fault_log.record("crc", "ssd tier %s: block in slot %d failed its CRC; treated as a miss",
+                                          self.dir, slots[p], level=logging.WARNING)
         self.page_reads += sum(ok)
         self.bytes_read += n * sb
         return ok
