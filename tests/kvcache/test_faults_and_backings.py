@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,3 +158,47 @@ def test_int8_ssd_tier_halves_the_bytes_with_a_small_error(tmp_path: Path) -> No
     y = out.view(torch.float16).float().view_as(x)
     assert (y - x.float()).abs().max() <= x.float().abs().amax() / 127 + 1e-3
     tier.close()
+
+
+class PartialFallocateIO(PosixIO):
+    """posix_fallocate as ext4 runs it out of room: the blocks it got stay allocated (the file grows by
+    what fit), then ENOSPC. Only the first call fails."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        if self.failed:
+            return super().fallocate(fd, offset, length)
+        self.failed = True
+        st = os.statvfs(f"/proc/self/fd/{fd}")
+        room = st.f_bavail * st.f_frsize
+        os.pwrite(fd, b"\0" * min(room - 4096, length), offset)  # what the failed call kept, really written
+        raise OSError(errno.ENOSPC, "No space left on device (after a partial allocation)")
+
+
+def test_a_partly_allocated_slab_after_enospc_keeps_what_fits(tmp_path: Path) -> None:
+    """Before: the slab was cut to 0 slots, because the room the failed call had taken looked used."""
+    with tmpfs(tmp_path / "small", "size=2m") as d:
+        tier = SsdTier(str(d), BB, 8 << 20, io=PartialFallocateIO())
+        assert tier.faults.get("ENOSPC", 0) >= 1
+        assert tier.allocator.capacity * tier.slot_bytes >= 1 << 20  # most of the 2 MiB filesystem
+
+
+def test_journal_append_failures_are_counted_and_logged_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk fails every journal append: each is counted as a fault, the log says it once."""
+    with tmpfs(tmp_path / "small", "size=4m") as d:
+        tier = SsdTier(str(d), BB, 2 << 20)
+        s = TieredKVStore(LAYOUT, TierBudgets(BB, BB, 2 << 20), ssd_tier=tier)
+        fd = os.open(d / "filler", os.O_CREAT | os.O_WRONLY)  # the filesystem fills up behind the tier's back
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"\0" * 512)
+        os.close(fd)
+        with caplog.at_level(logging.WARNING):
+            for _ in range(12):
+                keys = make_keys(1)
+                s.put(keys, blocks_for(keys), tier="ssd", needed=False, persistent=True)
+        lines = [r for r in caplog.records if "journal append" in r.getMessage()]
+        assert tier.faults.get("ENOSPC", 0) >= 12 and len(lines) == 1, (tier.faults, len(lines))
+        s.close()

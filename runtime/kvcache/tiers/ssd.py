@@ -76,7 +76,8 @@ class SsdTier:
             self.max_io_slots = max(1, min(IOV_MAX, max_io_bytes // self.slot_bytes))
             geometry = {"block_bytes": block_bytes, "codec": self.codec.name, "slot_bytes": self.slot_bytes,
                         "slab_slots": self.slab_slots}
-            self.index = SsdIndex(directory, geometry, journal_cap=journal_cap, durable=durable)
+            self.index = SsdIndex(directory, geometry, journal_cap=journal_cap, durable=durable,
+                                  on_fault=self._fault)
             self.available = True
             self.resize(self.slots_for_budget(budget_bytes))
             self._recover()
@@ -180,7 +181,13 @@ class SsdTier:
         return usable
 
     def _fit(self, fd: int, cur: int, rows: int) -> int:
-        """After ENOSPC: grow the slab to what the filesystem still has room for; returns its slots."""
+        """After ENOSPC: grow the slab to what the filesystem still has room for; returns its slots. The
+        failed attempt may have left blocks allocated (ext4 keeps what posix_fallocate got before it ran
+        out): cut back to ``cur`` first, so that they count as free room."""
+        try:
+            os.ftruncate(fd, cur)
+        except OSError:
+            pass
         st = os.statvfs(self.dir)
         room = st.f_bavail * st.f_frsize - meta_reserve_bytes(rows, self.journal_cap)
         size = min(rows * self.slot_bytes, max(cur, cur + room) // self.slot_bytes * self.slot_bytes)

@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdrive.runtime.kvcache.keys import BlockKey
@@ -61,8 +62,11 @@ class SsdIndex:
     """slot -> IndexEntry of persisted blocks, mirrored to disk. Not thread-safe: the tier locks."""
 
     def __init__(self, directory: str, geometry: dict[str, object], journal_cap: int = 1 << 20,
-                 durable: bool = False) -> None:
+                 durable: bool = False, on_fault: Callable[[OSError, str], None] | None = None) -> None:
+        """``on_fault(exc, what)``: a failed journal append is reported there (the tier counts it and
+        rate-limits its log line); without it, logged here."""
         self.dir = directory
+        self._on_fault = on_fault
         self.journal_cap = journal_cap
         self.durable = durable
         self.entries: dict[int, IndexEntry] = {}
@@ -180,7 +184,10 @@ class SsdIndex:
             return True
         except OSError as exc:
             self.errors += 1
-            log.error("ssd index: journal append failed (%s); block stays usable but is not persisted", exc)
+            if self._on_fault is not None:
+                self._on_fault(exc, "journal append (the block stays usable, not persisted)")
+            else:
+                log.error("ssd index: journal append failed (%s); block stays usable but is not persisted", exc)
             try:  # drop a partial record so the journal stays a whole number of records
                 pos = os.lseek(self._fd, 0, os.SEEK_CUR)
                 os.ftruncate(self._fd, pos - pos % REC_BYTES)
