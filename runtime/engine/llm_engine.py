@@ -70,7 +70,7 @@ class LLMEngine:
         if seq.seq_id is None:  # first chunk: open the sequence; stored prefix pages need no compute
             seq.seq_id, reused = self.gen.open_sequence(seq.tokens)
             seq.num_computed += reused
-        n = min(n, len(seq.pending))
+        n = min(n, seq.prefill_left or 1)  # a recomputed request's generated tokens: one per step (decode)
         self._reserved += self.gen.cache.pages_needed(seq.seq_id, n)
         return n
 
@@ -138,7 +138,7 @@ class LLMEngine:
         it are recomputed). The request whose page was lost may need that at most MAX_LOST_PAGE_RESTARTS
         times; then it ends with an error rather than loop (the SSD tier is failing under it)."""
         batch = [(c.seq.seq_id, c.seq.pending[: c.num_tokens]) for c in chunks]
-        decoding = {c.seq.seq_id for c in chunks if c.num_tokens == 1 and c.seq.num_generated > 0}
+        decoding = {c.seq.seq_id for c in chunks if c.decode}
         try:
             return self.gen.forward_tokens(batch, decoding)  # type: ignore[arg-type]
         except PageLostError as exc:

@@ -47,6 +47,16 @@ class SequenceState:
     lost_page_restarts: int = 0  # recomputations this request needed because a page of its was unreadable
 
     @property
+    def prefill_left(self) -> int:
+        """Tokens still to feed as prompt (full attention). A new request: everything pending. One recomputed
+        after a preemption: only the rest of its prompt; its generated tokens are then replayed one per step
+        as decode (page selection), as they were first computed, so that its KV and what it samples next
+        are those of a run that was never interrupted."""
+        if self.num_generated == 0:
+            return len(self.pending)
+        return max(0, len(self.request.prompt_ids) - self.num_computed)
+
+    @property
     def pending(self) -> list[int]:
         """Tokens still to feed to the model (a prompt chunk, or the last sampled token)."""
         return self.tokens[self.num_computed :]

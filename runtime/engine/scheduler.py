@@ -59,6 +59,13 @@ class SchedulerConfig:
 class ScheduledChunk:
     seq: SequenceState
     num_tokens: int
+    decode: bool = False  # generated tokens fed one at a time (page selection applies), not prompt
+
+    @classmethod
+    def of(cls, seq: SequenceState, num_tokens: int) -> ScheduledChunk:
+        """A chunk of ``seq``'s pending tokens: decode once its prompt is in (a sampled token, or one replayed
+        after a preemption), prompt before."""
+        return cls(seq, num_tokens, decode=seq.num_generated > 0 and seq.prefill_left == 0)
 
     @property
     def completes(self) -> bool:
@@ -82,13 +89,13 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         for seq in list(self.running):  # decodes, oldest first: victims are always unscheduled ones
-            if seq not in self.running or seq.num_generated == 0 or len(seq.pending) != 1:
-                continue
+            if seq not in self.running or seq.num_generated == 0 or seq.prefill_left > 0:
+                continue  # not decoding (a sampled token, or a generated one replayed after a preemption)
             while not kv.can_allocate(seq, 1) and seq in self.running:
                 preempt(self.running[-1])  # frees the victim's pages and calls requeue()
             if seq not in self.running:
                 continue
-            chunks.append(ScheduledChunk(seq, kv.allocate(seq, 1)))
+            chunks.append(ScheduledChunk.of(seq, kv.allocate(seq, 1)))
             scheduled.add(id(seq))
             budget -= 1
         if self.config.policy == "fifo":
@@ -99,13 +106,13 @@ class Scheduler:
 
     def _prompts_fifo(self, kv: KVAllocator, chunks: list[ScheduledChunk], scheduled: set[int], budget: int) -> None:
         for seq in self.running:  # prompt chunks of sequences already admitted
-            if budget <= 0 or not seq.pending or id(seq) in scheduled:
+            if budget <= 0 or not seq.prefill_left or id(seq) in scheduled:
                 continue
-            n = min(len(seq.pending), budget)
+            n = min(seq.prefill_left, budget)
             if not kv.can_allocate(seq, n):
                 continue
             n = kv.allocate(seq, n)
-            chunks.append(ScheduledChunk(seq, n))
+            chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
@@ -114,17 +121,17 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             n = kv.allocate(seq, budget)
-            chunks.append(ScheduledChunk(seq, n))
+            chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
 
     def _prompts_fair(self, kv: KVAllocator, chunks: list[ScheduledChunk], scheduled: set[int], budget: int) -> None:
-        prompts = [s for s in self.running if s.pending and id(s) not in scheduled]
+        prompts = [s for s in self.running if s.prefill_left and id(s) not in scheduled]
         oldest: ScheduledChunk | None = None
         if prompts and budget > 0:  # the oldest prompt in progress always moves: slowed, never starved
             seq = prompts.pop(0)
-            n = min(len(seq.pending), max(1, int(budget * self.config.oldest_share)))
+            n = min(seq.prefill_left, max(1, int(budget * self.config.oldest_share)))
             if kv.can_allocate(seq, n):
-                oldest = ScheduledChunk(seq, kv.allocate(seq, n))
+                oldest = ScheduledChunk.of(seq, kv.allocate(seq, n))
                 chunks.append(oldest)
                 budget -= oldest.num_tokens
         head = self.waiting[0] if self.waiting else None
@@ -135,10 +142,10 @@ class Scheduler:
             if budget <= 0:
                 break
             if id(seq) in admitted:
-                n = min(len(seq.pending), budget)
+                n = min(seq.prefill_left, budget)
                 if kv.can_allocate(seq, n):
                     n = kv.allocate(seq, n)
-                    chunks.append(ScheduledChunk(seq, n))
+                    chunks.append(ScheduledChunk.of(seq, n))
                     budget -= n
                 continue
             if len(self.running) >= self.config.max_running:
@@ -152,12 +159,12 @@ class Scheduler:
             if head is not None and seq is not head and any(w is head for w in self.waiting):
                 head.bypassed += 1
             n = kv.allocate(seq, budget)
-            chunks.append(ScheduledChunk(seq, n))
+            chunks.append(ScheduledChunk.of(seq, n))
             budget -= n
-        if oldest is not None and budget > 0 and len(oldest.seq.pending) > oldest.num_tokens:
-            n = min(len(oldest.seq.pending), oldest.num_tokens + budget)  # what nobody else wanted
+        if oldest is not None and budget > 0 and oldest.seq.prefill_left > oldest.num_tokens:
+            n = min(oldest.seq.prefill_left, oldest.num_tokens + budget)  # what nobody else wanted
             if kv.can_allocate(oldest.seq, n):
-                chunks[chunks.index(oldest)] = ScheduledChunk(oldest.seq, kv.allocate(oldest.seq, n))
+                chunks[chunks.index(oldest)] = ScheduledChunk.of(oldest.seq, kv.allocate(oldest.seq, n))
 
     def requeue(self, seq: SequenceState) -> None:
         """A preempted sequence goes back to the front of the queue."""
