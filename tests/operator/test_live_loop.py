@@ -145,7 +145,12 @@ async def test_a_queue_scales_the_statefulset_up_with_an_event(operator: Cluster
     up = await eventually(lambda: events(operator, "ScaledUp"), what="a ScaledUp Event")
     assert up[0]["message"].startswith("replicas 1 -> 2: 15 waiting on 1 pods (target 4/pod) -> 4")
     assert "maxStep 1" in up[0]["message"]
-    st = await status(operator)
+
+    async def recorded() -> dict | None:  # the round applies its status after the scale and the Event
+        st = await status(operator)
+        return st if "recommendation" in st.get("autoscaling", {}) else None
+
+    st = await eventually(recorded, what="the round's autoscaling status")
     assert st["autoscaling"]["mode"] == "operator" and st["autoscaling"]["recommendation"] == 4
 
 

@@ -193,11 +193,21 @@ async def test_the_scale_subresource_moves_the_statefulset(operator: Cluster) ->
     await eventually(lambda: _sts_replicas(operator, 3), what="StatefulSet replicas 3")
 
     def hpa() -> None:
+        # An HPA's update carries the resourceVersion it read: a write to the CR in between (the operator's
+        # status) makes it a 409, and the HPA reads again and retries, as client-go's RetryOnConflict does.
+        from kubernetes.dynamic.exceptions import ConflictError
+
         res = operator.dynamic.resources.get(api_version=CR.api_version, kind=CR.kind).subresources["scale"]
-        current = res.get(name="chat", namespace=operator.namespace).to_dict()
-        assert current["status"]["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=kvdrive"
-        current["spec"]["replicas"] = 4
-        res.replace(body=current, name="chat", namespace=operator.namespace)
+        for _ in range(10):
+            current = res.get(name="chat", namespace=operator.namespace).to_dict()
+            assert current["status"]["selector"] == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=kvdrive"
+            current["spec"]["replicas"] = 4
+            try:
+                res.replace(body=current, name="chat", namespace=operator.namespace)
+                return
+            except ConflictError:
+                continue
+        raise AssertionError("/scale update conflicted 10 times in a row")
 
     import asyncio
 
