@@ -19,9 +19,11 @@ from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
 from kvdrive.runtime.engine.sampling import make_generator, sample
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvdrive.runtime.engine.tiered_cache import PageLostError
+from kvdrive.runtime.kvcache import CacheFullError
 
 log = logging.getLogger(__name__)
 MAX_LOST_PAGE_RESTARTS = 3  # recomputations of one request for unreadable pages before it fails
+MAX_CACHE_FULL_STEPS = 3  # steps in a row undone because a tier had no slot before the newest request fails
 
 
 class QueueFullError(RuntimeError):
@@ -52,6 +54,7 @@ class LLMEngine:
         self._generated = 0
         self._prompt_tokens = 0
         self._preemptions = 0
+        self._cache_full_steps = 0  # steps in a row undone because a tier had no slot for their pages
         self._reserved = 0  # pages promised to this step's chunks (the scheduler's plan)
 
     # --- KVAllocator for the scheduler ---------------------------------------------------------
@@ -140,7 +143,10 @@ class LLMEngine:
         batch = [(c.seq.seq_id, c.seq.pending[: c.num_tokens]) for c in chunks]
         decoding = {c.seq.seq_id for c in chunks if c.decode}
         try:
-            return self.gen.forward_tokens(batch, decoding)  # type: ignore[arg-type]
+            hidden = self.gen.forward_tokens(batch, decoding)  # type: ignore[arg-type]
+        except CacheFullError as exc:
+            self._cache_full(chunks, outputs, exc)
+            return None
         except PageLostError as exc:
             log.warning("%s; recomputing the step's sequences", exc)
             for c in chunks:
@@ -153,6 +159,30 @@ class LLMEngine:
                         continue
                 self._preempt(c.seq)
             return None
+        self._cache_full_steps = 0
+        return hidden
+
+    def _cache_full(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput], exc: CacheFullError) -> None:
+        """The tiers could not take a page this step wrote although the scheduler had room for it: a live
+        budget change shrinking a tier, or write-backs still in flight, can leave every slot of a tier pinned
+        or needed for a moment. The step is undone as for a lost page (its sequences are preempted and come
+        back through prefix reuse, with the same tokens); it never ends the batch with an error. Should it
+        happen MAX_CACHE_FULL_STEPS steps in a row, the newest request of the step ends with an error, so
+        that the others make progress."""
+        self._cache_full_steps += 1
+        log.warning("%s; undoing the step (%d in a row): its %d sequences are recomputed", exc,
+                    self._cache_full_steps, len(chunks))
+        live = [c.seq for c in chunks if c.seq in self.scheduler.running]
+        if self._cache_full_steps > MAX_CACHE_FULL_STEPS and live:
+            newest = max(live, key=lambda q: q.request.arrival)
+            live.remove(newest)
+            out = self._finish(newest, "error", new_tokens=(), delta="")
+            outputs.append(RequestOutput(out.request_id, (), "", out.prompt_tokens, out.completion_tokens,
+                                         finished=True, finish_reason="error",
+                                         error=f"the KV tiers had no room for this request's pages ({exc})"))
+            self._cache_full_steps = 0
+        for seq in live:
+            self._preempt(seq)
 
     def _give_up(self, seq: SequenceState) -> RequestOutput:
         n = seq.lost_page_restarts - 1
