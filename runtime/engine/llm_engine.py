@@ -20,6 +20,7 @@ from kvdrive.runtime.engine.sampling import make_generator, sample
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvdrive.runtime.engine.tiered_cache import PageLostError
 from kvdrive.runtime.kvcache import CacheFullError
+from kvdrive.runtime.kvcache.faults import FaultLog
 
 log = logging.getLogger(__name__)
 MAX_LOST_PAGE_RESTARTS = 3  # recomputations of one request for unreadable pages before it fails
@@ -55,6 +56,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._preemptions = 0
         self._cache_full_steps = 0  # steps in a row undone because a tier had no slot for their pages
+        self._undone = FaultLog(log, "engine")  # undone steps: counted, logged at most once per kind per 10 s
         self._reserved = 0  # pages promised to this step's chunks (the scheduler's plan)
 
     # --- KVAllocator for the scheduler ---------------------------------------------------------
@@ -148,7 +150,7 @@ class LLMEngine:
             self._cache_full(chunks, outputs, exc)
             return None
         except PageLostError as exc:
-            log.warning("%s; recomputing the step's sequences", exc)
+            self._undone.record("page-lost", "%s; recomputing the step's sequences", exc, level=logging.WARNING)
             for c in chunks:
                 if c.seq not in self.scheduler.running:
                     continue
@@ -170,8 +172,8 @@ class LLMEngine:
         happen MAX_CACHE_FULL_STEPS steps in a row, the newest request of the step ends with an error, so
         that the others make progress."""
         self._cache_full_steps += 1
-        log.warning("%s; undoing the step (%d in a row): its %d sequences are recomputed", exc,
-                    self._cache_full_steps, len(chunks))
+        self._undone.record("no-slot", "%s; undoing the step (%d in a row): its %d sequences are recomputed", exc,
+                            self._cache_full_steps, len(chunks), level=logging.WARNING)
         live = [c.seq for c in chunks if c.seq in self.scheduler.running]
         if self._cache_full_steps > MAX_CACHE_FULL_STEPS and live:
             newest = max(live, key=lambda q: q.request.arrival)

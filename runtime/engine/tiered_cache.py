@@ -88,7 +88,12 @@ class TieredKVCache:
 
     @property
     def free_pages(self) -> int:
-        return max(0, self.num_pages - len(self._refs))
+        """Pages the scheduler may still promise: counted over the tiers that can take new blocks now, so
+        that while the SSD tier fails (EIO, a full disk) requests run as the memory tiers allow and the
+        others wait, instead of being admitted into pages no tier can take."""
+        healthy = self.store.healthy_capacity_blocks // self.layout.num_layers
+        return max(0, healthy - len(self._refs))
+
 
     def pages_needed(self, seq_id: int | None, n: int) -> int:
         s = self.layout.page_size

@@ -3,7 +3,11 @@
 A failing disk fails the same way thousands of times a second. Each fault is counted (the metrics export
 the counts), but the log gets at most one line per fault kind per ``interval`` seconds, saying how many
 more of that kind happened since the last line. A tier is *degraded* while it has seen a fault within
-the last ``window`` seconds; ``/readyz`` and ``kvdrive_tier_degraded`` report it.
+the last ``window`` seconds; ``/readyz`` and ``kvdrive_tier_degraded`` report it. It is *failing* while a
+block read or write failed with an I/O error (``block_io``; not a failed checksum) within that window: then
+it cannot be counted on to take new blocks, and the scheduler plans without its capacity. A slab that could
+not be sized (the tier takes what fits) or a failed journal append (blocks stay usable, not persisted)
+leaves it degraded, not failing.
 """
 
 from __future__ import annotations
@@ -32,13 +36,18 @@ class FaultLog:
         self._logged_at: dict[str, float] = {}  # kind -> when its last line was written
         self._unlogged: dict[str, int] = {}  # kind -> faults since that line
         self._last: tuple[float, str] | None = None  # (when, kind) of the latest fault
+        self._last_io: float | None = None  # when the latest I/O fault (not a failed checksum) happened
 
-    def record(self, kind: str, message: str, *args: object, level: int = logging.ERROR) -> None:
-        """Count one fault of ``kind``; log ``message % args`` unless this kind was logged recently."""
+    def record(self, kind: str, message: str, *args: object, level: int = logging.ERROR,
+               block_io: bool = False) -> None:
+        """Count one fault of ``kind``; log ``message % args`` unless this kind was logged recently.
+        ``block_io``: a block read or write failed (the tier is failing while such a fault is recent)."""
         now = self._clock()
         with self._lock:
             self.counts[kind] = self.counts.get(kind, 0) + 1
             self._last = (now, kind)
+            if block_io:
+                self._last_io = now
             since = self._logged_at.get(kind)
             if since is not None and now - since < self.policy.interval:
                 self._unlogged[kind] = self._unlogged.get(kind, 0) + 1
@@ -47,6 +56,11 @@ class FaultLog:
             self._logged_at[kind] = now
         suffix = f" (+{more} more {kind} faults in the last {now - since:.0f} s)" if more and since is not None else ""
         self._log.log(level, message + suffix, *args)
+
+    def failing(self) -> bool:
+        """Whether a block read or write failed with an I/O error (EIO, ...) within the window."""
+        with self._lock:
+            return self._last_io is not None and self._clock() - self._last_io <= self.policy.window
 
     def degraded(self) -> str | None:
         """Why the tier is degraded now (its latest fault, recent enough), or None."""

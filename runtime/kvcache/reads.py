@@ -149,7 +149,9 @@ class BlockReads(Residency):
                 ok = self._read_into(t, [(row[i], slot) for i, slot in items], out)
                 with self._lock:
                     for (i, slot), o in zip(items, ok, strict=True):
-                        b = self._blocks[keys[i]]
+                        b = self._blocks.get(keys[i])
+                        if b is None:  # a key asked twice (a page two sequences share) whose only copy failed
+                            continue   # and was dropped for its first asker: a miss here too
                         b.pins -= 1
                         if o:
                             served[i] = t

@@ -190,8 +190,10 @@ class Residency:
         ``batch``: free at least a batch of slots (one sort serves many evictions). Returns whether
         ``n`` slots are free."""
         alloc = self.tiers[tier].allocator
+        stalled = False  # the last pass freed nothing: its victims were needed blocks with nowhere to go
         for _ in range(ROOM_ATTEMPTS):
             with self._lock:
+                free_before = alloc.free_count
                 short = n - alloc.free_count
                 if short <= 0:
                     return True
@@ -199,7 +201,10 @@ class Residency:
                 # ranked by placement's tensors frees just what is asked (no copies made before they are needed)
                 ranked = self.coldest_of is not None and tier in MEMORY_TIERS
                 want = max(short, self._evict_batch(tier)) if batch and not ranked else short
-                lower = [t for t in self._lower(tier) if self.tiers[t].allocator.capacity > 0]
+                # a failing tier (recent I/O faults) takes no demotions: its writes fail, and a victim that
+                # waits for one would hold its slot forever; unneeded victims are dropped instead
+                lower = [t for t in self._lower(tier) if self.tiers[t].allocator.capacity > 0
+                         and not self.tiers[t].failing()]
                 demote: list[Block] = []
                 freed = 0
                 seen: set[int] = set()
@@ -209,6 +214,8 @@ class Residency:
                             break
                         if id(b) in seen or b.key not in self._blocks or tier not in b.copies:
                             continue
+                        if stalled and b.needed and not (lower and lower[0] in b.copies):
+                            continue  # cannot move now (the tier below is full of needed blocks): skip it
                         seen.add(id(b))
                         if lower and lower[0] in b.copies and b.copies[lower[0]].ready:
                             self._drop(b, tier)  # a clean copy sits right below
@@ -231,6 +238,7 @@ class Residency:
                     return True
                 if not demote and not freed:
                     return False  # nothing evictable
+                stalled = alloc.free_count <= free_before
         with self._lock:
             return alloc.free_count >= n
 

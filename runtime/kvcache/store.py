@@ -116,6 +116,11 @@ class TieredKVStore(BlockReads):
     def capacity_blocks(self) -> int:
         return sum(t.allocator.capacity for t in self.tiers.values())
 
+    @property
+    def healthy_capacity_blocks(self) -> int:
+        """Blocks the tiers that can take new blocks now hold: a failing tier (recent I/O faults) counts 0."""
+        return sum(t.allocator.capacity for t in self.tiers.values() if not t.failing())
+
     # --- flags and page references -----------------------------------------------------
     def set_needed(self, keys: list[BlockKey], needed: bool) -> None:
         """``needed``: a running sequence needs the block (demote, never drop)."""

@@ -52,6 +52,9 @@ class MemoryPoolTier:
     def degraded(self) -> str | None:
         return None
 
+    def failing(self) -> bool:
+        return False
+
     # --- memory ------------------------------------------------------------------------------
     def _new_pool(self, rows: int) -> tuple[torch.Tensor, Any]:
         raise NotImplementedError

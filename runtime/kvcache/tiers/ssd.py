@@ -98,6 +98,10 @@ class SsdTier:
             return f"ssd tier unavailable ({self.dir}): serving from gpu and dram only"
         return self.fault_log.degraded()
 
+    def failing(self) -> bool:
+        """Unavailable, or an I/O fault (not a failed checksum) within the fault window."""
+        return not self.available or self.fault_log.failing()
+
     @property
     def backing(self) -> str:
         return f"posix-{'odirect' if self.direct else 'buffered'}:{self.dir}"
@@ -254,7 +258,7 @@ class SsdTier:
         return [(s, e.key) for s, e in sorted(self.index.entries.items())] if self.index else []
 
     # --- faults ------------------------------------------------------------------------------
-    def _fault(self, exc: OSError, what: str) -> None:
+    def _fault(self, exc: OSError, what: str, block_io: bool = False) -> None:
         name = errno.errorcode.get(exc.errno or 0, "EUNKNOWN")
         with_lock = self._lock.acquire(blocking=False)
         try:
@@ -262,7 +266,7 @@ class SsdTier:
         finally:
             if with_lock:
                 self._lock.release()
-        self.fault_log.record(name, "ssd tier %s: %s failed: %s (%s)", self.dir, what, exc, name)
+        self.fault_log.record(name, "ssd tier %s: %s failed: %s (%s)", self.dir, what, exc, name, block_io=block_io)
 
     # --- I/O ---------------------------------------------------------------------------------
     def _pieces(self, slots: list[int]) -> list[Piece]:
@@ -333,7 +337,7 @@ class SsdTier:
             else:
                 _scatter(crcs, pc.pos, res)
         if failure is not None:
-            self._fault(failure, f"writing {n} blocks")
+            self._fault(failure, f"writing {n} blocks", block_io=True)
             raise TierIOError(failure.errno, f"ssd write failed: {failure}")
         with self._lock:
             assert self.index is not None
@@ -369,7 +373,7 @@ class SsdTier:
             results = self._runner.run(lambda pc: self._do(pc, buf, False, dest), pieces)
             for pc, res in zip(pieces, results, strict=True):
                 if isinstance(res, OSError):
-                    self._fault(res, f"reading {len(pc.pos)} blocks at slot {slots[pc.pos[0]]}")
+                    self._fault(res, f"reading {len(pc.pos)} blocks at slot {slots[pc.pos[0]]}", block_io=True)
                 else:
                     _scatter(got, pc.pos, res)
             if not direct and dest is None:
