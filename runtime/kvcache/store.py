@@ -153,7 +153,8 @@ class TieredKVStore(BlockReads):
     def put(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName = "gpu", needed: bool = True,
             persistent: bool = False, pin_wait_s: float = 2.0) -> None:
         """Store blocks [n, block_bytes] uint8 in ``tier``, evicting as needed. Copies become readable when
-        their write completed. A persistent (content-addressed) key already stored is only touched. When
+        their write completed. A persistent (content-addressed) key already stored is only touched, unless its
+only copies lie in a failing tier (recent I/O errors): then they are replaced. When
         every evictable block is pinned by in-flight transfers, waits up to ``pin_wait_s`` for them."""
         cap = self.tiers[tier].allocator.capacity
         if len(keys) > cap > 0:  # a batch bigger than the tier: in parts, so later parts can evict earlier
@@ -164,7 +165,9 @@ class TieredKVStore(BlockReads):
         with self._lock:
             for i, key in enumerate(keys):
                 b = self._blocks.get(key)
-                if b is not None and persistent and b.persistent and self._fastest(b):
+                fastest = self._fastest(b) if b is not None else None
+                # a copy only a failing tier holds is as good as lost: the fresh bytes replace it
+                if b is not None and persistent and b.persistent and fastest and not self.tiers[fastest].failing():
                     b.needed = b.needed or needed
                     self._touch(b)
                     continue
