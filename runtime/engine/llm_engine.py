@@ -169,13 +169,17 @@ class LLMEngine:
         budget change shrinking a tier, or write-backs still in flight, can leave every slot of a tier pinned
         or needed for a moment. The step is undone as for a lost page (its sequences are preempted and come
         back through prefix reuse, with the same tokens); it never ends the batch with an error. Should it
-        happen MAX_CACHE_FULL_STEPS steps in a row, the newest request of the step ends with an error, so
-        that the others make progress."""
+        happen MAX_CACHE_FULL_STEPS steps in a row, or to the same request more than MAX_CACHE_FULL_STEPS
+        times (undone, recomputed, undone again: a livelock the soak found), the newest request of the step
+        ends with an error, so that the others make progress."""
         self._cache_full_steps += 1
         self._undone.record("no-slot", "%s; undoing the step (%d in a row): its %d sequences are recomputed", exc,
                             self._cache_full_steps, len(chunks), level=logging.WARNING)
         live = [c.seq for c in chunks if c.seq in self.scheduler.running]
-        if self._cache_full_steps > MAX_CACHE_FULL_STEPS and live:
+        for seq in live:
+            seq.undone_steps += 1
+        again = max((q.undone_steps for q in live), default=0) > MAX_CACHE_FULL_STEPS
+        if (self._cache_full_steps > MAX_CACHE_FULL_STEPS or again) and live:
             newest = max(live, key=lambda q: q.request.arrival)
             live.remove(newest)
             out = self._finish(newest, "error", new_tokens=(), delta="")

@@ -45,6 +45,7 @@ class SequenceState:
     last_token_at: float | None = None
     bypassed: int = 0  # later requests admitted ahead of this one while it waited (fair scheduling)
     lost_page_restarts: int = 0  # recomputations this request needed because a page of its was unreadable
+    undone_steps: int = 0  # steps of this request undone because a tier had no slot for their pages
 
     @property
     def prefill_left(self) -> int:

@@ -111,3 +111,26 @@ def test_a_tier_that_stays_full_ends_requests_with_an_error_instead_of_looping(h
     store.put = real_put  # type: ignore[method-assign]  # room again: the engine serves
     engine.add_request(Request("after", _prompts()[1][:20], SamplingParams(max_tokens=5, ignore_eos=True), 9.0))
     assert [o[-1].finish_reason for o in _run(engine).values()] == ["length"]
+
+
+def test_a_request_undone_again_and_again_between_good_steps_ends_instead_of_looping(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The soak's livelock: a step fails, its sequences are recomputed (good steps, so never 'in a row'),
+    the next step fails again, forever. Each request may be undone MAX_CACHE_FULL_STEPS times; then the
+    newest of the failing step ends with an error, and the engine runs dry."""
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
+    engine = _engine(load_model(str(path), progress=False), tmp_path / "ssd")
+    store = engine.gen.cache.store
+    real_put = store.put
+    puts = {"n": 0}
+
+    def full_every_third_put(*args, **kwargs):  # type: ignore[no-untyped-def]
+        puts["n"] += 1
+        if puts["n"] % 3 == 0:
+            raise CacheFullError("gpu tier: no slot for a block: every block is pinned or needed")
+        return real_put(*args, **kwargs)
+
+    store.put = full_every_third_put  # type: ignore[method-assign]
+    _submit(engine)
+    got = _run(engine, steps=3000)  # asserts the engine ran dry
+    assert set(got) == {"r0", "r1"} and all(o[-1].finished for o in got.values())
+    assert any(o[-1].finish_reason == "error" for o in got.values())
