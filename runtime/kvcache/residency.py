@@ -214,8 +214,8 @@ class Residency:
                             break
                         if id(b) in seen or b.key not in self._blocks or tier not in b.copies:
                             continue
-                        if stalled and b.needed and not (lower and lower[0] in b.copies):
-                            continue  # cannot move now (the tier below is full of needed blocks): skip it
+                        if stalled and b.needed and not any(t in b.copies and b.copies[t].ready for t in lower):
+                            continue  # cannot move now (the tiers below are full of needed blocks): skip it
                         seen.add(id(b))
                         if lower and lower[0] in b.copies and b.copies[lower[0]].ready:
                             self._drop(b, tier)  # a clean copy sits right below
