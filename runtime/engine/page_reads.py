@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvdrive.runtime.engine.kv_state import PageLostError
-from kvdrive.runtime.kvcache.tiers.rows import gather_rows
 
 if TYPE_CHECKING:
     from kvdrive.runtime.engine.tiered_cache import TieredKVCache
@@ -118,8 +117,8 @@ class PageReader:
             self._from_store(layer, pids, miss, seq_ids)
 
     def _from_store(self, layer: int, pids: torch.Tensor, miss: torch.Tensor, seq_ids: list[int]) -> None:
-        """Misses of every memory tier: read through the store (waiting for a late prefetch first), then
-        placement decides where each gets a copy."""
+        """Misses of every memory tier: read through the store (waiting for a late prefetch first); the
+        blocks read are queued for placement, which decides at the end of the step where each gets a copy."""
         cache, store, lay = self.cache, self.store, self.layout
         bi, ki = miss.nonzero(as_tuple=True)
         ids = pids[bi, ki].tolist()
@@ -139,5 +138,4 @@ class PageReader:
         m = len(keys)
         data = lay.typed(raw).permute(1, 0, 2, 3, 4).reshape(2 * m * lay.num_kv_heads, lay.row_elems)
         self.rows.index_copy_(0, self._dst(bi, ki), data.to(self.buf.device).view(self.word))
-        for dst, rows in cache.placer.promotion(keys, ids, served).items():
-            store.admit([keys[i] for i in rows], gather_rows(raw, rows), dst, [served[i] for i in rows])
+        cache.promotions.add(keys, ids, served, raw)  # placement decides at the end of the step

@@ -13,7 +13,9 @@ Decode (one generated token per sequence), per layer, for the whole batch at onc
 Everything that does not change between layers (rows, page-table view, masks, the open pages' rows) is
 computed once per step. Prompt chunks attend exactly to every earlier page (read the same way) plus
 their own tokens; the pages they fill are sealed into the store. A decode page that fills is sealed at
-the end of the step, for all layers at once. Where a page lives, and what moves, placement decides.
+the end of the step, for all layers at once. Where a page lives, and what moves, placement decides: the
+copies that the step's lower-tier reads earned are decided in one batch at the end of the step
+(``promotions``, timed as bookkeeping).
 """
 
 from __future__ import annotations
@@ -201,13 +203,15 @@ class TieredAttentionBackend:
 
     # --- after the forward pass ------------------------------------------------------------------
     def finish(self) -> None:
-        """Seal the decode pages that filled (all layers at once), settle and plan prefetch."""
+        """Seal the decode pages that filled (all layers at once), settle and plan prefetch; then make the
+        copies the step's lower-tier reads earned (placement decides them in one batch, after the prefetch
+        plan has had its share of each tier's admissions, as measured in bench/results/decode-ab.md)."""
         cache, dec = self.cache, self.dec
-        if dec is None:
-            return
         t0 = time.perf_counter()
         try:
-            self._finish_decode(cache, dec)
+            if dec is not None:
+                self._finish_decode(cache, dec)
+            cache.promotions.settle()
         finally:
             self._mark("bookkeeping", t0)
 

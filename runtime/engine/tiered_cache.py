@@ -25,6 +25,7 @@ import torch
 
 from kvdrive.runtime.attention import SelectionConfig, SummaryTable, key_bounds
 from kvdrive.runtime.engine.kv_state import EngineConfig, PageLostError, SeqKV, StepSeq
+from kvdrive.runtime.engine.promotions import PromotionQueue
 from kvdrive.runtime.kvcache import BlockKey, BudgetError, KVLayout, TierBudgets, TieredKVStore, TierUsage
 from kvdrive.runtime.kvcache.keys import chain_digest, root_digest
 from kvdrive.runtime.pipeline.transfer import TransferEngine
@@ -52,6 +53,7 @@ class TieredKVCache:
             device=device, hugetlbfs_dir=tiers.hugetlbfs_dir, ssd_codec=tiers.ssd_codec,
             io_threads=tiers.io_threads, device_extra_rows=config.max_sequences * layout.num_layers)
         self.placer = Placer(self.policy, self.store)
+        self.promotions = PromotionQueue(self.placer, self.store)  # copies the step's lower-tier reads earn
         self.transfers = TransferEngine(self.store, workers=1)
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device)
         self.page_table = self._table(1, self.summaries.pages)
@@ -93,7 +95,6 @@ class TieredKVCache:
         others wait, instead of being admitted into pages no tier can take."""
         healthy = self.store.healthy_capacity_blocks // self.layout.num_layers
         return max(0, healthy - len(self._refs))
-
 
     def pages_needed(self, seq_id: int | None, n: int) -> int:
         s = self.layout.page_size
@@ -255,6 +256,7 @@ class TieredKVCache:
         self.store.bind_owner()
         rows = max((s.row for s in self._seqs.values()), default=0) + 1
         self._grow(rows, 1)
+        self.promotions.drop()  # left by a step that failed
         self.placer.begin_step()
 
     def seal(self, seq: SeqKV, layer: int | None, first: int, k: torch.Tensor, blocks: torch.Tensor) -> list[BlockKey]:

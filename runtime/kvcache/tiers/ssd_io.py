@@ -3,8 +3,8 @@
 Owns the I/O plan of one batch and its execution: the slots are coalesced into pieces (consecutive
 slots of one slab, at most ``max_slots`` each: one preadv/pwritev per piece), each piece's buffer
 ranges are merged into as few iovecs as the batch layout allows (one when the batch positions are
-consecutive too), and ``PieceRunner`` runs the pieces: the calling thread runs the first one itself
-(no hand-off for a one-piece batch), a thread pool runs the others in parallel, so that a piece's
+consecutive too), and ``PieceRunner`` runs the pieces: the calling thread runs the first share itself
+(no hand-off for a one-piece batch), a thread pool runs the other shares in parallel, so that a piece's
 checksum pass overlaps the other pieces' I/O. The system calls go through ``PosixIO`` (tests and the
 KvikIO backend substitute their own).
 """
@@ -110,19 +110,32 @@ def iovecs(mv: memoryview, pos: Sequence[int], slot_bytes: int) -> list[memoryvi
 
 
 class PieceRunner:
-    """Runs a batch's pieces: the first in the calling thread, the rest on a pool, all in parallel."""
+    """Runs a batch's pieces: the first share in the calling thread, the others on a pool, all in parallel.
+
+    A batch of scattered slots is one piece per slot; the pieces are dealt into at most ``threads + 1``
+    shares (the caller's and one per pool thread), each run in order by one thread, so a batch costs at
+    most ``threads`` hand-offs to the pool, not one per piece, for the same number of reads in flight."""
 
     def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvdrive-ssd")
+        self.threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvdrive-ssd")
 
     def run(self, fn: Callable[[Piece], R], pieces: list[Piece]) -> list[R | OSError]:
         """fn(piece) for every piece; an OSError a piece raised is returned in its place."""
-        futs = [self._pool.submit(_call, fn, pc) for pc in pieces[1:]]
-        first = _call(fn, pieces[0])
-        return [first, *(f.result() for f in futs)]
+        shares = min(len(pieces), self.threads + 1)
+        futs = [self._pool.submit(_run_share, fn, pieces[i::shares]) for i in range(1, shares)]
+        out: list[R | OSError] = [None] * len(pieces)  # type: ignore[list-item]
+        out[0::shares] = _run_share(fn, pieces[0::shares])
+        for i, f in enumerate(futs, start=1):
+            out[i::shares] = f.result()
+        return out
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _run_share(fn: Callable[[Piece], R], pieces: list[Piece]) -> list[R | OSError]:
+    return [_call(fn, pc) for pc in pieces]
 
 
 def _call(fn: Callable[[Piece], R], piece: Piece) -> R | OSError:
