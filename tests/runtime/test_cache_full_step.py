@@ -13,30 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from enginekit import run_dry, small_engine, submit, tokens
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    Generator,
-    LLMEngine,
-    Request,
-    RequestOutput,
-    SamplingParams,
-    SchedulerConfig,
-    TierConfig,
-)
+from kvdrive.runtime.engine import Request, SamplingParams
 from kvdrive.runtime.engine.llm_engine import MAX_CACHE_FULL_STEPS
 from kvdrive.runtime.kvcache import CacheFullError
 from kvdrive.runtime.model import LoadedModel, load_model
 
-PAGE = 4
 
-
-def _engine(loaded: LoadedModel, ssd: Path) -> LLMEngine:
-    page = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout.page_bytes
-    gen = Generator(loaded, EngineConfig(
-        tiers=TierConfig(gpu_bytes=(24 + 2) * page, dram_bytes=8 * page, ssd_dir=str(ssd), ssd_bytes=64 << 20),
-        page_size=PAGE, max_sequences=2, token_budget=8 * PAGE))
-    return LLMEngine(gen, SchedulerConfig(max_running=2))
+def _engine(loaded: LoadedModel, ssd: Path):  # type: ignore[no-untyped-def]
+    return small_engine(loaded, ssd, gpu_pages=24, dram_pages=8, token_budget_pages=8)
 
 
 def _prompts() -> list[tuple[int, ...]]:
@@ -44,32 +30,16 @@ def _prompts() -> list[tuple[int, ...]]:
     return [tuple(torch.randint(3, 250, (n,), generator=g).tolist()) for n in (90, 60)]
 
 
-def _run(engine: LLMEngine, steps: int = 3000) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {}
-    for _ in range(steps):
-        if not engine.has_work():
-            break
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    assert not engine.has_work(), "the engine is still looping"
-    return outs
+def _submit(engine) -> None:  # type: ignore[no-untyped-def]
+    submit(engine, _prompts(), max_tokens=24)
 
 
-def _tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
-
-
-def _submit(engine: LLMEngine) -> None:
-    for i, p in enumerate(_prompts()):
-        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=24, ignore_eos=True), float(i)))
-
-
-def test_a_step_the_tiers_cannot_take_is_recomputed_with_the_same_tokens(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_step_the_tiers_cannot_take_is_recomputed_with_the_sametokens(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
     loaded = load_model(str(path), progress=False)
     clean = _engine(loaded, tmp_path / "clean")
     _submit(clean)
-    want = {rid: _tokens(o) for rid, o in _run(clean).items()}
+    want = {rid: tokens(o) for rid, o in run_dry(clean).items()}
 
     engine = _engine(loaded, tmp_path / "ssd")
     store = engine.gen.cache.store
@@ -84,10 +54,10 @@ def test_a_step_the_tiers_cannot_take_is_recomputed_with_the_same_tokens(hf_mode
 
     store.put = put_with_a_full_tier  # type: ignore[method-assign]
     _submit(engine)
-    got = _run(engine)
+    got = run_dry(engine)
     assert puts["n"] > 9, "the injected failures never happened"
     assert {rid: o[-1].finish_reason for rid, o in got.items()} == {"r0": "length", "r1": "length"}
-    assert {rid: _tokens(o) for rid, o in got.items()} == want  # recomputed, not corrupted or cut short
+    assert {rid: tokens(o) for rid, o in got.items()} == want  # recomputed, not corrupted or cut short
     assert engine.stats().preemptions_total >= 2
     assert engine.stats().running == 0
 
@@ -103,14 +73,14 @@ def test_a_tier_that_stays_full_ends_requests_with_an_error_instead_of_looping(h
 
     store.put = no_room  # type: ignore[method-assign]
     _submit(engine)
-    got = _run(engine, steps=200)
+    got = run_dry(engine, steps=200)
     assert {rid: o[-1].finish_reason for rid, o in got.items()} == {"r0": "error", "r1": "error"}
     assert all("no room for this request's pages" in (o[-1].error or "") for o in got.values())
     # each ended after a bounded number of undone steps (each undone step preempts at most both)
     assert engine.stats().preemptions_total <= 2 * 2 * (MAX_CACHE_FULL_STEPS + 1)
     store.put = real_put  # type: ignore[method-assign]  # room again: the engine serves
     engine.add_request(Request("after", _prompts()[1][:20], SamplingParams(max_tokens=5, ignore_eos=True), 9.0))
-    assert [o[-1].finish_reason for o in _run(engine).values()] == ["length"]
+    assert [o[-1].finish_reason for o in run_dry(engine).values()] == ["length"]
 
 
 def test_a_request_undone_again_and_again_between_good_steps_ends_instead_of_looping(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -131,6 +101,6 @@ def test_a_request_undone_again_and_again_between_good_steps_ends_instead_of_loo
 
     store.put = full_every_third_put  # type: ignore[method-assign]
     _submit(engine)
-    got = _run(engine, steps=3000)  # asserts the engine ran dry
+    got = run_dry(engine, steps=3000)  # asserts the engine ran dry
     assert set(got) == {"r0", "r1"} and all(o[-1].finished for o in got.values())
     assert any(o[-1].finish_reason == "error" for o in got.values())

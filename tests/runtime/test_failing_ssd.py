@@ -13,21 +13,11 @@ import errno
 from pathlib import Path
 
 import torch
+from enginekit import run_dry, small_engine, submit, tokens
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    Generator,
-    LLMEngine,
-    Request,
-    RequestOutput,
-    SamplingParams,
-    SchedulerConfig,
-    TierConfig,
-)
+from kvdrive.runtime.engine import Request, SamplingParams
 from kvdrive.runtime.kvcache.tiers import PosixIO
 from kvdrive.runtime.model import LoadedModel, load_model
-
-PAGE = 4
 
 
 class DeadDisk(PosixIO):
@@ -38,28 +28,12 @@ class DeadDisk(PosixIO):
         raise OSError(errno.EIO, "Input/output error (injected)")
 
 
-def _engine(loaded: LoadedModel, ssd: Path) -> LLMEngine:
-    page = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout.page_bytes
-    gen = Generator(loaded, EngineConfig(
-        tiers=TierConfig(gpu_bytes=(30 + 2) * page, dram_bytes=8 * page, ssd_dir=str(ssd), ssd_bytes=64 << 20),
-        page_size=PAGE, max_sequences=2, token_budget=64 * PAGE))
-    return LLMEngine(gen, SchedulerConfig(max_running=2))
+def _engine(loaded: LoadedModel, ssd: Path):  # type: ignore[no-untyped-def]
+    return small_engine(loaded, ssd, gpu_pages=30, dram_pages=8, token_budget_pages=64)
 
 
-def _run(engine: LLMEngine, steps: int = 3000) -> dict[str, list[RequestOutput]]:
-    outs: dict[str, list[RequestOutput]] = {}
-    for _ in range(steps):
-        if not engine.has_work():
-            break
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    assert not engine.has_work(), "the engine is still looping"
-    return outs
-
-
-def _submit(engine: LLMEngine, prompts: list[tuple[int, ...]]) -> None:
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=20, ignore_eos=True), float(i)))
+def _submit(engine, prompts: list[tuple[int, ...]]) -> None:  # type: ignore[no-untyped-def]
+    submit(engine, prompts, max_tokens=20)
 
 
 def test_requests_that_fit_the_memory_tiers_are_served_while_the_ssd_fails(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -70,18 +44,19 @@ def test_requests_that_fit_the_memory_tiers_are_served_while_the_ssd_fails(hf_mo
     prompts = [tuple(torch.randint(3, 250, (96,), generator=g).tolist()) for _ in range(2)]
     clean = _engine(loaded, tmp_path / "clean")
     _submit(clean, prompts)
-    want = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in _run(clean).items()}
+    want = {rid: tokens(outs) for rid, outs in run_dry(clean).items()}
 
     engine = _engine(loaded, tmp_path / "ssd")
     ssd = engine.gen.cache.store.tiers["ssd"]
     ssd.io = DeadDisk()  # type: ignore[attr-defined]  # the disk dies before any request
     engine.add_request(Request("warm", prompts[0][:12], SamplingParams(max_tokens=2, ignore_eos=True), -1.0))
-    _run(engine)
-    assert ssd.faults.get("EIO", 0) > 0 and ssd.failing()  # its write-through failed
+    run_dry(engine)
+    engine.gen.cache.transfers.drain()  # its write-through (a background job) has run, and failed
+    assert ssd.faults.get("EIO", 0) > 0 and ssd.failing()
     _submit(engine, prompts)
-    got = _run(engine)
+    got = run_dry(engine)
     assert {rid: outs[-1].finish_reason for rid, outs in got.items()} == {"r0": "length", "r1": "length"}
-    assert {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in got.items()} == want
+    assert {rid: tokens(outs) for rid, outs in got.items()} == want
 
 
 def test_pages_stored_only_on_a_dead_ssd_are_recomputed_once_and_served(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -96,7 +71,7 @@ def test_pages_stored_only_on_a_dead_ssd_are_recomputed_once_and_served(hf_model
     prompt = tuple(torch.randint(3, 250, (96,), generator=g).tolist())
     first = _engine(loaded, tmp_path / "ssd")
     _submit(first, [prompt])
-    want = [t for o in _run(first)["r0"] for t in o.new_token_ids]
+    want = tokens(run_dry(first)["r0"])
     first.gen.close()  # write-backs finish, the SSD index is flushed
 
     engine = _engine(loaded, tmp_path / "ssd")  # a restart on the same directory
@@ -104,6 +79,6 @@ def test_pages_stored_only_on_a_dead_ssd_are_recomputed_once_and_served(hf_model
     assert ssd.allocator.used > 0  # the prompt's pages are indexed there
     ssd.io = DeadDisk()  # type: ignore[attr-defined]
     _submit(engine, [prompt])
-    got = _run(engine)["r0"]
-    assert got[-1].finish_reason == "length" and [t for o in got for t in o.new_token_ids] == want
+    got = run_dry(engine)["r0"]
+    assert got[-1].finish_reason == "length" and tokens(got) == want
     assert engine.stats().preemptions_total <= 1  # at most one recomputation, never three
