@@ -18,10 +18,14 @@ from typing import Any
 
 from kvdrive.runtime.engine.llm_engine import LLMEngine
 from kvdrive.runtime.engine.request import Request, RequestOutput
+from kvdrive.runtime.kvcache.faults import FaultLog
 
 log = logging.getLogger(__name__)
 
 _Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+
+SLOW_TURN_S = 2.0  # an engine turn longer than this is logged with what it did
 
 
 class AsyncEngine:
@@ -30,6 +34,7 @@ class AsyncEngine:
         (the commands handled before it, e.g. an admin change, and the step): what decoders waited."""
         self.engine = engine
         self._observe = observe_step
+        self._slow = FaultLog(log, "engine")  # slow turns: one log line per 10 s, with a count of the rest
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._wake = threading.Event()
@@ -122,6 +127,7 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 self._handle(kind, payload)
+            commands = time.perf_counter() - started
             if not self.engine.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
@@ -134,5 +140,11 @@ class AsyncEngine:
                 outputs = self.engine.fail_all(f"internal engine error: {exc}")
             for out in outputs:
                 self._deliver(out.request_id, out)
+            took = time.perf_counter() - started
             if self._observe is not None:
-                self._observe(time.perf_counter() - started)
+                self._observe(took)
+            if took > SLOW_TURN_S:
+                st = self.engine.last_step
+                self._slow.record("slow-turn", "slow engine turn: %.2f s (commands %.2f s, scheduling %.2f s, "
+                                  "forward %.2f s: %d prompt tokens, %d decodes)", took, commands, st.schedule_s,
+                                  st.forward_s, st.prompt_tokens, st.decodes, level=logging.WARNING)

@@ -7,6 +7,7 @@ per-request outputs. Not thread-safe: ``AsyncEngine`` drives it from one thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +24,17 @@ from kvdrive.runtime.kvcache import CacheFullError
 from kvdrive.runtime.kvcache.faults import FaultLog
 
 log = logging.getLogger(__name__)
+@dataclass(frozen=True)
+class StepShape:
+    """What the last step did, for a slow step's log line: scheduling (admission, prefix loads) and the
+    forward pass, in seconds, and its prompt tokens and decodes."""
+
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    prompt_tokens: int = 0
+    decodes: int = 0
+
+
 MAX_LOST_PAGE_RESTARTS = 3  # recomputations of one request for unreadable pages before it fails
 MAX_CACHE_FULL_STEPS = 3  # steps in a row undone because a tier had no slot before the newest request fails
 
@@ -56,6 +68,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._preemptions = 0
         self._cache_full_steps = 0  # steps in a row undone because a tier had no slot for their pages
+        self.last_step = StepShape()
         self._undone = FaultLog(log, "engine")  # undone steps: counted, logged at most once per kind per 10 s
         self._reserved = 0  # pages promised to this step's chunks (the scheduler's plan)
 
@@ -128,10 +141,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule (allocating), run the forward pass, postprocess (sample, emit)."""
         outputs = self._fail_unservable()
+        t0 = time.perf_counter()
         chunks = self.scheduler.plan(self, self._preempt)
+        t1 = time.perf_counter()
+        self.last_step = StepShape(t1 - t0, 0.0, sum(c.num_tokens for c in chunks if not c.decode),
+                                   sum(c.decode for c in chunks))
         if not chunks:
             return outputs
         hidden = self._run(chunks, outputs)
+        self.last_step = dataclasses.replace(self.last_step, forward_s=time.perf_counter() - t1)
         if hidden is None:
             return outputs
         return outputs + self._postprocess(chunks, hidden)

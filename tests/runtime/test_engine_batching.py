@@ -135,3 +135,28 @@ async def test_async_engine_streams_concurrent_requests_and_survives_consumer_ex
         assert engine.gen.cache.used_bytes == 0 and runner.alive
     finally:
         runner.shutdown()
+
+
+async def test_a_slow_engine_turn_is_logged_with_what_it_did(hf_model_factory, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A turn over SLOW_TURN_S says where its time went (admin commands, scheduling with prefix loads,
+    the forward pass) and what the step fed, so that a stall in kvdrive_engine_step_seconds can be told
+    apart from prefill work."""
+    import logging
+
+    from kvdrive.runtime.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "SLOW_TURN_S", 0.0)  # every turn counts as slow here
+    path, _ = hf_model_factory(arch="llama")
+    runner = AsyncEngine(_engine(path, pages=64))
+    runner.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvdrive.runtime.engine.async_engine"):
+            agen = runner.generate(Request("r0", tuple(PROMPTS[0]), SamplingParams(max_tokens=4, ignore_eos=True),
+                                           time.perf_counter()))
+            async for _ in agen:
+                pass
+        lines = [r.getMessage() for r in caplog.records if "slow engine turn" in r.getMessage()]
+        assert len(lines) == 1  # rate-limited: one line per 10 s, however many turns
+        assert f"{len(PROMPTS[0])} prompt tokens, 0 decodes" in lines[0] and "forward" in lines[0]
+    finally:
+        runner.shutdown()
