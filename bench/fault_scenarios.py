@@ -410,6 +410,12 @@ def served_cell(s: dict[str, Any]) -> str:
     return f"{s['identical']}/{s['requests']} identical; status {status}; 5xx {s['http_5xx']}"
 
 
+def scenario_row(title: str, s: dict[str, Any], served: str, extra: str) -> tuple[str, ...]:
+    """One scenario's table row: its answers (``s[served]``), then what /metrics, /readyz and the log said."""
+    return (title, served_cell(s[served]), faults_cell(s["probe_end"]), readyz_cell(s["probe_end"]),
+            logs_cell(s["log"]), extra)
+
+
 def markdown(res: dict[str, Any]) -> str:
     rows = []
     s1 = res.get("deleted_slabs")
@@ -418,22 +424,19 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{s1['ready_s']['first_start']} s / restart {s1['ready_s']['restart']} s; latency after restart "
                  f"p50 {s1['after_restart']['latency_s'].get('p50')} s, max {s1['after_restart']['latency_s'].get('max')} s "
                  f"(first run max {s1['first_run']['latency_s'].get('max')} s)")
-        rows.append(("1 deleted slabs + restart", served_cell(s1["after_restart"]), faults_cell(s1["probe_end"]),
-                     readyz_cell(s1["probe_end"]), logs_cell(s1["log"]), extra))
+        rows.append(scenario_row("1 deleted slabs + restart", s1, "after_restart", extra))
     s2 = res.get("disk_full")
     if isinstance(s2, dict) and "load" in s2:
         extra = (f"{s2['disk']['free_at_server_start'] // MiB} MiB free at start; ssd capacity "
                  f"{(s2['probe_start']['ssd_capacity_bytes'] or 0) // MiB} MiB; latency p50 "
                  f"{s2['load']['latency_s'].get('p50')} s max {s2['load']['latency_s'].get('max')} s")
-        rows.append(("2 disk full", served_cell(s2["load"]), faults_cell(s2["probe_end"]),
-                     readyz_cell(s2["probe_end"]), logs_cell(s2["log"]), extra))
+        rows.append(scenario_row("2 disk full", s2, "load", extra))
     s3 = res.get("eio")
     if isinstance(s3, dict) and "load" in s3:
         extra = (f"{s3['device']['fraction_past_cut']} of slab bytes past the cut; latency p50 "
                  f"{s3['load']['latency_s'].get('p50')} s max {s3['load']['latency_s'].get('max')} s; "
                  f"stop exit {s3['stop'].get('exit')} in {s3['stop'].get('seconds')} s")
-        rows.append(("3 EIO (loop device shrunk)", served_cell(s3["load"]), faults_cell(s3["probe_end"]),
-                     readyz_cell(s3["probe_end"]), logs_cell(s3["log"]), extra))
+        rows.append(scenario_row("3 EIO (loop device shrunk)", s3, "load", extra))
     head = "| scenario | served | faults in /metrics | /readyz | fault log lines | other |\n| --- | --- | --- | --- | --- | --- |\n"
     body = "".join("| " + " | ".join(c.replace("|", "/") for c in r) + " |\n" for r in rows)
     errors = [f"- {name}: {n} x `{msg}`\n" for name in ("deleted_slabs", "disk_full", "eio")

@@ -24,6 +24,8 @@ from kvdrive.runtime.kvcache import CacheFullError
 from kvdrive.runtime.kvcache.faults import FaultLog
 
 log = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What the last step did, for a slow step's log line: scheduling (admission, prefix loads) and the

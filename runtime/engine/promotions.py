@@ -62,6 +62,3 @@ class PromotionQueue:
 
     def drop(self) -> None:
         self._keys, self._pids, self._served, self._raw, self._bytes = [], [], [], [], 0
-
-    def __len__(self) -> int:
-        return len(self._keys)

@@ -36,7 +36,7 @@ class FaultLog:
         self._logged_at: dict[str, float] = {}  # kind -> when its last line was written
         self._unlogged: dict[str, int] = {}  # kind -> faults since that line
         self._last: tuple[float, str] | None = None  # (when, kind) of the latest fault
-        self._last_io: float | None = None  # when the latest I/O fault (not a failed checksum) happened
+        self._last_io: float | None = None  # when a block read or write last failed with an I/O error
 
     def record(self, kind: str, message: str, *args: object, level: int = logging.ERROR,
                block_io: bool = False) -> None:

@@ -154,8 +154,8 @@ class TieredKVStore(BlockReads):
             persistent: bool = False, pin_wait_s: float = 2.0) -> None:
         """Store blocks [n, block_bytes] uint8 in ``tier``, evicting as needed. Copies become readable when
         their write completed. A persistent (content-addressed) key already stored is only touched, unless its
-only copies lie in a failing tier (recent I/O errors): then they are replaced. When
-        every evictable block is pinned by in-flight transfers, waits up to ``pin_wait_s`` for them."""
+        only copies lie in a failing tier (recent I/O errors): then they are replaced. When every evictable
+        block is pinned by in-flight transfers, waits up to ``pin_wait_s`` for them."""
         cap = self.tiers[tier].allocator.capacity
         if len(keys) > cap > 0:  # a batch bigger than the tier: in parts, so later parts can evict earlier
             for i in range(0, len(keys), cap):

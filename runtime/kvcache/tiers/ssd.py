@@ -99,7 +99,7 @@ class SsdTier:
         return self.fault_log.degraded()
 
     def failing(self) -> bool:
-        """Unavailable, or an I/O fault (not a failed checksum) within the fault window."""
+        """Unavailable, or a block read or write failed with an I/O error within the fault window."""
         return not self.available or self.fault_log.failing()
 
     @property
