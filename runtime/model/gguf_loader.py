@@ -1,8 +1,10 @@
-"""Reading a Llama-family GGUF file: metadata -> ModelConfig, tensors -> dequantized torch weights.
+"""Reading a GGUF file (Llama family, Gemma 3): metadata -> ModelConfig, tensors -> dequantized torch weights.
 
 Dequantization (Q4_0, Q4_1, Q5_x, Q8_0, K-quants, F16, BF16, F32) is done by the ``gguf`` package
 with numpy; llama.cpp's interleaved q/k row order is undone so the model uses the Hugging Face
-rotate-half RoPE layout.
+rotate-half RoPE layout (Gemma files are not interleaved), and the ``1 + w`` that llama.cpp's converter
+bakes into Gemma's norm weights is taken out again, so every weight arrives as transformers names and
+stores it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,20 @@ import torch
 
 from kvdrive.runtime.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from kvdrive.runtime.model.errors import ModelLoadError
-from kvdrive.runtime.model.tokenizer import Tokenizer, TokenizerError, bpe_from_gguf
+from kvdrive.runtime.model.gemma3 import (
+    DEFAULT_LOCAL_ROPE_THETA,
+    DEFAULT_ROPE_THETA,
+    DEFAULT_SLIDING_PATTERN,
+    NORM_OFFSET,
+    sliding_layers_for,
+)
+from kvdrive.runtime.model.tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    bpe_from_gguf,
+    end_of_turn_ids,
+    gemma_spm_from_gguf,
+)
 
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 _QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
@@ -36,6 +51,16 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma 3 has four norms per layer; its ffn_norm is the pre-feed-forward one
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_norm.weight"},
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -89,6 +114,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         )
     elif scaling_type not in ("none", None):
         raise ModelLoadError(f"unsupported rope scaling {scaling_type!r} in GGUF metadata")
+    extra = _gemma3_fields(get, hidden, heads, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -99,12 +125,37 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfi
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_theta=float(get("rope.freq_base", DEFAULT_ROPE_THETA if arch == "gemma3" else 10000.0)),
         rope_scaling=rope,
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         name=str(meta.get("general.name", "model")),
+        **extra,
+    )
+
+
+def _gemma3_fields(get: Callable[..., Any], hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 3's settings, as llama.cpp reads them (it hard-codes what older files leave out)."""
+    layers = int(get("block_count"))
+    window = int(get("attention.sliding_window", 0) or 0)
+    pattern = get("attention.sliding_window_pattern", DEFAULT_SLIDING_PATTERN)
+    if not window:
+        sliding: tuple[int, ...] = ()
+    elif isinstance(pattern, list):  # one flag per layer, true = sliding
+        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        sliding = sliding_layers_for(layers, int(pattern))
+    # llama.cpp: the 27B (62 layers) scales queries by hidden / heads, the others by head_dim
+    scalar = hidden / heads if layers == 62 else head_dim
+    cap = get("final_logit_softcapping")
+    return dict(
+        sliding_window=window,
+        sliding_layers=sliding,
+        rope_local_theta=float(get("rope.freq_base_swa", DEFAULT_LOCAL_ROPE_THETA)),
+        query_pre_attn_scalar=float(scalar),
+        final_logit_softcapping=float(cap) if cap else None,
+        hidden_activation="gelu_pytorch_tanh",
     )
 
 
@@ -136,6 +187,8 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, float32 tensor) for each weight of the file."""
     tensors = reader.tensors if progress is None else progress(reader.tensors)
+    gemma = cfg.architecture == "gemma3"
+    layer_names = _GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES
     for t in tensors:
         name = t.name
         if name == "rope_freqs.weight":
@@ -143,14 +196,16 @@ def iter_gguf_weights(
             continue
         if name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
-            if rest not in _LAYER_NAMES:
+            if rest not in layer_names:
                 raise ModelLoadError(f"unexpected tensor {name} for a {cfg.architecture} model")
-            hf_name = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+            hf_name = f"model.layers.{idx}.{layer_names[rest]}"
         elif name in _GLOBAL_NAMES:
             hf_name = _GLOBAL_NAMES[name]
         else:
             raise ModelLoadError(f"unexpected tensor {name} for a {cfg.architecture} model")
         arr = _dequantize(t)
+        if gemma and name.endswith("norm.weight"):  # llama.cpp stored 1 + w (transformers subtracts it too)
+            arr = arr - NORM_OFFSET
         if cfg.architecture in ("llama", "mistral"):
             if rest_is(name, "attn_q"):
                 arr = _unpermute(arr, cfg.num_heads)
@@ -165,30 +220,44 @@ def rest_is(name: str, stem: str) -> bool:
 
 def tokenizer_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     model = meta.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ModelLoadError(
-            f"GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' is); "
-            "load a Hugging Face directory with tokenizer.json instead"
-        )
+    arch = meta.get("general.architecture")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError("the GGUF file holds no tokenizer (tokenizer.ggml.tokens)")
     try:
-        backend = bpe_from_gguf(
-            meta["tokenizer.ggml.tokens"],
-            meta.get("tokenizer.ggml.merges", []),
-            meta.get("tokenizer.ggml.token_type", []),
-            str(meta.get("tokenizer.ggml.pre", "gpt2")),
-        )
+        if model == "gpt2":
+            backend = bpe_from_gguf(
+                tokens,
+                meta.get("tokenizer.ggml.merges", []),
+                meta.get("tokenizer.ggml.token_type", []),
+                str(meta.get("tokenizer.ggml.pre", "gpt2")),
+            )
+        elif model == "llama" and arch == "gemma3":
+            unk = meta.get("tokenizer.ggml.unknown_token_id")
+            backend = gemma_spm_from_gguf(
+                tokens, meta.get("tokenizer.ggml.token_type", []), tokens[int(unk)] if unk is not None else "<unk>"
+            )
+        else:
+            raise ModelLoadError(
+                f"GGUF tokenizer model {model!r} is not supported for {arch!r} (byte-level BPE 'gpt2' is, and "
+                "SentencePiece 'llama' for gemma3); load a Hugging Face directory with tokenizer.json instead"
+            )
     except TokenizerError as exc:
         raise ModelLoadError(str(exc)) from exc
+    template = meta.get("tokenizer.chat_template")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eot = meta.get("tokenizer.ggml.eot_token_id")
     eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    eos_ids.extend(end_of_turn_ids(backend, template))
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise (so does transformers)
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", model == "llama")
     return Tokenizer(
         backend,
         eos_token_ids=eos_ids,
         bos_token_id=int(bos) if bos is not None else None,
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos=bool(add_bos),
+        chat_template=template,
     )
 
 

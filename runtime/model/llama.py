@@ -13,19 +13,8 @@ from torch import nn
 
 from kvdrive.runtime.model.config import ModelConfig
 from kvdrive.runtime.model.interfaces import AttentionBackend
+from kvdrive.runtime.model.layers import HFWeights, RMSNorm
 from kvdrive.runtime.model.rope import RotaryEmbedding
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -92,41 +81,24 @@ class LlamaModel(nn.Module):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights (``model.layers.0.self_attn.q_proj.weight`` ...)."""
         cfg = self.cfg
-        w = {k.removeprefix("model."): v for k, v in weights.items()}
-        consumed: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in w:
-                raise KeyError(f"missing weight {name!r}")
-            consumed.add(name)
-            return w[name]
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"weight {name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-            param.copy_(value.to(param.dtype))
-
-        put(self.embed_tokens.weight, take("embed_tokens.weight"), "embed_tokens.weight")
-        put(self.norm.weight, take("norm.weight"), "norm.weight")
+        w = HFWeights(weights)
+        w.load(self.embed_tokens.weight, "embed_tokens.weight")
+        w.load(self.norm.weight, "norm.weight")
         if self.lm_head is not None:
             name = "lm_head.weight"
-            put(self.lm_head.weight, w[name] if name in w else take("embed_tokens.weight"), name)
-            consumed.add(name)
-        else:
-            consumed.add("lm_head.weight")
+            w.put(self.lm_head.weight, w.take(name) if name in w else w.take("embed_tokens.weight"), name)
+        w.consumed.add("lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"), p + "post_norm")
-            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
-            put(layer.qkv_proj.weight, qkv, p + "qkv_proj")
+            w.load(layer.input_layernorm.weight, p + "input_layernorm.weight")
+            w.load(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+            qkv = torch.cat([w.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
+            w.put(layer.qkv_proj.weight, qkv, p + "qkv_proj")
             if cfg.attention_bias:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
-                put(layer.qkv_proj.bias, bias, p + "qkv_proj.bias")
-            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "o_proj")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
-            put(layer.gate_up_proj.weight, gate_up, p + "gate_up_proj")
-            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "down_proj")
-        unused = sorted(k for k in w if k not in consumed and "rotary_emb" not in k)
-        if unused:
-            raise ValueError(f"unexpected weights in checkpoint: {unused[:5]}{' ...' if len(unused) > 5 else ''}")
+                bias = torch.cat([w.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
+                w.put(layer.qkv_proj.bias, bias, p + "qkv_proj.bias")
+            w.load(layer.o_proj.weight, p + "self_attn.o_proj.weight")
+            gate_up = torch.cat([w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight")], dim=0)
+            w.put(layer.gate_up_proj.weight, gate_up, p + "gate_up_proj")
+            w.load(layer.down_proj.weight, p + "mlp.down_proj.weight")
+        w.check_all_used()

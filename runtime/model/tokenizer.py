@@ -1,7 +1,8 @@
 """Tokenizer and chat template: built from GGUF metadata or a Hugging Face tokenizer.json.
 
-Owns text <-> token ids (byte-level BPE through the ``tokenizers`` library), the special tokens,
-end-of-sequence ids and rendering the model's own Jinja chat template.
+Owns text <-> token ids (byte-level BPE, and Gemma's SentencePiece BPE with byte fallback, through the
+``tokenizers`` library), the special tokens, end-of-sequence ids and rendering the model's own Jinja chat
+template.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 # Pre-tokenizer split patterns by the GGUF ``tokenizer.ggml.pre`` name (as llama.cpp defines them).
@@ -73,6 +74,50 @@ def bpe_from_gguf(
     if user:
         tok.add_tokens(user)
     return tok
+
+
+def gemma_spm_from_gguf(tokens: Sequence[str], token_types: Sequence[int], unk_token: str) -> HFTokenizer:
+    """Build Gemma's SentencePiece tokenizer (GGUF ``tokenizer.ggml.model = llama``) as a ``tokenizers`` BPE.
+
+    Reproduces transformers' GGUF converter for Gemma (``gemma_tokenizer`` + ``GemmaTokenizer``): spaces
+    become "\u2581" (no prefix space; the pre-tokenizer's split on " " then finds none, as in transformers,
+    so BPE sees whole texts between added tokens), unknown bytes fall back to the ``<0xNN>`` tokens,
+    decoding maps "\u2581" back to spaces and fuses bytes. The file has no merges
+    (and flat scores), so they are rebuilt from the vocabulary: every split of a token into two tokens,
+    ranked by the token's position in the file, longer left part first. Tokens of only spaces are
+    stored with real spaces and renamed to "\u2581" runs first, so that they take part in merges.
+    """
+    respelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(respelled)}
+    merges: list[tuple[str, str]] = []
+    for tok in sorted(vocab, key=vocab.__getitem__):
+        for cut in range(len(tok) - 1, 0, -1):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([
+        AddedToken(tokens[i], special=True, normalized=False)
+        for i, t in enumerate(token_types) if t == TOKEN_TYPE_CONTROL
+    ])
+    # user-defined tokens ("\n", "<start_of_image>") are matched whole, as llama.cpp does; the space runs
+    # are not (their spelling is no longer in the vocabulary), they come from merges
+    user = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, t in enumerate(token_types) if t == TOKEN_TYPE_USER_DEFINED and tokens[i] in vocab
+    ]
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+def end_of_turn_ids(tokenizer: HFTokenizer, chat_template: str | None) -> list[int]:
+    """Gemma's chat turns end with ``<end_of_turn>``, not EOS: a stop id when the chat template writes it."""
+    eot = tokenizer.token_to_id("<end_of_turn>")
+    return [eot] if chat_template and eot is not None and "<end_of_turn>" in chat_template else []
 
 
 @dataclass(frozen=True)

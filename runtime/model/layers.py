@@ -1,0 +1,74 @@
+"""Building blocks shared by the decoders: RMSNorm (Llama's and Gemma's ``1 + w`` form) and MLP activations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation over the last dimension.
+
+    ``offset=0`` is Llama's: normalise in float32, cast back, multiply by ``w`` in the model dtype.
+    ``offset=1`` is Gemma's: the weight is stored zero-centred and the float32 result is multiplied by
+    ``1 + w`` (in float32) before the cast, as transformers' Gemma3RMSNorm does.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0.0 else torch.zeros(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset == 0.0:
+            return self.weight * xf.to(x.dtype)
+        return (xf * (self.offset + self.weight.float())).to(x.dtype)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP gate activation named as in Hugging Face configs (``hidden_act`` / ``hidden_activation``)."""
+    if name == "silu":
+        return F.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+class HFWeights:
+    """A Hugging Face-named state dict being copied into a model: every weight taken once, shapes checked,
+    leftovers reported (``model.`` prefixes are dropped, so names read ``layers.0.self_attn.q_proj.weight``)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.w = {k.removeprefix("model."): v for k, v in weights.items()}
+        self.consumed: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.w
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.w:
+            raise KeyError(f"missing weight {name!r}")
+        self.consumed.add(name)
+        return self.w[name]
+
+    @staticmethod
+    def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(value.shape):
+            raise ValueError(f"weight {name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+        param.copy_(value.to(param.dtype))
+
+    def load(self, param: torch.Tensor, name: str) -> None:
+        self.put(param, self.take(name), name)
+
+    def check_all_used(self, ignore: tuple[str, ...] = ("rotary_emb",)) -> None:
+        unused = sorted(k for k in self.w if k not in self.consumed and not any(s in k for s in ignore))
+        if unused:
+            raise ValueError(f"unexpected weights in checkpoint: {unused[:5]}{' ...' if len(unused) > 5 else ''}")
