@@ -33,6 +33,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from exc
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds >= 0")
+    return value
+
+
 def _add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads (default: every CPU this process may run on)")
@@ -45,7 +55,8 @@ def default_threads() -> int:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_threads_arg(p)
-    p.add_argument("--model", default="demo", help="'demo', a .gguf file or a Hugging Face model directory")
+    p.add_argument("--model", default="demo", help="'demo' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M base, "
+                        "hybrid sliding/global attention, 32K context), a .gguf file or a Hugging Face model directory")
     p.add_argument("--device", default="cpu", help="torch device for compute and the device KV tier (cpu, cuda)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
                    help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
@@ -99,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-running", type=int, default=16, help="sequences in the running batch")
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     s.add_argument("--step-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
+    s.add_argument("--step-seconds", type=_seconds, default=1.0,
+                   help="latency target of one engine step (every stream's inter-token gap): steps carry fewer "
+                        "prompt tokens when they run slower than this; 0 keeps --step-tokens fixed")
     s.add_argument("--scheduling", choices=("fair", "fifo"), default="fair",
                    help="how prompts share a step: fair (shortest remaining first, the oldest always moves) "
                         "or fifo (arrival order)")
@@ -205,7 +219,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=read_secret(args.api_key_file), admin_token=read_secret(args.admin_token_file),
         protect_metadata=args.protect_metadata, max_body_bytes=args.max_body_bytes, drain_seconds=args.drain_seconds,
         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
-                                  step_token_budget=args.step_tokens, policy=args.scheduling),
+                                  step_token_budget=args.step_tokens, step_seconds=args.step_seconds,
+                                  policy=args.scheduling),
         progress=sys.stderr.isatty() or args.verbose,
     )
     serve(opts)

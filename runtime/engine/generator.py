@@ -16,6 +16,7 @@ import torch
 from kvdrive.runtime.engine.heap import HeapTrimmer
 from kvdrive.runtime.engine.kv_state import EngineConfig
 from kvdrive.runtime.engine.sampling import SamplingParams, make_generator, sample
+from kvdrive.runtime.engine.sliding import SlidingWindows
 from kvdrive.runtime.engine.tiered_backend import TieredAttentionBackend
 from kvdrive.runtime.engine.tiered_cache import TieredKVCache
 from kvdrive.runtime.kvcache import KVLayout
@@ -33,7 +34,7 @@ class Generator:
         model, cfg = loaded.model, loaded.config
         self.device = model.embed_tokens.weight.device
         layout = KVLayout(
-            num_layers=cfg.num_layers,
+            num_layers=len(cfg.global_layers),  # the tiers hold the global layers; sliding ones keep a window
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             page_size=c.page_size,
@@ -43,7 +44,9 @@ class Generator:
             gpu = (layout.pages_for(cfg.context_length) + c.max_sequences) * layout.page_bytes
             c = self.config = replace(c, tiers=replace(c.tiers, gpu_bytes=gpu))
         fingerprint = f"{loaded.fingerprint}|{layout.fingerprint()}"
-        self.cache = TieredKVCache(layout, c, self.device, fingerprint)
+        windows = SlidingWindows(cfg.sliding_layers, cfg.sliding_window, c.page_size, c.max_sequences,
+                                 cfg.num_kv_heads, cfg.head_dim, layout.dtype, self.device) if cfg.sliding_layers else None
+        self.cache = TieredKVCache(layout, c, self.device, fingerprint, windows, cfg.global_layers)
         self._ids = itertools.count()
         self.heap = HeapTrimmer()
         self.timings: dict[str, float] | None = None  # per-phase decode seconds, when a benchmark asks

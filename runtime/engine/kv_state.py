@@ -52,6 +52,8 @@ class SeqKV:
     digests: list[bytes] = field(default_factory=list)  # one per sealed page
     pids: list[int] = field(default_factory=list)  # dense page id of each sealed page
     inexact: bool = False  # a decode step attended to selected pages only: later pages are addressed apart
+    prefilling: bool = True  # its prompt is still going in: placement holds its pages in the memory tiers
+    settled: bool = True  # its last step finished (False from ``begin`` until ``finish_step``)
 
 
 @dataclass(frozen=True)

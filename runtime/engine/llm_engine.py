@@ -16,6 +16,7 @@ import torch
 
 from kvdrive.runtime.engine.detokenize import TextStream
 from kvdrive.runtime.engine.generator import Generator
+from kvdrive.runtime.engine.pacing import StepPacer
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
 from kvdrive.runtime.engine.sampling import make_generator, sample
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -73,6 +74,8 @@ class LLMEngine:
         self.last_step = StepShape()
         self._undone = FaultLog(log, "engine")  # undone steps: counted, logged at most once per kind per 10 s
         self._reserved = 0  # pages promised to this step's chunks (the scheduler's plan)
+        cfg = self.scheduler.config
+        self.pacer = StepPacer(cfg.step_seconds, cfg.step_token_budget)
 
     # --- KVAllocator for the scheduler ---------------------------------------------------------
     def start_plan(self) -> None:
@@ -80,7 +83,13 @@ class LLMEngine:
 
     def can_admit(self, seq: SequenceState) -> bool:
         cache = self.gen.cache
-        return cache.pages_needed(None, len(seq.pending) + 1) + self._reserved <= cache.free_pages
+        if cache.pages_needed(None, len(seq.pending) + 1) + self._reserved > cache.free_pages:
+            return False
+        prompts = [s for s in self.scheduler.running if s.prefill_left]
+        if not prompts:
+            return True  # one prompt always runs, however large
+        held = sum(cache.pages_needed(None, len(s.tokens)) for s in prompts + [seq])
+        return held <= cache.memory_pages * self.scheduler.config.prompt_memory_share
 
     def can_allocate(self, seq: SequenceState, n: int) -> bool:
         cache = self.gen.cache
@@ -144,7 +153,8 @@ class LLMEngine:
         """One engine step: schedule (allocating), run the forward pass, postprocess (sample, emit)."""
         outputs = self._fail_unservable()
         t0 = time.perf_counter()
-        chunks = self.scheduler.plan(self, self._preempt)
+        decodes = sum(1 for q in self.scheduler.running if q.num_generated and not q.prefill_left)
+        chunks = self.scheduler.plan(self, self._preempt, self.pacer.budget(decodes))
         t1 = time.perf_counter()
         self.last_step = StepShape(t1 - t0, 0.0, sum(c.num_tokens for c in chunks if not c.decode),
                                    sum(c.decode for c in chunks))
@@ -154,6 +164,7 @@ class LLMEngine:
         self.last_step = dataclasses.replace(self.last_step, forward_s=time.perf_counter() - t1)
         if hidden is None:
             return outputs
+        self.pacer.observe(self.last_step.forward_s, self.last_step.prompt_tokens)
         return outputs + self._postprocess(chunks, hidden)
 
     def _run(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput]) -> torch.Tensor | None:

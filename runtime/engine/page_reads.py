@@ -28,6 +28,7 @@ class PageReader:
         lay = cache.layout
         self.cache, self.store, self.layout = cache, cache.store, lay
         self.batch, self.pages, self.width = batch, pages, pages + int(tail)
+        self.prompt = not tail  # a prompt chunk re-reading its own earlier pages (counted when they spilled)
         self.miss_seconds = 0.0  # time in the miss path (store reads, placement's admissions)
         hkv = lay.num_kv_heads
         self.buf = torch.empty((2, batch, hkv, self.width, lay.row_elems), dtype=lay.dtype, device=cache.device)
@@ -136,6 +137,8 @@ class PageReader:
             seq = seq_ids[int(bi[served.index(None)])]
             raise PageLostError(seq, f"{served.count(None)} KV pages of sequence {seq} could not be read")
         m = len(keys)
+        if self.prompt:
+            cache.prompt_store_reads += m
         data = lay.typed(raw).permute(1, 0, 2, 3, 4).reshape(2 * m * lay.num_kv_heads, lay.row_elems)
         self.rows.index_copy_(0, self._dst(bi, ki), data.to(self.buf.device).view(self.word))
         cache.promotions.add(keys, ids, served, raw)  # placement decides at the end of the step

@@ -46,13 +46,22 @@ class SchedulerConfig:
     max_running: int = 16  # sequences in the running batch
     max_waiting: int = 64  # queued requests before new ones are refused (HTTP 429)
     step_token_budget: int = 512  # tokens fed per step (decodes + prefill chunks)
+    step_seconds: float = 0.0  # latency target of a step: fewer prompt tokens when steps run slow (pacing.py); 0: off
     policy: Literal["fair", "fifo"] = "fair"  # how prompt chunks share the step's budget (module docstring)
     oldest_share: float = 0.25  # fair: the budget fraction the oldest prompt in progress always gets
     max_bypass: int = 16  # fair: later requests admitted ahead of a waiting one before it goes first
+    # prompts in progress may fill this share of the memory tiers (device + DRAM); a prompt that would pass
+    # it waits, one always runs: every chunk of a prompt reads all its earlier pages, so prompts that spill
+    # to the SSD tier re-read it chunk after chunk (measured in docs/reliability.md)
+    prompt_memory_share: float = 0.75
 
     def __post_init__(self) -> None:
         if not 0 < self.oldest_share <= 1:
             raise ValueError(f"oldest_share must be in (0, 1], not {self.oldest_share}")
+        if self.step_seconds < 0:
+            raise ValueError(f"step_seconds must be >= 0, not {self.step_seconds}")
+        if not 0 < self.prompt_memory_share:
+            raise ValueError(f"prompt_memory_share must be positive, not {self.prompt_memory_share}")
 
 
 @dataclass(frozen=True)
@@ -82,10 +91,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def plan(self, kv: KVAllocator, preempt: Callable[[SequenceState], None]) -> list[ScheduledChunk]:
-        """The next step's chunks, allocated. Calls ``preempt`` (which must free pages) when a decode lacks room."""
+    def plan(self, kv: KVAllocator, preempt: Callable[[SequenceState], None],
+             budget: int | None = None) -> list[ScheduledChunk]:
+        """The next step's chunks, allocated, within ``budget`` tokens (default: the configured budget). Calls
+        ``preempt`` (which must free pages) when a decode lacks room."""
         kv.start_plan()
-        budget = self.config.step_token_budget
+        budget = self.config.step_token_budget if budget is None else budget
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         for seq in list(self.running):  # decodes, oldest first: victims are always unscheduled ones

@@ -62,7 +62,8 @@ class _DecodeBatch:
         self.table = pt[self.first_row : self.first_row + b, :width] if self.first_row is not None \
             else pt.index_select(0, self.rows)[:, :width]
         self.masks = selection_masks(self.npages, self.pmax, cache.selection) if self.sparse else None
-        offs = torch.tensor([st.start % s for st in self.steps], dtype=torch.int64, device=dev)
+        self.positions = torch.tensor([st.start for st in self.steps], dtype=torch.int64, device=dev)  # [B]
+        offs = self.positions % s
         self.offs = offs
         # [L, B]: the device pool row of each sequence's open page, per layer
         self.tails = cache.tail_base + self.rows[None, :] * L + torch.arange(L, device=dev)[:, None]
@@ -187,6 +188,10 @@ class TieredAttentionBackend:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [N, Hq, D]; k, v: [N, Hkv, D] -> [N, Hq, D]
+        kv_layer = self.cache.kv_layer.get(layer)
+        if kv_layer is None:
+            return self._sliding(layer, q, k, v)
+        layer = kv_layer  # the tiers' index of this global layer
         dec = self.dec
         if dec is not None and not self.prompts and dec.q_index is None:
             return self._decode(layer, q, k, v)  # the common step: decodes only, already in row order
@@ -199,6 +204,26 @@ class TieredAttentionBackend:
             idx = dec.q_index if dec.q_index is not None else torch.tensor(dec.q_rows, device=q.device)
             qd, kd, vd = q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)
             out.index_copy_(0, idx, self._decode(layer, qd, kd, vd))
+        return out
+
+    def _sliding(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A sliding-window layer: exact attention over each sequence's window ring (``sliding``)."""
+        win, dec = self.cache.windows, self.dec
+        assert win is not None
+        t0 = time.perf_counter()
+        if dec is not None and not self.prompts and dec.q_index is None:
+            out = win.decode(layer, dec.rows, dec.positions, q, k, v)
+        else:
+            out = torch.empty_like(q)
+            for i in self.prompts:
+                st = self.steps[i]
+                rows = slice(self.starts[i], self.starts[i] + st.num_new)
+                out[rows] = win.prompt(layer, st.row, st.start, q[rows], k[rows], v[rows])
+            if dec is not None:
+                idx = dec.q_index if dec.q_index is not None else torch.tensor(dec.q_rows, device=q.device)
+                out.index_copy_(0, idx, win.decode(layer, dec.rows, dec.positions, q.index_select(0, idx),
+                                                   k.index_select(0, idx), v.index_select(0, idx)))
+        self._mark("attention", t0)
         return out
 
     # --- after the forward pass ------------------------------------------------------------------

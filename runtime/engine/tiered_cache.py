@@ -20,12 +20,15 @@ import heapq
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import torch
 
 from kvdrive.runtime.attention import SelectionConfig, SummaryTable, key_bounds
 from kvdrive.runtime.engine.kv_state import EngineConfig, PageLostError, SeqKV, StepSeq
 from kvdrive.runtime.engine.promotions import PromotionQueue
+from kvdrive.runtime.engine.sliding import SlidingWindows
+from kvdrive.runtime.engine.window_snapshots import WindowKeeper, WindowSnapshots
 from kvdrive.runtime.kvcache import BlockKey, BudgetError, KVLayout, TierBudgets, TieredKVStore, TierUsage
 from kvdrive.runtime.kvcache.keys import chain_digest, root_digest
 from kvdrive.runtime.pipeline.transfer import TransferEngine
@@ -35,10 +38,18 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PageLostError", "StepSeq", "TieredKVCache"]
 
+SNAPSHOT_SSD_SHARE = 8  # sliding-window snapshots may take 1/8 of the SSD budget on its disk ...
+SNAPSHOT_MIN_BYTES = 256 << 20  # ... and at least this much (in host memory when there is no SSD tier)
+
 
 class TieredKVCache:
-    def __init__(self, layout: KVLayout, config: EngineConfig, device: torch.device, fingerprint: str) -> None:
+    def __init__(self, layout: KVLayout, config: EngineConfig, device: torch.device, fingerprint: str,
+                 windows: SlidingWindows | None = None, global_layers: tuple[int, ...] | None = None) -> None:
         self.layout = layout
+        self.windows = windows  # the sliding-window layers' rings (hybrid models), outside the tiers
+        # model layer -> the tiers' layer (its index among the global layers)
+        self.kv_layer = {m: i for i, m in enumerate(global_layers if global_layers is not None
+                                                     else range(layout.num_layers))}
         self.config = config
         self.device = device
         tiers = config.tiers
@@ -46,13 +57,22 @@ class TieredKVCache:
         self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size)
         self.root = root_digest(fingerprint)
         self._sparse_salt = f"sparse:{config.token_budget}:{self.selection.sink_pages}:{self.selection.recent_pages}".encode()
-        self.tail_reserve = config.max_sequences * layout.page_bytes
+        # each running sequence's open page (all global layers) and, for a hybrid model, its sliding window
+        self.seq_reserve = layout.page_bytes + (windows.bytes_per_sequence() if windows is not None else 0)
+        self.tail_reserve = config.max_sequences * self.seq_reserve
         gpu = tiers.gpu_bytes if tiers.gpu_bytes is not None else self.tail_reserve + layout.page_bytes
         self.store = TieredKVStore(
             layout, self._store_budgets(gpu, tiers.dram_bytes, tiers.ssd_bytes), ssd_dir=tiers.ssd_dir,
             device=device, hugetlbfs_dir=tiers.hugetlbfs_dir, ssd_codec=tiers.ssd_codec,
             io_threads=tiers.io_threads, device_extra_rows=config.max_sequences * layout.num_layers)
         self.placer = Placer(self.policy, self.store)
+        # a hybrid model's prefix reuse restores the sliding layers' window from snapshots (window_snapshots)
+        self.snapshots = WindowSnapshots(
+            Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir and tiers.persist else None,
+            max(SNAPSHOT_MIN_BYTES, tiers.ssd_bytes // SNAPSHOT_SSD_SHARE)) if windows is not None else None
+        self.keeper = WindowKeeper(windows, self.snapshots, layout.page_size) \
+            if windows is not None and self.snapshots is not None else None
+        self._stepping: list[SeqKV] = []  # sequences begun and not yet settled by finish_step
         self.promotions = PromotionQueue(self.placer, self.store)  # copies the step's lower-tier reads earn
         self.transfers = TransferEngine(self.store, workers=1)
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device)
@@ -64,6 +84,7 @@ class TieredKVCache:
         self.decode_steps = 0
         self.prefix_hit_pages = 0
         self.pages_lost = 0
+        self.prompt_store_reads = 0  # blocks prompt chunks read back through the store (they had spilled)
         self.hot_reads = {"gpu": 0, "dram": 0}  # pages the decode loop read in place from the memory tiers
         log.info("KV tiers: %s; placement %s, %s attention (token budget %d)",
                  ", ".join(f"{u.tier} {u.capacity_bytes >> 20} MiB ({u.backing})" for u in self.store.usage()),
@@ -74,7 +95,8 @@ class TieredKVCache:
         if store_gpu < self.layout.page_bytes:
             raise BudgetError(
                 f"gpu budget {gpu} bytes leaves no room for KV pages: {self.config.max_sequences} running "
-                f"sequences reserve {self.tail_reserve} bytes for their open pages, and one page of all layers "
+                f"sequences reserve {self.tail_reserve} bytes for their open pages"
+                f"{' and sliding windows' if self.windows is not None else ''}, and one page of all layers "
                 f"is {self.layout.page_bytes} bytes (raise the budget or lower --max-running)")
         return TierBudgets(gpu_bytes=store_gpu, dram_bytes=dram, ssd_bytes=ssd)
 
@@ -87,6 +109,12 @@ class TieredKVCache:
     def num_pages(self) -> int:
         """Sealed pages all tiers can hold (the most one request may use)."""
         return self.store.capacity_blocks // self.layout.num_layers
+
+    @property
+    def memory_pages(self) -> int:
+        """Sealed pages the memory tiers (device and DRAM) hold."""
+        tiers = self.store.tiers
+        return sum(tiers[t].allocator.capacity for t in ("gpu", "dram") if t in tiers) // self.layout.num_layers
 
     @property
     def free_pages(self) -> int:
@@ -130,6 +158,7 @@ class TieredKVCache:
         seq = SeqKV(row=heapq.heappop(self._rows))
         self._seqs[seq_id] = seq
         matched = self._reuse_prefix(seq, prompt or [])
+        self.placer.hold(seq.pids)  # every chunk of the prompt attends to them: kept up until it is in
         self.prefix_hit_pages += matched
         return matched * self.layout.page_size
 
@@ -144,6 +173,9 @@ class TieredKVCache:
             if prev not in self._refs and any(t is None for t in self.store.where_many(keys)):
                 break
             digests.append(prev)
+        if self.keeper is not None:  # a hybrid model: only up to a boundary whose window was kept
+            while digests and not self.keeper.has(digests[-1]):
+                digests.pop()
         return digests
 
     def _reuse_prefix(self, seq: SeqKV, prompt: list[int]) -> int:
@@ -155,6 +187,8 @@ class TieredKVCache:
         self._grow(seq.row + 1, len(digests))
         seq.digests, seq.pids = list(digests), pids
         kept = self._load_prefix(seq)
+        if kept and self.keeper is not None and not self.keeper.restore(seq.row, kept, seq.digests[kept - 1]):
+            kept = 0
         for d in digests[kept:]:
             self._unref(d)
         del seq.digests[kept:], seq.pids[kept:]
@@ -208,6 +242,10 @@ class TieredKVCache:
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id)
+        if self.keeper is not None and seq.settled:  # a step that failed may have left its window half written
+            self.keeper.keep(seq)
+        if seq.prefilling:
+            self.placer.release(seq.pids)
         for d in seq.digests:
             self._unref(d)
         heapq.heappush(self._rows, seq.row)
@@ -229,9 +267,16 @@ class TieredKVCache:
         seq = self._seqs[seq_id]
         s = self.layout.page_size
         start = seq.length
+        if decode and seq.prefilling:  # the prompt is in: its pages rank by attention from now on
+            self.placer.release(seq.pids)
+            seq.prefilling = False
+            if self.keeper is not None:
+                self.keeper.keep(seq)
         if decode and self.policy.sparse and start >= self.selection.budget_pages * s:
             seq.inexact = True
         salt = self._sparse_salt if seq.inexact else b""
+        seq.settled = False
+        self._stepping.append(seq)
         seq.tokens.extend(tokens)
         seq.length = start + len(tokens)
         new: list[bytes] = []
@@ -243,6 +288,8 @@ class TieredKVCache:
         first = len(seq.digests)
         seq.digests.extend(new)
         seq.pids.extend(pids)
+        if seq.prefilling:
+            self.placer.hold(pids)
         if new:
             self._grow(seq.row + 1, len(seq.digests))
             self.page_table[seq.row, first : first + len(new)] = torch.tensor(pids, dtype=torch.int64,
@@ -278,6 +325,9 @@ class TieredKVCache:
 
     def finish_step(self, sealed: list[BlockKey], decoded: list[int]) -> None:
         """After a forward step: write sealed blocks through to SSD; placement's end of a decode step."""
+        for seq in self._stepping:
+            seq.settled = True
+        self._stepping.clear()
         if sealed and self.config.tiers.persist and "ssd" in self.store.tiers:
             self.transfers.replicate(sealed, "ssd")
         if decoded:
@@ -295,14 +345,20 @@ class TieredKVCache:
     # --- tiers -------------------------------------------------------------------------------------
     def usage(self) -> list[TierUsage]:
         out = []
-        tails = len(self._seqs) * self.layout.page_bytes
+        tails = len(self._seqs) * self.seq_reserve
         for u in self.store.usage():
-            if u.tier == "gpu":  # the gpu budget includes the reserved open pages
+            if u.tier == "gpu":  # the gpu budget includes the reserved open pages (and sliding windows)
                 u = TierUsage(u.tier, u.budget_bytes + self.tail_reserve, u.capacity_bytes + self.tail_reserve,
                               u.used_bytes + tails, u.pages, u.pinned_pages, u.backing, u.page_reads, u.errors,
                               u.cached_bytes)
             out.append(u)
         return out
+
+    def bytes_by_layer_kind(self) -> dict[str, int]:
+        """KV bytes held for running sequences by layer kind: ``global`` (pages in the tiers and open pages)
+        and ``sliding`` (the window rings of a hybrid model; 0 otherwise)."""
+        sliding = len(self._seqs) * self.windows.bytes_per_sequence() if self.windows is not None else 0
+        return {"global": self.used_bytes - sliding, "sliding": sliding}
 
     def page_reads(self) -> dict[str, int]:
         """Needed pages read, by the tier they were found in (in place by the decode loop, or by the store)."""

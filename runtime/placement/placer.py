@@ -6,10 +6,14 @@
 | what a read from a lower tier promotes | admission by hotness, per destination | everything, to the device tier | nothing |
 | eviction order (the store asks) | coldest by attention hotness | least recently used | least recently used |
 | prefetch for the next step | predicted blocks that admission accepts | none | none |
+| pages of a prompt in progress | held: ranked above every other block | held | held |
 
 Scores are tensors (``scores``): the decode loop adds each page's attention mass (or its read time) with
 one ``index_add_`` per layer. Admission compares against the coldest residents found by one ``topk``
-per tier and step. On a CPU host the device tier and DRAM are the same memory, so only SSD reads are
+per tier and step. A prompt in progress is *held*: each of its chunks attends exactly to all its earlier
+pages, so ranking them by attention (they have none yet) would send them down the tiers between chunks and
+every later chunk would read them back (the soak's multi-second steps); held pages rank above every other
+block until the prompt is in, for eviction and admission alike. On a CPU host the device tier and DRAM are the same memory, so only SSD reads are
 worth promoting; on CUDA, DRAM reads are too. The store (``kvcache``) stores and evicts in the order
 given here; the pipeline moves bytes.
 """
@@ -55,6 +59,7 @@ class Placer:
         self.throttle = PrefetchThrottle(c.prefetch_min_precision, c.prefetch_probe)
         self.decode_steps = 0
         self._admission: dict[TierName, Admission] = {}
+        self._held = torch.zeros(self.index.capacity + 1, dtype=torch.int32, device=store.device)  # [Pcap + 1]
         store.victim_order = self.victim_order
         store.coldest_of = self.coldest_of
 
@@ -64,7 +69,7 @@ class Placer:
         dev = self.scores.device
         layers = torch.tensor([b.key.layer for b in cands], dtype=torch.int64, device=dev)
         pids = torch.tensor([b.pid for b in cands], dtype=torch.int64, device=dev)
-        order = torch.sort(self.scores.of(layers, pids), stable=True).indices.tolist()
+        order = torch.sort(self._rank(layers, pids), stable=True).indices.tolist()
         return [cands[i] for i in order]
 
     def coldest_of(self, tier: TierName, k: int) -> list[tuple[int, int]]:
@@ -72,8 +77,38 @@ class Placer:
         layers, pids = self.index.residents(tier)
         if pids.numel() == 0:
             return []
-        top = torch.topk(self.scores.of(layers, pids), min(k, pids.numel()), largest=False, sorted=True).indices
+        top = torch.topk(self._rank(layers, pids), min(k, pids.numel()), largest=False, sorted=True).indices
         return list(zip(pids[top].tolist(), layers[top].tolist(), strict=True))
+
+    def _rank(self, layers: torch.Tensor, pids: torch.Tensor) -> torch.Tensor:
+        """Scores of blocks (layers[i], pids[i]) with held pages ranked above everything: [n] float32."""
+        self._grow_held()
+        return torch.where(self._held[pids] > 0, torch.inf, self.scores.of(layers, pids))
+
+    # --- prompts in progress ---------------------------------------------------------------------
+    def _grow_held(self) -> None:
+        cap = self.index.capacity + 1
+        if self._held.shape[0] < cap:
+            new = torch.zeros(cap, dtype=torch.int32, device=self._held.device)
+            new[: self._held.shape[0]] = self._held
+            self._held = new
+
+    def hold(self, pids: list[int]) -> None:
+        """Pages of a prompt in progress (counted: prompts sharing a prefix hold it twice)."""
+        if pids:
+            self._grow_held()
+            self._held.index_add_(0, torch.tensor(pids, device=self._held.device),
+                                  torch.ones(len(pids), dtype=torch.int32, device=self._held.device))
+
+    def release(self, pids: list[int]) -> None:
+        """The prompt holding ``pids`` is in (or was freed): they rank by their scores again."""
+        if pids:
+            self._held.index_add_(0, torch.tensor(pids, device=self._held.device),
+                                  torch.full((len(pids),), -1, dtype=torch.int32, device=self._held.device))
+
+    @property
+    def held_pages(self) -> int:
+        return int((self._held > 0).sum())
 
     # --- a step ----------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -122,7 +157,7 @@ class Placer:
 
             def coldest(tier: TierName = tier) -> torch.Tensor:
                 layers, pids = self.index.residents(tier)
-                return torch.sort(self.scores.of(layers, pids)).values
+                return torch.sort(self._rank(layers, pids)).values
 
             # hysteresis on the device tier (a block must be clearly hotter than the one it displaces);
             # DRAM takes any block hotter than its coldest (the SSD read it saves is the expensive one)
@@ -151,7 +186,7 @@ class Placer:
         """Where candidate blocks (layers[i], pids[i]) from DRAM or (``from_ssd``) the SSD get a copy: hottest
         first, into the device tier while it admits them, the SSD ones that it does not into DRAM while
         that admits them. Returns destination tier -> candidate indices."""
-        scores = self.scores.of(layers, pids)
+        scores = self._rank(layers, pids)
         order = torch.sort(scores, descending=True).indices
         cuda = self.store.device.type == "cuda"
         to_gpu = order if cuda else order[from_ssd[order]]  # on a CPU host only SSD reads are worth moving up

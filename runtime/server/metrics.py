@@ -29,6 +29,8 @@ class TierCounters:
     prefetch_throttled: int = 0  # decode steps that skipped prefetching (recent prefetches mostly wasted)
     faults: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, kind) -> faults since start
     degraded: frozenset[str] | set[str] = frozenset()  # tiers degraded now
+    prompt_rereads: int = 0  # blocks prompt chunks read back from below the memory tiers
+    layer_kind_bytes: dict[str, int] = field(default_factory=dict)  # global | sliding -> bytes held now
 
 
 class _LiveCollector(Collector):
@@ -82,6 +84,14 @@ class _LiveCollector(Collector):
         throttled = CounterMetricFamily("kvdrive_prefetch_throttled_steps", "decode steps that skipped prefetching "
                                         "because recent prefetches were mostly wasted")
         throttled.add_metric([], c.prefetch_throttled)
+        rereads = CounterMetricFamily("kvdrive_prompt_rereads", "blocks of a prompt in progress that its later "
+                                      "chunks read back from below the memory tiers (its pages had spilled)")
+        rereads.add_metric([], c.prompt_rereads)
+        kinds = GaugeMetricFamily("kvdrive_kv_bytes", "KV bytes held for running sequences by layer kind: global "
+                                  "(pages in the tiers) or sliding (a hybrid model's window rings, on the device)",
+                                  labels=["kind"])
+        for kind, n in sorted(c.layer_kind_bytes.items()):
+            kinds.add_metric([kind], n)
         faults = CounterMetricFamily("kvdrive_tier_faults", "tier faults by kind: an errno name (EIO, ENOSPC, ...) "
                                      "or crc (a block failed its checksum)", labels=["tier", "kind"])
         for (tier, kind), n in sorted(c.faults.items()):
@@ -91,7 +101,7 @@ class _LiveCollector(Collector):
         for t in ("gpu", "dram", "ssd"):
             degraded.add_metric([t], 1.0 if t in c.degraded else 0.0)
         yield from (running, waiting, generated, prompt, preempt, cap, budget, used, cached, reads, moved, prefetch,
-                    wait, steps, hits, misses, throttled, faults, degraded)
+                    wait, steps, hits, misses, throttled, rereads, kinds, faults, degraded)
 
 
 class ServerMetrics:

@@ -16,7 +16,7 @@ import uvicorn
 from kvdrive.runtime.engine import AsyncEngine, EngineConfig, Generator, LLMEngine, SchedulerConfig
 from kvdrive.runtime.kvcache import BudgetError
 from kvdrive.runtime.model import load_model
-from kvdrive.runtime.model.loader import DEMO_ALIAS
+from kvdrive.runtime.model.loader import DEMO_ALIAS, MODEL_ALIASES
 from kvdrive.runtime.server.app import ServerConfig, ServerState, create_app
 from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
 from kvdrive.runtime.server.schemas import TierUsage
@@ -47,7 +47,7 @@ def build_state(opts: ServeOptions) -> ServerState:
                         model_id=opts.served_model_name)
     gen = Generator(loaded, opts.engine)
     engine = LLMEngine(gen, opts.scheduler)
-    aliases = (DEMO_ALIAS,) if opts.model == DEMO_ALIAS else ()
+    aliases = (opts.model,) if opts.model in MODEL_ALIASES else ()
     cache = gen.cache
 
     def tiers() -> list[TierUsage]:
@@ -65,7 +65,8 @@ def build_state(opts: ServeOptions) -> ServerState:
                             prefetch=cache.placer.ledger.counts(), fetch_wait_seconds=cache.fetch_wait_seconds,
                             decode_steps=cache.decode_steps, prefix_hit_pages=cache.prefix_hit_pages,
                             misses=cache.store.misses, prefetch_throttled=cache.placer.throttle.throttled,
-                            faults=cache.store.faults(), degraded=set(cache.store.health()))
+                            faults=cache.store.faults(), degraded=set(cache.store.health()),
+                            prompt_rereads=cache.prompt_store_reads, layer_kind_bytes=cache.bytes_by_layer_kind())
 
     admin = asyncio.Lock()  # one budget change at a time
 

@@ -1,0 +1,109 @@
+"""The KV of sliding-window layers (Gemma 2/3): a ring of the last ``window`` positions per sequence, on
+the compute device, never paged, never tiered, never selected.
+
+A sliding layer's query at position p attends to keys at positions (p - window, p]; nothing older is ever
+read again, so those layers need ``window`` tokens of KV per sequence however long the context grows
+(Gemma 3 270M: 15 of 18 layers, window 512; at 32K tokens they hold 512 tokens, not 32K). Position p lives
+in ring slot p mod C. Keys carry RoPE already, so attention does not care about slot order, only
+about which slots are in the window:
+
+    decode (one token per sequence, batched):  write k, v at slot p mod C, attend over the C slots,
+        masking the slots whose position is outside the window or not written yet      ring rows [B, C]
+    prompt chunk (positions s .. s+n-1):  attend over the ring (positions s-C .. s-1, those >= 0) and the
+        chunk itself, each query within its window; then the chunk's last min(n, C) tokens go in
+
+(C, the ring's capacity, is the window plus one page; see ``__init__``.)
+
+The ring is indexed by the sequence's row (as the page table is), so a row reused by a new sequence
+needs no clearing: slots at or past a position the new sequence has not reached are masked by position.
+Prefix reuse of a hybrid model therefore needs the window too; see ``TieredKVCache.stored_prefix``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class SlidingWindows:
+    def __init__(self, layers: tuple[int, ...], window: int, page_size: int, rows: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.layers = layers
+        self.index = {layer: j for j, layer in enumerate(layers)}  # model layer -> ring layer
+        self.window = window
+        # one page more than the window: whatever a sequence's length, the ring still holds the window that
+        # ended at its last page boundary (what a prefix snapshot keeps, see ``snapshot``)
+        self.capacity = c = window + page_size
+        self.device = device
+        with torch.inference_mode(False):  # written in place by every step
+            # [rows, sliding layers, C, 2 (K, V), Hkv, D]
+            self.ring = torch.zeros((rows, len(layers), c, 2, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.ring.numel() * self.ring.element_size()
+
+    def bytes_per_sequence(self) -> int:
+        return self.nbytes // self.ring.shape[0]
+
+    def decode(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence: rows, positions [B]; q [B, Hq, D], k, v [B, Hkv, D] -> [B, Hq, D]."""
+        j, w, c = self.index[layer], self.window, self.capacity
+        self.ring[rows, j, positions % c] = torch.stack([k, v], dim=1).to(self.ring.dtype)
+        kv = self.ring[rows, j]  # [B, C, 2, Hkv, D]
+        kk, vv = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, C, D]
+        slots = torch.arange(c, device=self.device)
+        held = positions[:, None] - torch.remainder(positions[:, None] - slots[None, :], c)  # [B, C]: each slot's position
+        outside = ((held <= positions[:, None] - w) | (held < 0))[:, None, None, :]  # [B, 1, 1, C]: True = not attended
+        b, hq, d = q.shape
+        hkv = kk.shape[1]
+        qg = (q * (1.0 / math.sqrt(d))).view(b, hkv, hq // hkv, d).to(kk.dtype)
+        scores = torch.matmul(qg, kk.transpose(-1, -2)).float()  # [B, Hkv, G, C]
+        scores.masked_fill_(outside, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(vv.dtype), vv)  # [B, Hkv, G, D]
+        return out.view(b, hq, d).to(q.dtype)
+
+    def prompt(self, layer: int, row: int, start: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk of one sequence at positions start .. start+n-1: q [n, Hq, D], k, v [n, Hkv, D]
+        -> [n, Hq, D]."""
+        j, w, c = self.index[layer], self.window, self.capacity
+        n, dev = q.shape[0], self.device
+        pos = torch.arange(start, start + n, device=dev)  # [n]
+        if start:
+            slots = torch.arange(c, device=dev)
+            ring_pos = start - 1 - torch.remainder(start - 1 - slots, c)  # [C]: the newest position in each slot
+            ring = self.ring[row, j]  # [C, 2, Hkv, D]
+            keys_pos = torch.cat([ring_pos, pos])  # [C + n]
+            ak = torch.cat([ring[:, 0], k.to(ring.dtype)]).transpose(0, 1)  # [Hkv, C + n, D]
+            av = torch.cat([ring[:, 1], v.to(ring.dtype)]).transpose(0, 1)
+        else:
+            keys_pos, ak, av = pos, k.transpose(0, 1), v.transpose(0, 1)
+        visible = (keys_pos[None, :] <= pos[:, None]) & (keys_pos[None, :] > pos[:, None] - w) \
+            & (keys_pos[None, :] >= 0)  # [n, T]
+        qh = q.transpose(0, 1).to(ak.dtype)  # [Hq, n, D]
+        out = F.scaled_dot_product_attention(qh, ak, av, attn_mask=visible, scale=1.0 / math.sqrt(q.shape[-1]),
+                                             enable_gqa=True)  # [Hq, n, D]
+        keep = min(n, c)
+        self.ring[row, j, pos[n - keep :] % c] = torch.stack([k[n - keep :], v[n - keep :]], dim=1).to(self.ring.dtype)
+        return out.transpose(0, 1).to(q.dtype)
+
+    # --- prefix snapshots (window_snapshots) -----------------------------------------------------
+    def _span(self, end: int) -> torch.Tensor:
+        """Ring slots of the window that ends before position ``end``: [n], n = min(W, end)."""
+        return torch.arange(max(0, end - self.window), end, device=self.device) % self.capacity
+
+    def snapshot(self, row: int, end: int) -> torch.Tensor:
+        """The window before position ``end`` of the sequence in ``row`` (its length may be up to a page
+        past ``end``): [layers, n, 2, Hkv, D]."""
+        return self.ring[row][:, self._span(end)]
+
+    def empty_snapshot(self, end: int) -> torch.Tensor:
+        return torch.empty_like(self.ring[0][:, self._span(end)])
+
+    def restore(self, row: int, end: int, window: torch.Tensor) -> None:
+        """Put a snapshot of the window before ``end`` into ``row`` (a sequence resuming at ``end``)."""
+        self.ring[row][:, self._span(end)] = window.to(self.ring.dtype)

@@ -1,0 +1,140 @@
+"""Hybrid attention through the engine: sliding-window layers keep a ring of their window, global layers
+use the tiers, and the logits are those of attending over the whole KV with the window mask.
+
+A tiny random Llama is made hybrid by its config (layer 0 slides with a 6-token window, layer 1 is
+global), so the engine's sliding path is checked against a dense reference that keeps every token's K/V
+and masks by position: prompts in chunks that straddle the window, batched decodes past it, and a row
+reused by a second sequence (stale ring slots must never be attended to).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
+from kvdrive.runtime.model import LoadedModel, load_model
+
+WINDOW = 6
+
+
+class DenseWindowReference:
+    """Every token's K/V in full; sliding layers mask keys outside (p - window, p]."""
+
+    def __init__(self, sliding: tuple[int, ...], window: int) -> None:
+        self.sliding, self.window = sliding, window
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.positions = torch.zeros(0, dtype=torch.int64)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # one sequence: q [N, Hq, D], k, v [N, Hkv, D] appended after what it holds -> [N, Hq, D]
+        self.k[layer] = torch.cat([self.k.get(layer, k[:0]), k])
+        self.v[layer] = torch.cat([self.v.get(layer, v[:0]), v])
+        t, n = self.k[layer].shape[0], q.shape[0]
+        kp, qp = torch.arange(t), torch.arange(t - n, t)
+        mask = kp[None, :] <= qp[:, None]
+        if layer in self.sliding:
+            mask &= kp[None, :] > qp[:, None] - self.window
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), self.k[layer].transpose(0, 1),
+                                             self.v[layer].transpose(0, 1), attn_mask=mask,
+                                             scale=1 / math.sqrt(q.shape[-1]), enable_gqa=True)
+        return out.transpose(0, 1)
+
+
+def _hybrid(loaded: LoadedModel) -> LoadedModel:
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, sliding_window=WINDOW,
+                                                                   sliding_layers=(0,)))
+
+
+def _reference_greedy(loaded: LoadedModel, prompt: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+    """Logits of every prompt position and then of each greedy token fed back [T + n - 1, V], and the ``n``
+    greedy tokens, from the dense reference."""
+    ref = DenseWindowReference(loaded.config.sliding_layers, WINDOW)
+    model = loaded.model
+    logits = [model.logits(model(torch.tensor(prompt), torch.arange(len(prompt)), ref))]
+    out, tok, pos = [], int(logits[0][-1].argmax()), len(prompt)
+    for i in range(n):
+        out.append(tok)
+        if i + 1 < n:
+            logits.append(model.logits(model(torch.tensor([tok]), torch.tensor([pos]), ref)))
+            tok, pos = int(logits[-1][-1].argmax()), pos + 1
+    return torch.cat(logits), out
+
+
+def test_sliding_layers_match_attention_over_the_whole_kv_with_the_window_mask(hf_model_factory,
+                                                                                tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
+    loaded = _hybrid(load_model(str(path), progress=False))
+    prompts = [list(range(5, 45)), list(range(60, 83))]  # 40 and 23 tokens: several windows each
+    gen = Generator(loaded, EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2,
+                                         tiers=TierConfig(gpu_bytes=1 << 22)))
+    assert gen.cache.layout.num_layers == 1  # the tiers hold the one global layer
+    assert gen.cache.windows is not None and gen.cache.windows.ring.shape[2] == WINDOW + 4  # the window and a page
+    expected = [_reference_greedy(loaded, p, 12) for p in prompts]
+
+    seqs = [gen.new_sequence() for _ in prompts]
+    for seq, p, (ref_logits, _) in zip(seqs, prompts, expected, strict=True):
+        ours = gen.prefill(seq, p, all_logits=True)  # chunks of 7 tokens straddle the 6-token window
+        torch.testing.assert_close(ours, ref_logits[: len(p)], atol=2e-4, rtol=1e-4)
+    # batched decodes past the window, both sequences in one step
+    last = [int(_reference_greedy(loaded, p, 1)[1][0]) for p in prompts]
+    got: list[list[int]] = [[t] for t in last]
+    for _ in range(11):
+        logits = gen.decode([(seq, g[-1]) for seq, g in zip(seqs, got, strict=True)])
+        for g, row in zip(got, logits, strict=True):
+            g.append(int(row.argmax()))
+    assert got == [e[1] for e in expected]
+
+    # the first sequence's row is reused by a shorter one: its old ring slots must not leak in
+    gen.release(seqs[0])
+    short = list(range(100, 104))  # shorter than the window: slots past it still hold the old sequence's KV
+    seq = gen.new_sequence()
+    ref_logits, ref_tokens = _reference_greedy(loaded, short, 4)
+    ours = [gen.prefill(seq, short, all_logits=True)]
+    for tok in ref_tokens[:3]:  # decodes at positions 4-6: the window fills over the old sequence's slots
+        ours.append(gen.decode([(seq, tok)]))
+    torch.testing.assert_close(torch.cat(ours), ref_logits, atol=2e-4, rtol=1e-4)
+
+
+def test_a_reused_prefix_restores_the_window_its_prompt_left(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A prompt that is in keeps its sliding window at its last page boundary (a snapshot on the SSD
+    tier's disk). After a restart, a prompt with that prefix reuses the global pages and restores the
+    window, and its logits are those of computing everything; a snapshot that fails its checksum means
+    recomputing."""
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
+    loaded = _hybrid(load_model(str(path), progress=False))
+    ssd = tmp_path / "ssd"
+    config = EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2, tiers=TierConfig(
+        gpu_bytes=1 << 22, ssd_dir=str(ssd), ssd_bytes=16 << 20))
+    gen = Generator(loaded, config)
+    doc = list(range(5, 45))  # 40 tokens: 10 pages
+    first, reused = gen.open_sequence(doc)
+    assert reused == 0
+    logits = gen.prefill(first, doc)
+    gen.decode([(first, int(logits.argmax()))])  # the prompt is in: its window is kept, at 9 pages (for
+    # the same prompt again: reuse stops at the last page before its final token) and at 10 (a continuation)
+    assert gen.cache.snapshots is not None and gen.cache.snapshots.saved == 2
+    gen.release(first)
+    gen.close()
+    gen = Generator(loaded, config)  # a restart: the pages and the snapshot come from the SSD tier's disk
+
+    follow = doc + list(range(150, 161))  # the same document, another question
+    ref_logits, _ = _reference_greedy(loaded, follow, 1)
+    seq, reused = gen.open_sequence(follow)
+    assert reused == 40  # the 10 pages and the window before them
+    torch.testing.assert_close(gen.prefill(seq, follow[reused:], all_logits=True), ref_logits[reused:],
+                               atol=2e-4, rtol=1e-4)
+    gen.release(seq)
+
+    for snap in (ssd / "windows").glob("*.win"):
+        raw = bytearray(snap.read_bytes())
+        raw[-5] ^= 0xFF
+        snap.write_bytes(bytes(raw))
+    seq, reused = gen.open_sequence(follow)
+    assert reused == 0 and gen.cache.snapshots.failed == 1  # recomputed, never a corrupt window served
+    torch.testing.assert_close(gen.prefill(seq, follow, all_logits=True), ref_logits, atol=2e-4, rtol=1e-4)
