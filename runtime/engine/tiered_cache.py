@@ -68,8 +68,9 @@ class TieredKVCache:
         self.placer = Placer(self.policy, self.store)
         # a hybrid model's prefix reuse restores the sliding layers' window from snapshots (window_snapshots)
         self.snapshots = WindowSnapshots(
-            Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir and tiers.persist else None,
-            max(SNAPSHOT_MIN_BYTES, tiers.ssd_bytes // SNAPSHOT_SSD_SHARE)) if windows is not None else None
+            Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir else None,
+            max(SNAPSHOT_MIN_BYTES, tiers.ssd_bytes // SNAPSHOT_SSD_SHARE), writable=tiers.persist) \
+            if windows is not None else None
         self.keeper = WindowKeeper(windows, self.snapshots, layout.page_size) \
             if windows is not None and self.snapshots is not None else None
         self._stepping: list[SeqKV] = []  # sequences begun and not yet settled by finish_step
@@ -355,10 +356,11 @@ class TieredKVCache:
         return out
 
     def bytes_by_layer_kind(self) -> dict[str, int]:
-        """KV bytes held for running sequences by layer kind: ``global`` (pages in the tiers and open pages)
-        and ``sliding`` (the window rings of a hybrid model; 0 otherwise)."""
+        """Distinct KV bytes the running sequences hold, by layer kind (a page with copies in two tiers
+        counts once): ``global`` (their sealed pages and open pages) and ``sliding`` (the window rings of a
+        hybrid model; 0 otherwise)."""
         sliding = len(self._seqs) * self.windows.bytes_per_sequence() if self.windows is not None else 0
-        return {"global": self.used_bytes - sliding, "sliding": sliding}
+        return {"global": (len(self._refs) + len(self._seqs)) * self.layout.page_bytes, "sliding": sliding}
 
     def page_reads(self) -> dict[str, int]:
         """Needed pages read, by the tier they were found in (in place by the decode loop, or by the store)."""

@@ -9,7 +9,8 @@ prompt's last page boundary is kept instead, one snapshot per boundary:
 - named by that page's digest, content-addressed like the pages (the model fingerprint, the KV layout and
   every token before the boundary), so any later prompt with that prefix may use it;
 - on the SSD tier's disk when there is one (``<ssd-dir>/windows/``: written to a temporary file, fsynced,
-  renamed; checked by size and CRC32 when read, and deleted when it fails), else in host memory;
+  renamed; checked by size and CRC32 when read, and deleted when it fails), else in host memory (and
+  without write-through, ``TierConfig.persist`` False, the disk's snapshots are read, new ones kept in memory);
 - dropped oldest-first past a byte budget.
 
 A snapshot is [sliding layers, n, 2, Hkv, D] for the n = min(W, boundary) positions before the boundary.
@@ -38,19 +39,20 @@ HEADER = struct.Struct("<8sIQ")  # magic, crc32 of the payload, payload bytes
 
 
 class WindowSnapshots:
-    def __init__(self, directory: Path | None, max_bytes: int) -> None:
+    def __init__(self, directory: Path | None, max_bytes: int, writable: bool = True) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
+        self.writable = writable  # False (no write-through): the directory's snapshots are read, new ones kept in memory
         self._memory: dict[str, bytes] = {}
         self._sizes: dict[str, int] = {}  # name -> bytes, oldest first (insertion order, refreshed on use)
         self.saved = self.loaded = self.failed = 0
-        if directory is not None:
+        if directory is not None and writable:
             directory.mkdir(parents=True, exist_ok=True)
-            files = sorted(directory.glob("*.win"), key=lambda f: f.stat().st_mtime)
-            for f in files:
-                self._sizes[f.stem] = f.stat().st_size
             for f in directory.glob("*.tmp"):  # a write that a crash interrupted
                 f.unlink(missing_ok=True)
+        if directory is not None and directory.is_dir():
+            for f in sorted(directory.glob("*.win"), key=lambda f: f.stat().st_mtime):
+                self._sizes[f.stem] = f.stat().st_size
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +71,7 @@ class WindowSnapshots:
         if len(blob) > self.max_bytes:
             return
         self._make_room(len(blob))
-        if self.directory is None:
+        if self.directory is None or not self.writable:
             self._memory[name] = blob
         else:
             tmp, final = self.directory / f"{name}.tmp", self.directory / f"{name}.win"
@@ -93,7 +95,8 @@ class WindowSnapshots:
         if name not in self._sizes:
             return None
         try:
-            blob = self._memory[name] if self.directory is None else (self.directory / f"{name}.win").read_bytes()
+            blob = self._memory.get(name) or (self.directory / f"{name}.win").read_bytes() if self.directory \
+                else self._memory.get(name, b"")
         except OSError:
             blob = b""
         want = like.numel() * like.element_size()
@@ -117,8 +120,7 @@ class WindowSnapshots:
 
     def _drop(self, name: str) -> None:
         self._sizes.pop(name, None)
-        self._memory.pop(name, None)
-        if self.directory is not None:
+        if self._memory.pop(name, None) is None and self.directory is not None and self.writable:
             (self.directory / f"{name}.win").unlink(missing_ok=True)
 
 

@@ -87,9 +87,9 @@ class _LiveCollector(Collector):
         rereads = CounterMetricFamily("kvdrive_prompt_rereads", "blocks of a prompt in progress that its later "
                                       "chunks read back from below the memory tiers (its pages had spilled)")
         rereads.add_metric([], c.prompt_rereads)
-        kinds = GaugeMetricFamily("kvdrive_kv_bytes", "KV bytes held for running sequences by layer kind: global "
-                                  "(pages in the tiers) or sliding (a hybrid model's window rings, on the device)",
-                                  labels=["kind"])
+        kinds = GaugeMetricFamily("kvdrive_kv_bytes", "distinct KV bytes the running sequences hold by layer kind: "
+                                  "global (their pages, in whichever tiers) or sliding (a hybrid model's window "
+                                  "rings, on the device)", labels=["kind"])
         for kind, n in sorted(c.layer_kind_bytes.items()):
             kinds.add_metric([kind], n)
         faults = CounterMetricFamily("kvdrive_tier_faults", "tier faults by kind: an errno name (EIO, ENOSPC, ...) "

@@ -81,6 +81,9 @@ def test_sliding_layers_match_attention_over_the_whole_kv_with_the_window_mask(h
     for seq, p, (ref_logits, _) in zip(seqs, prompts, expected, strict=True):
         ours = gen.prefill(seq, p, all_logits=True)  # chunks of 7 tokens straddle the 6-token window
         torch.testing.assert_close(ours, ref_logits[: len(p)], atol=2e-4, rtol=1e-4)
+    cache = gen.cache
+    held = cache.bytes_by_layer_kind()  # 10 + 5 sealed pages and 2 open ones of the global layer; 2 rings
+    assert held == {"global": (15 + 2) * cache.layout.page_bytes, "sliding": 2 * cache.windows.bytes_per_sequence()}
     # batched decodes past the window, both sequences in one step
     last = [int(_reference_greedy(loaded, p, 1)[1][0]) for p in prompts]
     got: list[list[int]] = [[t] for t in last]
@@ -138,3 +141,34 @@ def test_a_reused_prefix_restores_the_window_its_prompt_left(hf_model_factory, t
     seq, reused = gen.open_sequence(follow)
     assert reused == 0 and gen.cache.snapshots.failed == 1  # recomputed, never a corrupt window served
     torch.testing.assert_close(gen.prefill(seq, follow, all_logits=True), ref_logits, atol=2e-4, rtol=1e-4)
+
+
+def test_without_write_through_the_disk_snapshots_are_read_and_new_ones_stay_in_memory(
+        hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``persist=False`` (the accuracy bench's reference and candidate runs) reuses what a persisting run
+    left on disk, and writes nothing there."""
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
+    loaded = _hybrid(load_model(str(path), progress=False))
+    tiers = TierConfig(gpu_bytes=1 << 22, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20)
+    doc = list(range(5, 45))
+    gen = Generator(loaded, EngineConfig(page_size=4, max_sequences=2, tiers=tiers))
+    seq, _ = gen.open_sequence(doc)
+    gen.prefill(seq, doc)
+    gen.release(seq)  # a clean release keeps the window too
+    gen.close()
+    on_disk = sorted(p.name for p in (tmp_path / "ssd" / "windows").iterdir())
+    assert len(on_disk) == 2
+
+    reader = Generator(loaded, EngineConfig(page_size=4, max_sequences=2,
+                                            tiers=dataclasses.replace(tiers, persist=False)))
+    seq, reused = reader.open_sequence(doc)
+    assert reused == 36  # the last page before the final token, restored from the disk's snapshot
+    torch.testing.assert_close(reader.prefill(seq, doc[reused:], all_logits=True),
+                               _reference_greedy(loaded, doc, 1)[0][reused:], atol=2e-4, rtol=1e-4)
+    other = list(range(60, 100))
+    seq2, _ = reader.open_sequence(other)
+    reader.prefill(seq2, other)
+    reader.release(seq2)
+    assert reader.cache.snapshots is not None and reader.cache.snapshots.saved == 2  # kept, in memory
+    assert sorted(p.name for p in (tmp_path / "ssd" / "windows").iterdir()) == on_disk
+    reader.close()
