@@ -128,14 +128,8 @@ class Gemma3Model(nn.Module):
     @torch.inference_mode()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named Gemma3ForCausalLM weights (zero-centred norm weights)."""
-        cfg = self.cfg
         w = HFWeights(weights)
-        w.load(self.embed_tokens.weight, "embed_tokens.weight")
-        w.load(self.norm.weight, "norm.weight")
-        if self.lm_head is not None:
-            name = "lm_head.weight"
-            w.put(self.lm_head.weight, w.take(name) if name in w else w.take("embed_tokens.weight"), name)
-        w.consumed.add("lm_head.weight")
+        w.load_ends(self)
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -143,14 +137,5 @@ class Gemma3Model(nn.Module):
                 w.load(getattr(layer, norm).weight, p + f"{norm}.weight")
             w.load(layer.q_norm.weight, p + "self_attn.q_norm.weight")
             w.load(layer.k_norm.weight, p + "self_attn.k_norm.weight")
-            qkv = torch.cat([w.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
-            w.put(layer.qkv_proj.weight, qkv, p + "qkv_proj")
-            w.load(layer.o_proj.weight, p + "self_attn.o_proj.weight")
-            if cfg.attention_bias:
-                bias = torch.cat([w.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
-                w.put(layer.qkv_proj.bias, bias, p + "qkv_proj.bias")
-                w.load(layer.o_proj.bias, p + "self_attn.o_proj.bias")
-            gate_up = torch.cat([w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight")], dim=0)
-            w.put(layer.gate_up_proj.weight, gate_up, p + "gate_up_proj")
-            w.load(layer.down_proj.weight, p + "mlp.down_proj.weight")
+            w.load_projections(layer, p, qkv_bias=self.cfg.attention_bias, o_bias=self.cfg.attention_bias)
         w.check_all_used()

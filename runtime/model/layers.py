@@ -68,6 +68,29 @@ class HFWeights:
     def load(self, param: torch.Tensor, name: str) -> None:
         self.put(param, self.take(name), name)
 
+    def load_ends(self, model: nn.Module) -> None:
+        """The embeddings, the final norm and the LM head (the embeddings again when it is tied or absent)."""
+        self.load(model.embed_tokens.weight, "embed_tokens.weight")
+        self.load(model.norm.weight, "norm.weight")
+        if model.lm_head is not None:
+            name = "lm_head.weight"
+            self.put(model.lm_head.weight, self.take(name) if name in self else self.take("embed_tokens.weight"), name)
+        self.consumed.add("lm_head.weight")
+
+    def load_projections(self, layer: nn.Module, prefix: str, qkv_bias: bool, o_bias: bool = False) -> None:
+        """A decoder layer's fused q/k/v and gate/up projections, its output and down projections."""
+        def cat(names: list[str]) -> torch.Tensor:
+            return torch.cat([self.take(prefix + n) for n in names], dim=0)
+
+        self.put(layer.qkv_proj.weight, cat([f"self_attn.{n}_proj.weight" for n in "qkv"]), prefix + "qkv_proj")
+        if qkv_bias:
+            self.put(layer.qkv_proj.bias, cat([f"self_attn.{n}_proj.bias" for n in "qkv"]), prefix + "qkv_proj.bias")
+        self.load(layer.o_proj.weight, prefix + "self_attn.o_proj.weight")
+        if o_bias:
+            self.load(layer.o_proj.bias, prefix + "self_attn.o_proj.bias")
+        self.put(layer.gate_up_proj.weight, cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"]), prefix + "gate_up_proj")
+        self.load(layer.down_proj.weight, prefix + "mlp.down_proj.weight")
+
     def check_all_used(self, ignore: tuple[str, ...] = ("rotary_emb",)) -> None:
         unused = sorted(k for k in self.w if k not in self.consumed and not any(s in k for s in ignore))
         if unused:

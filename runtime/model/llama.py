@@ -80,25 +80,11 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face-named weights (``model.layers.0.self_attn.q_proj.weight`` ...)."""
-        cfg = self.cfg
         w = HFWeights(weights)
-        w.load(self.embed_tokens.weight, "embed_tokens.weight")
-        w.load(self.norm.weight, "norm.weight")
-        if self.lm_head is not None:
-            name = "lm_head.weight"
-            w.put(self.lm_head.weight, w.take(name) if name in w else w.take("embed_tokens.weight"), name)
-        w.consumed.add("lm_head.weight")
+        w.load_ends(self)
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             w.load(layer.input_layernorm.weight, p + "input_layernorm.weight")
             w.load(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-            qkv = torch.cat([w.take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
-            w.put(layer.qkv_proj.weight, qkv, p + "qkv_proj")
-            if cfg.attention_bias:
-                bias = torch.cat([w.take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0)
-                w.put(layer.qkv_proj.bias, bias, p + "qkv_proj.bias")
-            w.load(layer.o_proj.weight, p + "self_attn.o_proj.weight")
-            gate_up = torch.cat([w.take(p + "mlp.gate_proj.weight"), w.take(p + "mlp.up_proj.weight")], dim=0)
-            w.put(layer.gate_up_proj.weight, gate_up, p + "gate_up_proj")
-            w.load(layer.down_proj.weight, p + "mlp.down_proj.weight")
+            w.load_projections(layer, p, qkv_bias=self.cfg.attention_bias)
         w.check_all_used()
