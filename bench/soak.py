@@ -113,7 +113,8 @@ async def reference(args: argparse.Namespace, tmp: Path) -> list[str]:
 
 
 def flags(args: argparse.Namespace) -> tuple[str, ...]:
-    return (*FLAGS, "--threads", str(args.threads), "--step-tokens", str(args.step_tokens))
+    return (*FLAGS, "--threads", str(args.threads), "--step-tokens", str(args.step_tokens),
+            "--step-seconds", str(args.step_seconds))
 
 
 async def soak(args: argparse.Namespace, tmp: Path, ref: list[str]) -> dict[str, Any]:
@@ -248,6 +249,7 @@ def main() -> int:
     ap.add_argument("--retune", type=float, default=15.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--step-tokens", type=int, default=256, help="the servers' --step-tokens (prompt tokens a step)")
+    ap.add_argument("--step-seconds", type=float, default=1.0, help="the servers' --step-seconds (0: no pacing)")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--workdir", type=Path, default=None, help="keep the servers' logs and SSD files here")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
