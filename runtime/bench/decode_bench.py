@@ -72,9 +72,9 @@ class DecodeBenchResult:
     seconds: float = 0.0
 
 
-def _config(mode: str, total: int, batch: int, page_bytes: int, ssd_dir: str, ssd_budget: int,
+def _config(mode: str, total: int, batch: int, page_bytes: int, seq_reserve: int, ssd_dir: str, ssd_budget: int,
             token_budget: int) -> EngineConfig:
-    tails = batch * page_bytes
+    tails = batch * seq_reserve  # each sequence's open page (and a hybrid model's sliding window)
     if mode == "sparse-gpu":
         tiers = TierConfig(gpu_bytes=int(total * 1.1) + tails + 4 * page_bytes, ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
         placement = "kvdrive"
@@ -179,7 +179,7 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
     started = time.perf_counter()
     loaded = loaded or load_model(model)
     probe = Generator(loaded, EngineConfig(max_sequences=1))
-    layout = probe.cache.layout
+    layout, seq_reserve = probe.cache.layout, probe.cache.seq_reserve
     probe.close()
     del probe
     per_token = layout.page_bytes // layout.page_size
@@ -208,7 +208,8 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
         bar.update()
         for mode in modes:
             bar.set_postfix_str(f"ctx {ctx} batch {b}: {mode}")
-            cfg = _config(mode, ctx * b * per_token, b, layout.page_bytes, ssd_dir, ssd_budget, token_budget)
+            cfg = _config(mode, ctx * b * per_token, b, layout.page_bytes, seq_reserve, ssd_dir, ssd_budget,
+                          token_budget)
             out.results.append(_run_mode(loaded, mode, [p[:ctx] for p in longest[:b]], cfg, steps, warmup,
                                          layout.block_bytes))
             gc.collect()

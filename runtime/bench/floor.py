@@ -35,14 +35,17 @@ KERNELS: dict[str, Attention] = {"matmul-softmax": _matmul_softmax, "sdpa": _sdp
 
 
 class FloorBackend:
-    """``AttentionBackend`` over a contiguous KV [L, 2, B, Hkv, T, D]; the step's token is written at T-1."""
+    """``AttentionBackend`` over a contiguous KV per layer [2, B, Hkv, T, D] (T: the token budget, or a sliding
+    layer's window when that is shorter); the step's token is written at T-1."""
 
     def __init__(self, loaded: LoadedModel, batch: int, tokens: int, dtype: torch.dtype, attention: Attention) -> None:
         cfg = loaded.config
         dev = loaded.model.embed_tokens.weight.device
         g = torch.Generator(device=dev).manual_seed(0)
-        self.kv = torch.randn((cfg.num_layers, 2, batch, cfg.num_kv_heads, tokens, cfg.head_dim),
-                              generator=g, device=dev).to(dtype)
+        sliding = set(cfg.sliding_layers)
+        self.kv = [torch.randn((2, batch, cfg.num_kv_heads, min(tokens, cfg.sliding_window) if i in sliding
+                                else tokens, cfg.head_dim), generator=g, device=dev).to(dtype)
+                   for i in range(cfg.num_layers)]
         self.attention = attention
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
