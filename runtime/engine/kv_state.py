@@ -54,6 +54,7 @@ class SeqKV:
     inexact: bool = False  # a decode step attended to selected pages only: later pages are addressed apart
     prefilling: bool = True  # its prompt is still going in: placement holds its pages in the memory tiers
     settled: bool = True  # its last step finished (False from ``begin`` until ``finish_step``)
+    window_from: int = 0  # hybrid models: the first position whose sliding-layer KV its ring was given
 
 
 @dataclass(frozen=True)

@@ -139,8 +139,11 @@ class WindowKeeper:
             return
         s = self.page_size
         for pages in sorted({(seq.length - 1) // s, seq.length // s}):
+            end = pages * s
+            if max(0, end - self.windows.window) < seq.window_from:
+                continue  # a restored ring holds the window at its restore point, not the one before it
             if pages and pages <= len(seq.digests) and not self.snapshots.has(seq.digests[pages - 1]):
-                self.snapshots.save(seq.digests[pages - 1], self.windows.snapshot(seq.row, pages * s))
+                self.snapshots.save(seq.digests[pages - 1], self.windows.snapshot(seq.row, end))
 
     def restore(self, row: int, pages: int, digest: bytes) -> bool:
         """The window before page ``pages`` (ending at page ``digest``) into ``row``; False when it is gone."""

@@ -172,3 +172,29 @@ def test_without_write_through_the_disk_snapshots_are_read_and_new_ones_stay_in_
     assert reader.cache.snapshots is not None and reader.cache.snapshots.saved == 2  # kept, in memory
     assert sorted(p.name for p in (tmp_path / "ssd" / "windows").iterdir()) == on_disk
     reader.close()
+
+
+def test_a_ring_restored_at_one_boundary_is_never_kept_for_an_earlier_one(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A reused prefix restores the window before its last page boundary only. Freed at once (no step), its
+    ring does not hold the window before the page boundary just below (those positions were never given
+    back), so no snapshot is kept there, and a shorter prompt ending at that boundary is recomputed, exact."""
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
+    loaded = _hybrid(load_model(str(path), progress=False))
+    config = EngineConfig(page_size=4, max_sequences=2, tiers=TierConfig(
+        gpu_bytes=1 << 22, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20))
+    doc = list(range(5, 45))
+    gen = Generator(loaded, config)
+    seq, _ = gen.open_sequence(doc)
+    gen.prefill(seq, doc)
+    gen.release(seq)  # windows kept at 36 and 40 tokens
+    gen.close()
+    gen = Generator(loaded, config)  # restarted: memory tiers empty, rings blank
+    seq, reused = gen.open_sequence(doc)
+    assert reused == 36
+    gen.release(seq)  # no step ran: the ring holds positions 30-35 only
+    assert gen.cache.snapshots is not None and gen.cache.snapshots.saved == 0
+    short = doc[:33]  # its reusable boundary is 32 tokens: the window before it needs positions 26-31
+    seq, reused = gen.open_sequence(short)
+    assert reused == 0
+    torch.testing.assert_close(gen.prefill(seq, short, all_logits=True), _reference_greedy(loaded, short, 1)[0],
+                               atol=2e-4, rtol=1e-4)
