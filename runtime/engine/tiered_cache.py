@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 __all__ = ["PageLostError", "StepSeq", "TieredKVCache"]
 
 SNAPSHOT_SSD_SHARE = 8  # sliding-window snapshots may take 1/8 of the SSD budget on its disk ...
-SNAPSHOT_MIN_BYTES = 256 << 20  # ... and at least this much (in host memory when there is no SSD tier)
+SNAPSHOT_MIN_DISK_BYTES = 1 << 30  # ... and at least 1 GiB (a Gemma 3 270M window is 15 MiB at fp32)
+SNAPSHOT_MEMORY_BYTES = 256 << 20  # in host memory when there is no SSD tier
 
 
 class TieredKVCache:
@@ -69,8 +70,8 @@ class TieredKVCache:
         # a hybrid model's prefix reuse restores the sliding layers' window from snapshots (window_snapshots)
         self.snapshots = WindowSnapshots(
             Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir else None,
-            max(SNAPSHOT_MIN_BYTES, tiers.ssd_bytes // SNAPSHOT_SSD_SHARE), writable=tiers.persist) \
-            if windows is not None else None
+            max(SNAPSHOT_MIN_DISK_BYTES, tiers.ssd_bytes // SNAPSHOT_SSD_SHARE) if tiers.ssd_dir
+            else SNAPSHOT_MEMORY_BYTES, writable=tiers.persist) if windows is not None else None
         self.keeper = WindowKeeper(windows, self.snapshots, layout.page_size) \
             if windows is not None and self.snapshots is not None else None
         self._stepping: list[SeqKV] = []  # sequences begun and not yet settled by finish_step

@@ -10,7 +10,7 @@ prompt's last page boundary is kept instead, one snapshot per boundary:
   every token before the boundary), so any later prompt with that prefix may use it;
 - on the SSD tier's disk when there is one (``<ssd-dir>/windows/``: written to a temporary file, fsynced,
   renamed; checked by size and CRC32 when read, and deleted when it fails), else in host memory (and
-  without write-through, ``TierConfig.persist`` False, the disk's snapshots are read, new ones kept in memory);
+  without write-through, ``TierConfig.persist`` False, the disk's snapshots are read and none added);
 - dropped oldest-first past a byte budget.
 
 A snapshot is [sliding layers, n, 2, Hkv, D] for the n = min(W, boundary) positions before the boundary.
@@ -42,7 +42,7 @@ class WindowSnapshots:
     def __init__(self, directory: Path | None, max_bytes: int, writable: bool = True) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
-        self.writable = writable  # False (no write-through): the directory's snapshots are read, new ones kept in memory
+        self.writable = writable  # False (no write-through): the directory's snapshots are read, none are added
         self._memory: dict[str, bytes] = {}
         self._sizes: dict[str, int] = {}  # name -> bytes, oldest first (insertion order, refreshed on use)
         self.saved = self.loaded = self.failed = 0
@@ -64,14 +64,14 @@ class WindowSnapshots:
     def save(self, digest: bytes, window: torch.Tensor) -> None:
         """Keep ``window`` [layers, n, 2, Hkv, D] as the snapshot of the boundary ending at page ``digest``."""
         name = digest.hex()
-        if name in self._sizes:
+        if name in self._sizes or (self.directory is not None and not self.writable):
             return
         payload = window.contiguous().cpu().view(torch.uint8).numpy().tobytes()
         blob = HEADER.pack(MAGIC, zlib.crc32(payload), len(payload)) + payload
         if len(blob) > self.max_bytes:
             return
         self._make_room(len(blob))
-        if self.directory is None or not self.writable:
+        if self.directory is None:
             self._memory[name] = blob
         else:
             tmp, final = self.directory / f"{name}.tmp", self.directory / f"{name}.win"
