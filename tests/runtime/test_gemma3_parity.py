@@ -104,7 +104,7 @@ def test_gguf_written_like_llama_cpp_matches(pattern: bool, tmp_path: Path) -> N
 def _multimodal_checkpoint(directory: Path) -> torch.nn.Module:
     """A tiny Gemma3ForConditionalGeneration (vision tower included) saved as transformers saves it."""
     import transformers
-    from conftest import byte_level_tokenizer_json
+    from tokenizerkit import byte_level_tokenizer_json
 
     vocab = byte_level_tokenizer_json(directory)
     text = transformers.Gemma3TextConfig(
