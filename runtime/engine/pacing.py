@@ -10,7 +10,8 @@ to a time-between-tokens target:
     prompt budget = (target - base) / per_token, within [min_prompt_tokens, step_token_budget - decodes]
 
 Decodes are never cut, and the oldest prompt keeps its share of whatever budget there is (the
-scheduler's rule), so a tight target slows prefill, never stops it. Target 0 turns pacing off.
+scheduler's rule), so a tight target slows prefill, never stops it. A step with no decode in it waits on
+nobody and keeps the full budget. Target 0 turns pacing off.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class StepPacer:
 
     def budget(self, decodes: int) -> int:
         """The next step's token budget (decodes included) for ``decodes`` decoding sequences."""
-        if not self.target_s or not self.per_token_s:
-            return self.max_tokens
+        if not self.target_s or not self.per_token_s or not decodes:
+            return self.max_tokens  # nobody is waiting for a token: the step may be as long as its prompts need
         fit = int((self.target_s - self.base_s) / self.per_token_s)
         prompt = max(self.min_prompt_tokens, min(fit, self.max_tokens - decodes))
         return decodes + prompt

@@ -33,6 +33,7 @@ def test_the_budget_follows_the_measured_cost_of_a_step() -> None:
     assert pacer.budget(decodes=4) == pytest.approx(4 + 100, abs=2)
     pacer.observe(5.0, prompt_tokens=0)  # decodes alone exceed the target: prompts still get their floor
     assert pacer.budget(decodes=4) == 4 + pacer.min_prompt_tokens
+    assert pacer.budget(decodes=0) == 512  # no decode waits on the step: prefill at the full budget
     fast = StepPacer(target_s=1.0, max_tokens=512)
     fast.observe(0.01, prompt_tokens=0)
     fast.observe(0.02, prompt_tokens=256)
@@ -42,10 +43,15 @@ def test_the_budget_follows_the_measured_cost_of_a_step() -> None:
     assert off.budget(decodes=4) == 512
 
 
-def _prompt_tokens_per_step(path, step_seconds: float) -> list[int]:  # type: ignore[no-untyped-def]
+def _prompt_tokens_per_step(path, step_seconds: float, beside_a_decode: bool = True) -> list[int]:  # type: ignore[no-untyped-def]
+    """A 200-token prompt goes in, while a short request decodes (40 tokens) unless not ``beside_a_decode``;
+    the prompt tokens of each step."""
     gen = Generator(load_model(str(path), progress=False), EngineConfig(page_size=4))
     engine = LLMEngine(gen, SchedulerConfig(step_token_budget=64, step_seconds=step_seconds))
-    engine.add_request(Request("long", tuple(range(3, 203)), SamplingParams(max_tokens=2, ignore_eos=True), 0.0))
+    if beside_a_decode:
+        engine.add_request(Request("chat", (5, 6, 7), SamplingParams(max_tokens=40, ignore_eos=True), 0.0))
+        engine.step()  # its prompt; it decodes from the next step on
+    engine.add_request(Request("long", tuple(range(3, 203)), SamplingParams(max_tokens=2, ignore_eos=True), 1.0))
     sizes = []
     while engine.has_work():
         engine.step()
@@ -56,8 +62,10 @@ def _prompt_tokens_per_step(path, step_seconds: float) -> list[int]:  # type: ig
 def test_a_slow_engine_feeds_its_prompt_in_smaller_chunks(hf_model_factory) -> None:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
     fixed = _prompt_tokens_per_step(path, step_seconds=0.0)
-    assert fixed == [64, 64, 64, 8]  # the configured budget, step after step
+    assert fixed == [63, 63, 63, 11]  # the configured budget less the decode, step after step
     paced = _prompt_tokens_per_step(path, step_seconds=1e-6)  # any step is slower than this target
-    assert paced[0] == 64  # nothing measured before the first step
+    assert paced[0] == 63  # nothing measured yet
     assert paced[1:-1] and set(paced[1:-1]) == {16}  # then the floor: slowed, never stopped
     assert sum(paced) == 200
+    alone = _prompt_tokens_per_step(path, step_seconds=1e-6, beside_a_decode=False)
+    assert alone == [64, 64, 64, 8]  # no decode waits on these steps: the full budget
