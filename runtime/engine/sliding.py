@@ -26,6 +26,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvdrive.runtime.attention import decode_attention
+
 
 class SlidingWindows:
     def __init__(self, layers: tuple[int, ...], window: int, page_size: int, rows: int, num_kv_heads: int,
@@ -48,47 +50,54 @@ class SlidingWindows:
     def bytes_per_sequence(self) -> int:
         return self.nbytes // self.ring.shape[0]
 
-    def decode(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence: rows, positions [B]; q [B, Hq, D], k, v [B, Hkv, D] -> [B, Hq, D]."""
-        j, w, c = self.index[layer], self.window, self.capacity
+    def decode_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [B] -> [B, 1, 1, C], True where a ring slot is outside the window or not written yet
+        (the same for every sliding layer of a step: computed once)."""
+        c = self.capacity
+        slots = torch.arange(c, device=self.device)
+        held = positions[:, None] - torch.remainder(positions[:, None] - slots[None, :], c)  # [B, C]: each slot's position
+        return ((held <= positions[:, None] - self.window) | (held < 0))[:, None, None, :]
+
+    def decode(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, outside: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence: rows, positions [B], ``decode_mask(positions)``; q [B, Hq, D], k, v
+        [B, Hkv, D] -> [B, Hq, D]."""
+        j, c = self.index[layer], self.capacity
         self.ring[rows, j, positions % c] = torch.stack([k, v], dim=1).to(self.ring.dtype)
         kv = self.ring[rows, j]  # [B, C, 2, Hkv, D]
         kk, vv = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, C, D]
-        slots = torch.arange(c, device=self.device)
-        held = positions[:, None] - torch.remainder(positions[:, None] - slots[None, :], c)  # [B, C]: each slot's position
-        outside = ((held <= positions[:, None] - w) | (held < 0))[:, None, None, :]  # [B, 1, 1, C]: True = not attended
-        b, hq, d = q.shape
-        hkv = kk.shape[1]
-        qg = (q * (1.0 / math.sqrt(d))).view(b, hkv, hq // hkv, d).to(kk.dtype)
-        scores = torch.matmul(qg, kk.transpose(-1, -2)).float()  # [B, Hkv, G, C]
-        scores.masked_fill_(outside, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(vv.dtype), vv)  # [B, Hkv, G, D]
-        return out.view(b, hq, d).to(q.dtype)
+        return decode_attention(q, kk, vv, outside)[0]
 
-    def prompt(self, layer: int, row: int, start: int, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> torch.Tensor:
-        """A prompt chunk of one sequence at positions start .. start+n-1: q [n, Hq, D], k, v [n, Hkv, D]
-        -> [n, Hq, D]."""
-        j, w, c = self.index[layer], self.window, self.capacity
-        n, dev = q.shape[0], self.device
-        pos = torch.arange(start, start + n, device=dev)  # [n]
+    def prompt_mask(self, start: int, n: int) -> torch.Tensor:
+        """[n, T]: which keys (the ring's C slots when ``start`` > 0, then the chunk's n tokens) each query of
+        a chunk at positions start .. start+n-1 sees (the same for every sliding layer: computed once)."""
+        pos = torch.arange(start, start + n, device=self.device)  # [n]
+        keys_pos = pos
         if start:
-            slots = torch.arange(c, device=dev)
-            ring_pos = start - 1 - torch.remainder(start - 1 - slots, c)  # [C]: the newest position in each slot
-            ring = self.ring[row, j]  # [C, 2, Hkv, D]
+            slots = torch.arange(self.capacity, device=self.device)
+            ring_pos = start - 1 - torch.remainder(start - 1 - slots, self.capacity)  # [C]: the newest position in each slot
             keys_pos = torch.cat([ring_pos, pos])  # [C + n]
+        return (keys_pos[None, :] <= pos[:, None]) & (keys_pos[None, :] > pos[:, None] - self.window) \
+            & (keys_pos[None, :] >= 0)
+
+    def prompt(self, layer: int, row: int, start: int, visible: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """A prompt chunk of one sequence at positions start .. start+n-1 (``visible`` = ``prompt_mask``):
+        q [n, Hq, D], k, v [n, Hkv, D] -> [n, Hq, D]."""
+        j, c = self.index[layer], self.capacity
+        n = q.shape[0]
+        if start:
+            ring = self.ring[row, j]  # [C, 2, Hkv, D]
             ak = torch.cat([ring[:, 0], k.to(ring.dtype)]).transpose(0, 1)  # [Hkv, C + n, D]
             av = torch.cat([ring[:, 1], v.to(ring.dtype)]).transpose(0, 1)
         else:
-            keys_pos, ak, av = pos, k.transpose(0, 1), v.transpose(0, 1)
-        visible = (keys_pos[None, :] <= pos[:, None]) & (keys_pos[None, :] > pos[:, None] - w) \
-            & (keys_pos[None, :] >= 0)  # [n, T]
+            ak, av = k.transpose(0, 1), v.transpose(0, 1)
         qh = q.transpose(0, 1).to(ak.dtype)  # [Hq, n, D]
         out = F.scaled_dot_product_attention(qh, ak, av, attn_mask=visible, scale=1.0 / math.sqrt(q.shape[-1]),
                                              enable_gqa=True)  # [Hq, n, D]
         keep = min(n, c)
-        self.ring[row, j, pos[n - keep :] % c] = torch.stack([k[n - keep :], v[n - keep :]], dim=1).to(self.ring.dtype)
+        slots = torch.arange(start + n - keep, start + n, device=self.device) % c
+        self.ring[row, j, slots] = torch.stack([k[n - keep :], v[n - keep :]], dim=1).to(self.ring.dtype)
         return out.transpose(0, 1).to(q.dtype)
 
     # --- prefix snapshots (window_snapshots) -----------------------------------------------------

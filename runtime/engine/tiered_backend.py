@@ -100,6 +100,7 @@ class TieredAttentionBackend:
         self.dec = _DecodeBatch(cache, [steps[i] for i in dec], [starts[i] for i in dec]) if dec else None
         lay = cache.layout
         self._pool_shape = (-1, *lay.block_shape)
+        self._window_masks: tuple[list[torch.Tensor], torch.Tensor | None] | None = None  # sliding layers, per step
 
     def _pool(self) -> torch.Tensor:
         """The device pool as blocks [rows, 2, Hkv, S, D] in the cache dtype."""
@@ -211,17 +212,23 @@ class TieredAttentionBackend:
         win, dec = self.cache.windows, self.dec
         assert win is not None
         t0 = time.perf_counter()
+        if self._window_masks is None:  # the step's positions, so the same masks for every sliding layer
+            self._window_masks = ([win.prompt_mask(self.steps[i].start, self.steps[i].num_new) for i in self.prompts],
+                                  win.decode_mask(dec.positions) if dec is not None else None)
+        prompt_masks, decode_mask = self._window_masks
         if dec is not None and not self.prompts and dec.q_index is None:
-            out = win.decode(layer, dec.rows, dec.positions, q, k, v)
+            assert decode_mask is not None
+            out = win.decode(layer, dec.rows, dec.positions, decode_mask, q, k, v)
         else:
             out = torch.empty_like(q)
-            for i in self.prompts:
+            for i, visible in zip(self.prompts, prompt_masks, strict=True):
                 st = self.steps[i]
                 rows = slice(self.starts[i], self.starts[i] + st.num_new)
-                out[rows] = win.prompt(layer, st.row, st.start, q[rows], k[rows], v[rows])
+                out[rows] = win.prompt(layer, st.row, st.start, visible, q[rows], k[rows], v[rows])
             if dec is not None:
+                assert decode_mask is not None
                 idx = dec.q_index if dec.q_index is not None else torch.tensor(dec.q_rows, device=q.device)
-                out.index_copy_(0, idx, win.decode(layer, dec.rows, dec.positions, q.index_select(0, idx),
+                out.index_copy_(0, idx, win.decode(layer, dec.rows, dec.positions, decode_mask, q.index_select(0, idx),
                                                    k.index_select(0, idx), v.index_select(0, idx)))
         self._mark("attention", t0)
         return out
