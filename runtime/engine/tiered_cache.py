@@ -189,11 +189,8 @@ class TieredKVCache:
         self._grow(seq.row + 1, len(digests))
         seq.digests, seq.pids = list(digests), pids
         kept = self._load_prefix(seq)
-        if kept and self.keeper is not None:
-            if self.keeper.restore(seq.row, kept, seq.digests[kept - 1]):
-                seq.window_from = max(0, kept * self.layout.page_size - self.windows.window)  # type: ignore[union-attr]
-            else:
-                kept = 0
+        if kept and self.keeper is not None and not self.keeper.restore(seq, kept):
+            kept = 0
         for d in digests[kept:]:
             self._unref(d)
         del seq.digests[kept:], seq.pids[kept:]

@@ -145,11 +145,12 @@ class WindowKeeper:
             if pages and pages <= len(seq.digests) and not self.snapshots.has(seq.digests[pages - 1]):
                 self.snapshots.save(seq.digests[pages - 1], self.windows.snapshot(seq.row, end))
 
-    def restore(self, row: int, pages: int, digest: bytes) -> bool:
-        """The window before page ``pages`` (ending at page ``digest``) into ``row``; False when it is gone."""
+    def restore(self, seq: SeqKV, pages: int) -> bool:
+        """The window before page ``pages`` of ``seq`` into its ring; False when that snapshot is gone."""
         end = pages * self.page_size
-        window = self.snapshots.load(digest, self.windows.empty_snapshot(end))
+        window = self.snapshots.load(seq.digests[pages - 1], self.windows.empty_snapshot(end))
         if window is None:
             return False
-        self.windows.restore(row, end, window)
+        self.windows.restore(seq.row, end, window)
+        seq.window_from = max(0, end - self.windows.window)  # the ring holds nothing older than this
         return True
