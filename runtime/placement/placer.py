@@ -13,8 +13,8 @@ one ``index_add_`` per layer. Admission compares against the coldest residents f
 per tier and step. A prompt in progress is *held*: each of its chunks attends exactly to all its earlier
 pages, so ranking them by attention (they have none yet) would send them down the tiers between chunks and
 every later chunk would read them back (the soak's multi-second steps); held pages rank above every other
-block until the prompt is in, for eviction and admission alike. On a CPU host the device tier and DRAM are the same memory, so only SSD reads are
-worth promoting; on CUDA, DRAM reads are too. The store (``kvcache``) stores and evicts in the order
+block until the prompt is in, for eviction and admission alike. On a CPU host the device tier and DRAM
+are the same memory, so only SSD reads are worth promoting; on CUDA, DRAM reads are too. The store (``kvcache``) stores and evicts in the order
 given here; the pipeline moves bytes.
 """
 
