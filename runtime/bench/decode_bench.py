@@ -85,15 +85,22 @@ def _config(mode: str, total: int, batch: int, page_bytes: int, seq_reserve: int
     return EngineConfig(tiers=tiers, placement=placement, token_budget=token_budget, max_sequences=batch)
 
 
-def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], ssd_dir: str, ssd_budget: int) -> None:
-    """Store every prompt's pages on the SSD tier once (skips prompts already stored)."""
+def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[int, ...], ssd_dir: str,
+                 ssd_budget: int) -> None:
+    """Store every prompt's pages on the SSD tier once (skips what an earlier run stored).
+
+    Each prompt goes in one context at a time, shortest first, each stage reusing the one before: the pages
+    are the same either way, and a hybrid model keeps its sliding window's snapshot at every stage's end, so
+    each shorter context can be reused on its own (a window is kept only at a sequence's boundaries)."""
     gen = Generator(loaded, EngineConfig(tiers=TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget), max_sequences=1))
+    s = gen.cache.layout.page_size
+    stages = [(p[:ctx], ctx) for p in prompts for ctx in sorted(contexts)]
     try:
-        for p in tqdm(prompts, desc="prefill into the SSD tier", leave=False):
-            if len(gen.cache.stored_prefix(p)) >= (len(p) - 1) // gen.cache.layout.page_size:
+        for stage, ctx in tqdm(stages, desc="prefill into the SSD tier", leave=False):
+            if len(gen.cache.stored_prefix(stage)) >= (len(stage) - 1) // s:
                 continue  # stored by an earlier run
-            seq, reused = gen.open_sequence(p)
-            gen.prefill(seq, p[reused:])
+            seq, reused = gen.open_sequence(stage)
+            gen.prefill(seq, stage[reused:])
             gen.release(seq)
     finally:
         gen.close()
@@ -199,7 +206,7 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
     if status == "measured":
         out.results.extend(_llama_cpp_rows(loaded, longest, contexts, batches, steps, warmup, threads))
         gc.collect()
-    _prefill_all(loaded, longest, ssd_dir, ssd_budget)
+    _prefill_all(loaded, longest, contexts, ssd_dir, ssd_budget)
     cases = [(ctx, b) for ctx in contexts for b in batches]
     bar = tqdm(total=len(cases) * (len(modes) + 2), desc="decode modes")
     for ctx, b in cases:

@@ -19,12 +19,11 @@ import math
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvdrive.runtime.model.config import ModelConfig, RopeScaling
 from kvdrive.runtime.model.interfaces import AttentionBackend
-from kvdrive.runtime.model.layers import HFWeights, RMSNorm, activation
+from kvdrive.runtime.model.layers import HFWeights, RMSNorm, activation, vocab_projection
 from kvdrive.runtime.model.rope import RotaryEmbedding
 
 # Gemma's RMSNorm multiplies by (1 + w). llama.cpp's converter stores 1 + w in GGUF files, so the GGUF
@@ -119,7 +118,7 @@ class Gemma3Model(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] float32
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        out = F.linear(hidden, w).float()
+        out = vocab_projection(hidden, w).float()
         cap = self.cfg.final_logit_softcapping
         if cap:
             out = torch.tanh(out / cap) * cap

@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoders: RMSNorm (Llama's and Gemma's ``1 + w`` form) and MLP activations."""
+"""Building blocks shared by the decoders: RMSNorm (Llama's and Gemma's ``1 + w`` form), MLP activations and
+the vocabulary projection."""
 
 from __future__ import annotations
 
@@ -7,6 +8,21 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, H], [V, H] -> [M, V]
+    """``hidden @ weight.T`` for the logits, the largest matmul of a decode step.
+
+    On CPU, with a handful of rows against a vocabulary-sized weight, the BLAS call behind ``F.linear`` takes
+    a slow path (SmolLM2's 49K x 576 at 2 rows: 17 ms; Gemma 3's 262K x 640: 105 ms, slower than at 4 rows).
+    The same product as ``weight @ hidden.T``, transposed back, runs 2-6x faster there; a single row is
+    doubled to stay on the matrix-matrix kernel. Other devices and dtypes use ``F.linear``.
+    """
+    m = hidden.shape[0]
+    if hidden.device.type != "cpu" or hidden.dtype != torch.float32 or m == 0 or m > 64:
+        return F.linear(hidden, weight)
+    rows = hidden if m > 1 else hidden.repeat(2, 1)
+    return (weight @ rows.T).T[:m]
 
 
 class RMSNorm(nn.Module):

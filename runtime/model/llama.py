@@ -13,7 +13,7 @@ from torch import nn
 
 from kvdrive.runtime.model.config import ModelConfig
 from kvdrive.runtime.model.interfaces import AttentionBackend
-from kvdrive.runtime.model.layers import HFWeights, RMSNorm
+from kvdrive.runtime.model.layers import HFWeights, RMSNorm, vocab_projection
 from kvdrive.runtime.model.rope import RotaryEmbedding
 
 
@@ -75,7 +75,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] float32
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return vocab_projection(hidden, w).float()
 
     @torch.inference_mode()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
