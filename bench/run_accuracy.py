@@ -24,6 +24,7 @@ from kvdrive.runtime.bench.accuracy_bench import (
     run_accuracy_bench,
     table,
 )
+from kvdrive.runtime.sizes import parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = "cd /tmp && /work/main/.venv/bin/python /work/main/bench/run_accuracy.py"
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=len(CHAT_PROMPTS), help="chat prompts used (first N)")
     ap.add_argument("--doc-tokens", type=int, nargs=2, default=[2048, 4096])
     ap.add_argument("--chat-tokens", type=int, default=48)
+    ap.add_argument("--ssd-budget", type=parse_size, default=None,
+                    help="SSD tier size (default: what the prompts need; a hybrid model's window snapshots get "
+                         "1/8 of it, at least 1 GiB)")
     ap.add_argument("--render", metavar="JSON", help="only rewrite the table and plot from a saved accuracy.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run_accuracy_bench(args.ssd_dir, model=args.model, contexts=tuple(args.contexts),
                                 depths=tuple(args.depths), keys_per_depth=args.keys_per_depth,
                                 chat_prompts=CHAT_PROMPTS[: args.prompts], token_budget=args.token_budget,
-                                doc_tokens=tuple(args.doc_tokens), chat_tokens=args.chat_tokens)
+                                doc_tokens=tuple(args.doc_tokens), chat_tokens=args.chat_tokens,
+                                ssd_budget=args.ssd_budget)
     return write(result, before, cmd.strip(), Path(args.out_dir))
 
 

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--ssd-dir", required=True, help="SSD tier directory (prompts are prefilled into it once)")
     dc.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
     dc.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    dc.add_argument("--modes", nargs="+", default=None, help="subset of sparse-gpu kvdrive lru ondemand fullfetch")
+    dc.add_argument("--modes", nargs="+", default=None, help="subset of full-gpu sparse-gpu kvdrive lru ondemand fullfetch")
     dc.add_argument("--steps", type=int, default=16)
     dc.add_argument("--warmup", type=int, default=8)
     dc.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")

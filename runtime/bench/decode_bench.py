@@ -10,6 +10,7 @@ everything (it is write-through). Rows:
 - ``floor``: the same model and weights with exact attention over one contiguous KV tensor of exactly
   ``token_budget`` tokens per sequence (``floor.py``), measured before and after the case's modes (the
   faster run counts);
+- ``full-gpu``: exact attention over every page, all of them on the device tier (no I/O): full attention;
 - ``sparse-gpu``: kvdrive's selection and hot path with every page already on the device tier (no I/O);
 - ``kvdrive``, ``lru``, ``ondemand``, ``fullfetch``: the tier policies under the budgets above;
 - ``llama.cpp``: the same GGUF, same threads, all KV in RAM (``llama_cpp.py``), when installed.
@@ -38,7 +39,7 @@ from kvdrive.runtime.model import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
-MODES = ("sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
+MODES = ("full-gpu", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
 PHASES = ("selection", "gather", "misses", "attention", "bookkeeping")
 
 
@@ -56,6 +57,7 @@ class ModeResult:
     prefetch: dict[str, int] = field(default_factory=dict)
     budgets: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    prefilled_tokens: int = 0  # prompt tokens computed at open (the rest were reused from the SSD tier)
 
 
 @dataclass
@@ -75,9 +77,9 @@ class DecodeBenchResult:
 def _config(mode: str, total: int, batch: int, page_bytes: int, seq_reserve: int, ssd_dir: str, ssd_budget: int,
             token_budget: int) -> EngineConfig:
     tails = batch * seq_reserve  # each sequence's open page (and a hybrid model's sliding window)
-    if mode == "sparse-gpu":
+    if mode in ("full-gpu", "sparse-gpu"):
         tiers = TierConfig(gpu_bytes=int(total * 1.1) + tails + 4 * page_bytes, ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
-        placement = "kvdrive"
+        placement = "fullfetch" if mode == "full-gpu" else "kvdrive"
     else:
         tiers = TierConfig(gpu_bytes=max(int(total * 0.10), 2 * page_bytes) + tails, dram_bytes=int(total * 0.25),
                            ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
@@ -94,9 +96,9 @@ def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[
     each shorter context can be reused on its own (a window is kept only at a sequence's boundaries)."""
     gen = Generator(loaded, EngineConfig(tiers=TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget), max_sequences=1))
     s = gen.cache.layout.page_size
-    stages = [(p[:ctx], ctx) for p in prompts for ctx in sorted(contexts)]
+    stages = [p[:ctx] for p in prompts for ctx in sorted(contexts)]
     try:
-        for stage, ctx in tqdm(stages, desc="prefill into the SSD tier", leave=False):
+        for stage in tqdm(stages, desc="prefill into the SSD tier", leave=False):
             if len(gen.cache.stored_prefix(stage)) >= (len(stage) - 1) // s:
                 continue  # stored by an earlier run
             seq, reused = gen.open_sequence(stage)
@@ -121,9 +123,10 @@ def _run_mode(loaded: LoadedModel, mode: str, prompts: list[list[int]], cfg: Eng
               warmup: int, block_bytes: int) -> ModeResult:
     gen = Generator(loaded, cfg)
     try:
-        seqs, last = [], []
+        seqs, last, prefilled = [], [], 0
         for p in prompts:
             seq, reused = gen.open_sequence(p)
+            prefilled += len(p) - reused
             logits = gen.prefill(seq, p[reused:])
             seqs.append(seq)
             last.append(int(logits.argmax()))
@@ -149,7 +152,7 @@ def _run_mode(loaded: LoadedModel, mode: str, prompts: list[list[int]], cfg: Eng
             {str(t): n * block_bytes / tokens for t, n in _delta(before, after, "reads").items()},
             {f"{s}->{d}": n / tokens for (s, d), n in _delta(before, after, "moved").items()},  # type: ignore[misc]
             {str(k): int(v) for k, v in _delta(before, after, "prefetch").items()},
-            {u.tier: u.budget_bytes for u in gen.cache.usage()})
+            {u.tier: u.budget_bytes for u in gen.cache.usage()}, prefilled_tokens=prefilled)
     finally:
         gen.close()
 

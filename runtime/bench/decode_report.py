@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvdrive.runtime.bench.decode_bench import PHASES, DecodeBenchResult, ModeResult
 
-ORDER = ("floor", "llama.cpp", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
+ORDER = ("floor", "llama.cpp", "full-gpu", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
 
 
 def _by(result: DecodeBenchResult) -> dict[tuple[int, int, str], ModeResult]:
@@ -24,7 +24,7 @@ def header(result: DecodeBenchResult) -> str:
 
 def table(result: DecodeBenchResult) -> str:
     rows = ["| context | batch | mode | tokens/s | step ms (median / p90) | read MB/token (gpu/dram/ssd) "
-            "| prefetch hit/late/wasted |", "| --- | --- | --- | --- | --- | --- | --- |"]
+            "| prefetch hit/late/wasted | prefilled at open |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     by = _by(result)
     for ctx, b in _cases(result):
         for mode in ORDER:
@@ -35,7 +35,7 @@ def table(result: DecodeBenchResult) -> str:
                 if r.read_bytes_per_token else "-"
             pf = "/".join(str(r.prefetch.get(k, 0)) for k in ("hit", "late", "wasted")) if r.prefetch else "-"
             rows.append(f"| {ctx} | {b} | {mode} | {r.tokens_per_s:.2f} | {r.step_ms:.1f} / {r.step_ms_p90:.1f} "
-                        f"| {rd} | {pf} |")
+                        f"| {rd} | {pf} | {r.prefilled_tokens if r.mode not in ('floor', 'llama.cpp') else '-'} |")
     return "\n".join(rows)
 
 
@@ -43,7 +43,7 @@ def ratios(result: DecodeBenchResult) -> str:
     """kvdrive per case: step / floor, and tokens/s against llama.cpp and each policy."""
     by = _by(result)
     rows = ["| context | batch | kvdrive step / floor step | sparse-gpu / floor | vs llama.cpp | vs ondemand | vs lru "
-            "| vs fullfetch |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| vs fullfetch | vs full-gpu |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for ctx, b in _cases(result):
         kv = by.get((ctx, b, "kvdrive"))
         if kv is None:
@@ -56,7 +56,8 @@ def ratios(result: DecodeBenchResult) -> str:
         floor, gpu = by.get((ctx, b, "floor")), by.get((ctx, b, "sparse-gpu"))
         f = f"{kv.step_ms / floor.step_ms:.2f}" if floor else "-"
         g = f"{gpu.step_ms / floor.step_ms:.2f}" if floor and gpu else "-"
-        rows.append(f"| {ctx} | {b} | {f} | {g} | {vs('llama.cpp')} | {vs('ondemand')} | {vs('lru')} | {vs('fullfetch')} |")
+        rows.append(f"| {ctx} | {b} | {f} | {g} | {vs('llama.cpp')} | {vs('ondemand')} | {vs('lru')} | {vs('fullfetch')} "
+                    f"| {vs('full-gpu')} |")
     return "\n".join(rows)
 
 

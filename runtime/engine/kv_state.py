@@ -40,6 +40,7 @@ class EngineConfig:
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
     max_sequences: int = 16  # sequences with an open page at once (the scheduler's max_running)
     prefill_chunk: int = 512  # tokens per prefill forward in ``Generator.prefill`` (bounds activation memory)
+    window_checkpoint: int = 2048  # hybrid models: a long prompt keeps its window every this many tokens (0: off)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class SeqKV:
     prefilling: bool = True  # its prompt is still going in: placement holds its pages in the memory tiers
     settled: bool = True  # its last step finished (False from ``begin`` until ``finish_step``)
     window_from: int = 0  # hybrid models: the first position whose sliding-layer KV its ring was given
+    window_kept: int = 0  # hybrid models: the boundary (in tokens) of its latest window snapshot
 
 
 @dataclass(frozen=True)

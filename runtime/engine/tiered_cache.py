@@ -72,7 +72,7 @@ class TieredKVCache:
             Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir else None,
             max(SNAPSHOT_MIN_DISK_BYTES, tiers.ssd_bytes // SNAPSHOT_SSD_SHARE) if tiers.ssd_dir
             else SNAPSHOT_MEMORY_BYTES, writable=tiers.persist) if windows is not None else None
-        self.keeper = WindowKeeper(windows, self.snapshots, layout.page_size) \
+        self.keeper = WindowKeeper(windows, self.snapshots, layout.page_size, config.window_checkpoint) \
             if windows is not None and self.snapshots is not None else None
         self._stepping: list[SeqKV] = []  # sequences begun and not yet settled by finish_step
         self.promotions = PromotionQueue(self.placer, self.store)  # copies the step's lower-tier reads earn
@@ -329,6 +329,8 @@ class TieredKVCache:
         """After a forward step: write sealed blocks through to SSD; placement's end of a decode step."""
         for seq in self._stepping:
             seq.settled = True
+            if self.keeper is not None and seq.prefilling:
+                self.keeper.checkpoint(seq)
         self._stepping.clear()
         if sealed and self.config.tiers.persist and "ssd" in self.store.tiers:
             self.transfers.replicate(sealed, "ssd")

@@ -16,7 +16,9 @@ prompt's last page boundary is kept instead, one snapshot per boundary:
 A snapshot is [sliding layers, n, 2, Hkv, D] for the n = min(W, boundary) positions before the boundary.
 ``WindowKeeper`` decides when: when a prompt is in (its first decode) and when a sequence that finished its
 last step cleanly is freed, at the boundaries a later prompt reuses (the same prompt again: its last page
-before the final token; a continuation: its last full page).
+before the final token; a continuation: its last full page); and while a long prompt goes in, every
+``EngineConfig.window_checkpoint`` tokens (at the end of the chunk that passes them), so a prompt sharing only its beginning
+(the same document with another question) reuses all but the tokens after the last checkpoint.
 """
 
 from __future__ import annotations
@@ -127,8 +129,9 @@ class WindowSnapshots:
 class WindowKeeper:
     """What a hybrid model's sequences leave for later prompts, and what a reused prefix takes back."""
 
-    def __init__(self, windows: SlidingWindows, snapshots: WindowSnapshots, page_size: int) -> None:
+    def __init__(self, windows: SlidingWindows, snapshots: WindowSnapshots, page_size: int, interval: int) -> None:
         self.windows, self.snapshots, self.page_size = windows, snapshots, page_size
+        self.interval = interval  # tokens between a prompt's checkpoints (0: none)
 
     def has(self, digest: bytes) -> bool:
         return self.snapshots.has(digest)
@@ -137,13 +140,23 @@ class WindowKeeper:
         """Snapshot the window of ``seq`` (its ring up to date with its length) at its reusable boundaries."""
         if seq.inexact or not seq.length:
             return
-        s = self.page_size
-        for pages in sorted({(seq.length - 1) // s, seq.length // s}):
-            end = pages * s
-            if max(0, end - self.windows.window) < seq.window_from:
-                continue  # a restored ring holds the window at its restore point, not the one before it
-            if pages and pages <= len(seq.digests) and not self.snapshots.has(seq.digests[pages - 1]):
-                self.snapshots.save(seq.digests[pages - 1], self.windows.snapshot(seq.row, end))
+        for pages in sorted({(seq.length - 1) // self.page_size, seq.length // self.page_size}):
+            self._save(seq, pages)
+
+    def checkpoint(self, seq: SeqKV) -> None:
+        """After a prompt chunk: a snapshot at its last full page once ``interval`` tokens have gone in since
+        the last one, so a prompt that shares only part of this one (the same document, another question)
+        reuses it up to the last checkpoint before they differ."""
+        if self.interval and not seq.inexact and seq.length - seq.window_kept >= self.interval:
+            self._save(seq, seq.length // self.page_size)
+
+    def _save(self, seq: SeqKV, pages: int) -> None:
+        end = pages * self.page_size
+        if max(0, end - self.windows.window) < seq.window_from:
+            return  # a restored ring holds the window at its restore point, not the one before it
+        if pages and pages <= len(seq.digests) and not self.snapshots.has(seq.digests[pages - 1]):
+            self.snapshots.save(seq.digests[pages - 1], self.windows.snapshot(seq.row, end))
+        seq.window_kept = max(seq.window_kept, end)
 
     def restore(self, seq: SeqKV, pages: int) -> bool:
         """The window before page ``pages`` of ``seq`` into its ring; False when that snapshot is gone."""
@@ -153,4 +166,5 @@ class WindowKeeper:
             return False
         self.windows.restore(seq.row, end, window)
         seq.window_from = max(0, end - self.windows.window)  # the ring holds nothing older than this
+        seq.window_kept = end
         return True

@@ -198,3 +198,29 @@ def test_a_ring_restored_at_one_boundary_is_never_kept_for_an_earlier_one(hf_mod
     assert reused == 0
     torch.testing.assert_close(gen.prefill(seq, short, all_logits=True), _reference_greedy(loaded, short, 1)[0],
                                atol=2e-4, rtol=1e-4)
+
+
+def test_a_long_prompt_leaves_checkpoints_that_a_prompt_sharing_its_beginning_reuses(
+        hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The same document with another question shares only the document's pages. Snapshots kept at the
+    prompt's ends do not cover that boundary; the checkpoints a long prompt leaves every
+    ``window_checkpoint`` tokens do, so the second prompt reuses all but the tokens after the last
+    checkpoint before the two differ, and its logits are those of computing everything."""
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
+    loaded = _hybrid(load_model(str(path), progress=False))
+    config = EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2, window_checkpoint=12, tiers=TierConfig(
+        gpu_bytes=1 << 22, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20))
+    doc = list(range(5, 35))  # 30 tokens of document
+    gen = Generator(loaded, config)
+    seq, _ = gen.open_sequence(doc + [200, 201, 202, 203, 204, 205, 206, 207, 208, 209])
+    gen.prefill(seq, doc + [200, 201, 202, 203, 204, 205, 206, 207, 208, 209])
+    gen.release(seq)
+    assert gen.cache.snapshots is not None
+    assert gen.cache.snapshots.saved == 4  # chunk ends 14, 28, 40 checkpoint 12, 28, 40; the release adds 36
+    other = doc + [150, 151, 152, 153, 154, 155]  # diverges at token 30: its last shared checkpoint is 28
+    seq, reused = gen.open_sequence(other)
+    assert reused == 28
+    torch.testing.assert_close(gen.prefill(seq, other[reused:], all_logits=True),
+                               _reference_greedy(loaded, other, 1)[0][reused:], atol=2e-4, rtol=1e-4)
+    gen.release(seq)
+    gen.close()
