@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvdrive.router import cli as route_cli
 from kvdrive.runtime import __version__
 from kvdrive.runtime.sizes import parse_size
 
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    route_cli.add_parser(sub)
     g = sub.add_parser("generate", help="complete one prompt and print the completion")
     _add_model_args(g)
     g.add_argument("--prompt", required=True)
@@ -170,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _generate(args: argparse.Namespace) -> int:
     from kvdrive.runtime.engine import Generator, SamplingParams, TextStream
-    from kvdrive.runtime.model import ChatMessage, load_model
+    from kvdrive.runtime.model import load_model
+    from kvdrive.runtime.prompt import ChatMessage
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -311,12 +314,19 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "route":  # the router process never imports torch
+        from kvdrive.router.cli import run
+
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        run(args)
+        return 0
     from kvdrive.runtime.engine import PromptTooLongError
     from kvdrive.runtime.kvcache import CacheFullError
     from kvdrive.runtime.model import ModelLoadError
-    from kvdrive.runtime.model.tokenizer import TokenizerError
+    from kvdrive.runtime.prompt.tokenizer import TokenizerError
 
-    args = parse_args(argv)
     if hasattr(args, "threads"):  # the commands that compute: torch uses every allowed CPU unless told
         import torch
 

@@ -12,7 +12,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 def _package_folders() -> set[str]:
     found = set()
-    for top, name in (("runtime", "kvdrive.runtime"), ("operator", "kvdrive.operator")):
+    for top, name in (("runtime", "kvdrive.runtime"), ("operator", "kvdrive.operator"), ("router", "kvdrive.router")):
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / top)
             found.add(".".join([name, *rel.parts]))

@@ -33,7 +33,8 @@ from tqdm import tqdm
 from kvdrive.runtime.bench.texts import filler_tokens, passkey_prompt
 from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
 from kvdrive.runtime.kvcache import KVLayout
-from kvdrive.runtime.model import ChatMessage, LoadedModel, load_model
+from kvdrive.runtime.model import LoadedModel, load_model
+from kvdrive.runtime.prompt import ChatMessage
 
 CHAT_PROMPTS = (
     "What is the capital of France?", "Give me three tips for staying focused while studying.",

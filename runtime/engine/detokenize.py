@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvdrive.runtime.model import Tokenizer
+from kvdrive.runtime.prompt import Tokenizer
 
 
 class TextStream:

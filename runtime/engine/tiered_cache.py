@@ -30,9 +30,9 @@ from kvdrive.runtime.engine.promotions import PromotionQueue
 from kvdrive.runtime.engine.sliding import SlidingWindows
 from kvdrive.runtime.engine.window_snapshots import WindowKeeper, WindowSnapshots
 from kvdrive.runtime.kvcache import BlockKey, BudgetError, KVLayout, TierBudgets, TieredKVStore, TierUsage
-from kvdrive.runtime.kvcache.keys import chain_digest, root_digest
 from kvdrive.runtime.pipeline.transfer import TransferEngine
 from kvdrive.runtime.placement import PlacementPolicy, Placer, policy_for
+from kvdrive.runtime.prompt.digests import chain_digest, root_digest
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,14 @@
-"""Page identity: block keys and content-addressed prefix digests.
+"""Page identity: block keys.
 
 A block is one layer's page (K and V of `page_size` tokens, all KV heads). Its key is a 16-byte
-digest plus the layer. Pages are content-addressed: a chain hash of the model fingerprint and every
-token up to the page end, so equal prefixes map to equal keys across requests, replicas and restarts.
+digest plus the layer. Pages are content-addressed (``kvdrive.runtime.prompt.digests``): a chain hash of
+the model fingerprint and every token up to the page end, so equal prefixes map to equal keys across
+requests, replicas and restarts.
 """
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
-
-DIGEST_BYTES = 16
+from kvdrive.runtime.prompt.digests import DIGEST_BYTES
 
 
 class BlockKey:
@@ -50,15 +47,3 @@ class BlockKey:
 
     def __repr__(self) -> str:
         return f"BlockKey({self.digest.hex()[:12]}, L{self.layer})"
-
-
-def root_digest(fingerprint: str) -> bytes:
-    """The chain's start: the digest of the model fingerprint (model, KV dtype, page size, layout)."""
-    return hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
-
-
-def chain_digest(prev: bytes, tokens: list[int], salt: bytes = b"") -> bytes:
-    """A page's digest: the previous page's digest (or the root), a salt (how the KV was computed) and the
-    page's tokens. Equal prefixes give equal digests across requests, replicas and restarts."""
-    return hashlib.blake2b(prev + salt + np.asarray(tokens, dtype=np.int64).tobytes(),
-                           digest_size=DIGEST_BYTES).digest()

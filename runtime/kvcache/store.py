@@ -129,6 +129,11 @@ class TieredKVStore(BlockReads):
                 if k in self._blocks:
                     self._blocks[k].needed = needed
 
+    def page_digests(self) -> list[bytes]:
+        """Digests of the pages whose first layer's block is held in some tier (what a router indexes)."""
+        with self._lock:
+            return [k.digest for k in self._blocks if k.layer == 0]
+
     def ref_page(self, digest: bytes) -> int:
         """The dense id of page ``digest``, held for a sequence until ``unref_page`` (ids of pages a
         sequence references are never reused, even if every copy of the page is lost)."""

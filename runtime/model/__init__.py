@@ -7,7 +7,6 @@ from kvdrive.runtime.model.gemma3 import Gemma3Model
 from kvdrive.runtime.model.interfaces import AttentionBackend, CausalLM
 from kvdrive.runtime.model.llama import LlamaModel
 from kvdrive.runtime.model.loader import LoadedModel, load_model, resolve_model_path
-from kvdrive.runtime.model.tokenizer import ChatMessage, Tokenizer
 
 __all__ = [
     "AttentionBackend",

@@ -26,7 +26,7 @@ from kvdrive.runtime.model.gemma3 import (
     NORM_OFFSET,
     sliding_layers_for,
 )
-from kvdrive.runtime.model.tokenizer import (
+from kvdrive.runtime.prompt.tokenizer import (
     Tokenizer,
     TokenizerError,
     bpe_from_gguf,

@@ -21,7 +21,7 @@ from kvdrive.runtime.model.gemma3 import (
     DEFAULT_SLIDING_PATTERN,
     sliding_layers_for,
 )
-from kvdrive.runtime.model.tokenizer import Tokenizer, end_of_turn_ids
+from kvdrive.runtime.prompt.tokenizer import Tokenizer, end_of_turn_ids
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -22,7 +22,7 @@ from kvdrive.runtime.model.gguf_loader import iter_gguf_weights, open_gguf, toke
 from kvdrive.runtime.model.hf_loader import iter_safetensors, open_hf_dir, tokenizer_from_hf, weight_renamer
 from kvdrive.runtime.model.interfaces import CausalLM
 from kvdrive.runtime.model.llama import LlamaModel
-from kvdrive.runtime.model.tokenizer import Tokenizer
+from kvdrive.runtime.prompt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvdrive.runtime.engine import AsyncEngine, PromptTooLongError, QueueFullError, SamplingParams
 from kvdrive.runtime.engine import Request as EngineRequest
-from kvdrive.runtime.model import ChatMessage, Tokenizer
-from kvdrive.runtime.model.tokenizer import TokenizerError
+from kvdrive.runtime.prompt import Tokenizer
+from kvdrive.runtime.prompt.tokenizer import TokenizerError
 from kvdrive.runtime.server import schemas as s
 from kvdrive.runtime.server.gate import Gate, GatePolicy
 from kvdrive.runtime.server.metrics import ServerMetrics
+from kvdrive.runtime.server.prompts import chat_prompt, completion_prompt
+from kvdrive.runtime.server.routing_api import RoutingSource, routing_routes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,6 +90,7 @@ class ServerState:
     ready: Callable[[], bool]
     started: int
     health: Callable[[], dict[str, str]] = dict  # degraded tier -> why
+    routing: RoutingSource | None = None  # what a router learns from this replica (``routing_api``)
 
 
 class ApiError(Exception):
@@ -169,6 +172,8 @@ def create_app(state: ServerState) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    if state.routing is not None:
+        app.include_router(routing_routes(state.routing, {401: ERRORS[401]}))
 
     def check_model(name: str) -> None:
         if name not in (cfg.model_id, *cfg.aliases):
@@ -243,7 +248,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(body: s.CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         try:
-            prompt_ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode(body.prompt)
+            prompt_ids = completion_prompt(body, state.tokenizer)
         except TokenizerError as exc:
             raise ApiError(400, f"prompt: {exc}", param="prompt") from exc
         if isinstance(body.prompt, list) and any(t < 0 or t >= state.tokenizer.vocab_size for t in prompt_ids):
@@ -264,7 +269,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat(body: s.ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         try:
-            prompt_ids = state.tokenizer.encode_chat([ChatMessage(m.role, m.text()) for m in body.messages])
+            prompt_ids = chat_prompt(body, state.tokenizer)
         except TokenizerError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
         max_tokens = body.max_completion_tokens or (body.max_tokens if "max_tokens" in body.model_fields_set else None)

@@ -19,6 +19,7 @@ from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.loader import DEMO_ALIAS, MODEL_ALIASES
 from kvdrive.runtime.server.app import ServerConfig, ServerState, create_app
 from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
+from kvdrive.runtime.server.routing_api import RoutingSource
 from kvdrive.runtime.server.schemas import TierUsage
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,9 @@ def build_state(opts: ServeOptions) -> ServerState:
     return ServerState(config=config, engine=async_engine, tokenizer=loaded.tokenizer, max_context=gen.max_context,
                        request_limit=gen.request_limit,
                        metrics=metrics, tiers=tiers, set_tiers=set_tiers, ready=lambda: async_engine.alive,
-                       started=int(time.time()), health=lambda: dict(cache.store.health()))
+                       started=int(time.time()), health=lambda: dict(cache.store.health()),
+                       routing=RoutingSource(loaded.model_id, cache.root, cache.layout.page_size, loaded.tokenizer,
+                                             lambda: asyncio.to_thread(cache.store.page_digests)))
 
 
 class _Server(uvicorn.Server):

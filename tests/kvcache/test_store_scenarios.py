@@ -17,8 +17,8 @@ from kvdrive.runtime.kvcache import (
     TierBudgets,
     TieredKVStore,
 )
-from kvdrive.runtime.kvcache.keys import chain_digest, root_digest
 from kvdrive.runtime.kvcache.tiers import PosixIO, SsdTier
+from kvdrive.runtime.prompt.digests import chain_digest, root_digest
 
 
 def store(tmp_path: Path, gpu: int, dram: int, ssd_bytes: int = 2 << 20, **kw: object) -> TieredKVStore:

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from kvdrive.runtime.engine import Generator, SamplingParams
-from kvdrive.runtime.model import ChatMessage, LoadedModel
+from kvdrive.runtime.model import LoadedModel
 from kvdrive.runtime.model.loader import demo_model_path
+from kvdrive.runtime.prompt import ChatMessage
 
 KVDRIVE = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvdrive")
 # Measured: max |log p diff| 6.5e-05 (float32 on CPU). The bound leaves room for BLAS differences.

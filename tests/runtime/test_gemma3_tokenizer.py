@@ -21,8 +21,8 @@ from gemma3_support import (
     write_gemma3_gguf,
 )
 
-from kvdrive.runtime.model import ChatMessage, Tokenizer
 from kvdrive.runtime.model.gguf_loader import open_gguf, tokenizer_from_gguf
+from kvdrive.runtime.prompt import ChatMessage, Tokenizer
 
 TEXTS = [
     "Hello world",

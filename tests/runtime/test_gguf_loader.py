@@ -46,7 +46,7 @@ def test_gguf_metadata_tokenizer_and_template(hf_model_factory, tmp_path: Path) 
     tok = loaded.tokenizer
     assert tok.decode(tok.encode("naïve café 42")) == "naïve café 42"
     assert tok.eos_token_ids == (257,)
-    from kvdrive.runtime.model import ChatMessage
+    from kvdrive.runtime.prompt import ChatMessage
 
     assert tok.encode_chat([ChatMessage("user", "ab")]) == [256, *tok.encode("ab")]
 

@@ -86,7 +86,7 @@ def test_hf_directory_tokenizer_and_chat_template(hf_model_factory) -> None:
     text = "héllo wörld 123 <s>"
     assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
     assert tok.encode("<s>") == [tok.bos_token_id]  # special token is one id, not split into bytes
-    from kvdrive.runtime.model import ChatMessage
+    from kvdrive.runtime.prompt import ChatMessage
 
     rendered = tok.render_chat([ChatMessage("user", "hi")])
     assert rendered == "<s>user: hi\n<s>assistant: "

@@ -154,6 +154,24 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
             self._template = env.from_string(chat_template)
 
+    def spec(self) -> dict[str, object]:
+        """Everything needed to rebuild this tokenizer elsewhere (``from_spec``): the router tokenizes
+        prompts exactly as the replica it learned this from."""
+        return {"tokenizer": self._tok.to_str(), "eos_token_ids": list(self.eos_token_ids),
+                "bos_token_id": self.bos_token_id, "add_bos": self.add_bos, "chat_template": self.chat_template}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, object]) -> Tokenizer:
+        try:
+            backend = HFTokenizer.from_str(str(spec["tokenizer"]))
+            eos = [int(t) for t in spec["eos_token_ids"]]  # type: ignore[attr-defined]
+            bos = spec["bos_token_id"]
+            template = spec["chat_template"]
+            return cls(backend, eos, None if bos is None else int(bos),  # type: ignore[call-overload]
+                       bool(spec["add_bos"]), None if template is None else str(template))
+        except Exception as exc:
+            raise TokenizerError(f"not a tokenizer spec: {exc}") from exc
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

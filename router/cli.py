@@ -1,0 +1,49 @@
+"""``kvdrive route``: run the prefix-aware router in front of KVDrive replicas."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from kvdrive.runtime.sizes import parse_size
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("route", help="prefix-aware router across KVDrive replicas (OpenAI-compatible proxy)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="a replica's base URL (repeat for each); or use --service")
+    p.add_argument("--service", help="discover replicas from this Service's EndpointSlices")
+    p.add_argument("--namespace", default="default", help="namespace of --service")
+    p.add_argument("--backend-port", type=int, default=8000, help="replica port (when the slice names none)")
+    p.add_argument("--backend-port-name", default="http", help="the EndpointSlice port name to use")
+    p.add_argument("--kubeconfig", help="kubeconfig for --service outside a cluster (default: in-cluster)")
+    p.add_argument("--policy", choices=("prefix", "round-robin"), default="prefix")
+    p.add_argument("--load-tokens", type=int, default=512,
+                   help="prompt tokens one running or queued request weighs against a cached prefix")
+    p.add_argument("--max-imbalance", type=int, default=4,
+                   help="never route to a replica this many requests above the least loaded")
+    p.add_argument("--api-key-file", type=Path, help="the replicas' API key, for the router's own polls")
+    p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20)
+    p.add_argument("--poll-seconds", type=float, default=1.0)
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from kvdrive.router.app import create_app
+    from kvdrive.router.core import Router, RouterConfig
+    from kvdrive.router.discovery import Discovery, EndpointSliceDiscovery, StaticDiscovery
+    from kvdrive.router.selection import Policy
+
+    if bool(args.backend) == bool(args.service):
+        raise SystemExit("kvdrive route: error: give either --backend URL (one or more) or --service NAME")
+    discovery: Discovery = StaticDiscovery(tuple(args.backend)) if args.backend else EndpointSliceDiscovery(
+        args.service, args.namespace, args.backend_port, args.backend_port_name, args.kubeconfig)
+    api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+    config = RouterConfig(policy=Policy(args.policy, args.load_tokens, args.max_imbalance), api_key=api_key,
+                          max_body_bytes=args.max_body_bytes, poll_seconds=args.poll_seconds)
+    logging.getLogger("kvdrive.router").info("routing (%s) on http://%s:%d", args.policy, args.host, args.port)
+    uvicorn.run(create_app(Router(config, discovery)), host=args.host, port=args.port, log_level="warning")

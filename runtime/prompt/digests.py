@@ -1,0 +1,35 @@
+"""Content addresses of a prompt's pages: a chain hash of the model fingerprint and every token up to each
+page end, so equal prefixes map to equal digests across requests, replicas and restarts.
+
+The runtime names its stored pages by them (``kvcache.keys.BlockKey``); the router computes them for a
+prompt it has not sent anywhere yet, from the root a replica reports, and looks them up in its index of
+what each replica holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+DIGEST_BYTES = 16
+
+
+def root_digest(fingerprint: str) -> bytes:
+    """The chain's start: the digest of the model fingerprint (model, KV dtype, page size, layout)."""
+    return hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
+
+
+def chain_digest(prev: bytes, tokens: Sequence[int], salt: bytes = b"") -> bytes:
+    """A page's digest: the previous page's digest (or the root), a salt (how the KV was computed) and the
+    page's tokens as native int64."""
+    return hashlib.blake2b(prev + salt + array("q", tokens).tobytes(), digest_size=DIGEST_BYTES).digest()
+
+
+def page_digests(root: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """The digest of each full page of ``tokens`` (exactly computed KV: no salt), in order."""
+    out, prev = [], root
+    for p in range(len(tokens) // page_size):
+        prev = chain_digest(prev, tokens[p * page_size : (p + 1) * page_size])
+        out.append(prev)
+    return out

@@ -1,0 +1,49 @@
+"""The router's prefix index: what each replica's poll reports, what routed prompts taught it, and
+forgetting (evictions, restarts, replicas leaving)."""
+
+from __future__ import annotations
+
+from kvdrive.router.index import PrefixIndex
+
+DOC = [bytes([i]) * 16 for i in range(10)]
+
+
+def test_a_match_is_the_run_of_leading_pages_held_and_stops_at_the_first_gap() -> None:
+    index = PrefixIndex()
+    index.replace("a", DOC[:3] + DOC[5:], polled_at=0.0)
+    assert index.matched("a", DOC) == 3
+    assert index.matched("b", DOC) == 0
+
+
+def test_a_poll_replaces_what_was_known_so_evicted_pages_are_forgotten() -> None:
+    index = PrefixIndex()
+    index.replace("a", DOC, polled_at=0.0)
+    index.replace("a", DOC[:2], polled_at=5.0)  # the replica evicted the rest
+    assert index.matched("a", DOC) == 2
+
+
+def test_pages_learned_from_a_routed_prompt_count_at_once_and_survive_an_older_poll() -> None:
+    index = PrefixIndex(recent_seconds=10.0)
+    index.learn("a", DOC, now=3.0)
+    assert index.matched("a", DOC) == 10
+    index.replace("a", [], polled_at=2.0)  # a poll that started before the prompt went in
+    assert index.matched("a", DOC) == 10
+    index.replace("a", DOC[:4], polled_at=4.0)  # one that started after: the replica's word wins
+    assert index.matched("a", DOC) == 4
+
+
+def test_learned_pages_expire_unless_a_poll_confirms_them() -> None:
+    index = PrefixIndex(recent_seconds=10.0)
+    index.learn("a", DOC, now=0.0)
+    index.expire(now=9.0)
+    assert index.matched("a", DOC) == 10
+    index.expire(now=11.0)
+    assert index.matched("a", DOC) == 0
+
+
+def test_a_replica_that_restarts_or_leaves_is_forgotten() -> None:
+    index = PrefixIndex()
+    index.replace("a", DOC, polled_at=0.0)
+    index.learn("a", DOC, now=1.0)
+    index.forget("a")
+    assert index.matched("a", DOC) == 0 and index.pages("a") == 0
