@@ -167,6 +167,13 @@ class Service(_Model):
     port: int = Field(default=8000, ge=1, le=65535)
 
 
+class Routing(_Model):
+    """The prefix-aware router (``kvdrive route``) in front of the replicas."""
+
+    mode: Literal["none", "prefix"] = "none"
+    replicas: int = Field(default=2, ge=1, le=16)
+
+
 class KVDriveSpec(_Model):
     model: ModelSource
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
@@ -178,6 +185,7 @@ class KVDriveSpec(_Model):
     tuning: Tuning = Tuning()
     autoscaling: Autoscaling = Autoscaling()
     service: Service = Service()
+    routing: Routing = Routing()
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] = Field(default_factory=dict)
@@ -215,7 +223,7 @@ class KVDriveDeployment(BaseModel):
 
 
 class Condition(_Model):
-    type: Literal["Ready", "Progressing", "Degraded"]
+    type: Literal["Ready", "Progressing", "Degraded", "RouterReady"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
     message: str = Field(default="", max_length=32768)
@@ -253,6 +261,13 @@ class AutoscalingStatus(_Model):
     last_decision: str | None = None
 
 
+class RouterStatus(_Model):
+    """The router's pods (routing mode prefix): how many pass their readiness probe, of how many."""
+
+    ready: int = 0
+    desired: int = 0
+
+
 class KVDriveStatus(_Model):
     observed_generation: int | None = None
     replicas: int = 0
@@ -263,6 +278,7 @@ class KVDriveStatus(_Model):
     budgets: BudgetSummary | None = None
     pods: list[PodStatus] = Field(default_factory=list)
     autoscaling: AutoscalingStatus | None = None
+    router: RouterStatus | None = None
 
 
 class SpecError(ValueError):
@@ -310,3 +326,12 @@ def parse_spec(spec: Any) -> KVDriveSpec:
         return KVDriveSpec.model_validate(spec)
     except ValidationError as exc:
         raise SpecError([_problem("spec.", err) for err in exc.errors()]) from None
+
+
+def routing_of(spec: Any) -> Routing:
+    """``spec.routing`` of a raw spec as the API server stored it (the status is written even for a spec
+    the model rejects): the default when it is missing or invalid."""
+    try:
+        return Routing.model_validate(((spec or {}) if isinstance(spec, dict) else {}).get("routing") or {})
+    except ValidationError:
+        return Routing()

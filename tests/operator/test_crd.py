@@ -78,7 +78,7 @@ def test_every_cel_rule_has_a_message() -> None:
     assert all(r.get("message") for r in rules)
 
 
-GOOD = ["minimal.yaml", "full.yaml", "fixed-replicas.yaml"]
+GOOD = ["minimal.yaml", "full.yaml", "fixed-replicas.yaml", "routing.yaml"]
 
 
 def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
@@ -110,6 +110,9 @@ GOOD_VARIANTS = [
     ("full.yaml", "spec.autoscaling", {"mode": "external"}),
     ("fixed-replicas.yaml", "spec.autoscaling", {"mode": "external", "minReplicas": 2, "maxReplicas": 2}),
     ("minimal.yaml", "metadata.name", "a" * 52),
+    ("minimal.yaml", "spec.routing", {"mode": "prefix"}),
+    ("minimal.yaml", "spec.routing", {"mode": "prefix", "replicas": 16}),
+    ("minimal.yaml", "spec.routing", {"mode": "none", "replicas": 1}),
 ]
 
 # (base example, field, value, field the rejection must name, "schema" or "cel")
@@ -135,6 +138,10 @@ BAD_VARIANTS = [
     ("minimal.yaml", "spec.nodeSelector", {"zone": 3}, "spec.nodeSelector", "schema"),
     ("minimal.yaml", "spec.bogus", 1, "spec", "schema"),
     ("minimal.yaml", "spec.tiers.gpu.extra", "1Gi", "spec.tiers.gpu", "schema"),
+    ("minimal.yaml", "spec.routing.mode", "bogus", "spec.routing.mode", "schema"),
+    ("minimal.yaml", "spec.routing.replicas", 0, "spec.routing.replicas", "schema"),
+    ("minimal.yaml", "spec.routing.replicas", 17, "spec.routing.replicas", "schema"),
+    ("minimal.yaml", "spec.routing.weights", {}, "spec.routing", "schema"),
     ("full.yaml", "spec.replicas", 2, "spec.replicas", "cel"),
     ("minimal.yaml", "spec.tiers.dram.size", "3Mi", "spec.tiers.dram.size", "cel"),
     ("full.yaml", "spec.tiers.dram", {"size": "1536Mi", "hugePageSize": "1Gi"}, "spec.tiers.dram.size", "cel"),
