@@ -1,7 +1,9 @@
 """Pure computation of a KVDriveDeployment's status: replicas and metav1-style conditions.
 
-Owns what ``Ready``, ``Progressing`` and ``Degraded`` mean and when ``lastTransitionTime``
-moves (only when a condition's status changes). No Kubernetes API, no Kopf.
+Owns what ``Ready``, ``Progressing``, ``Degraded`` and (with routing on) ``RouterReady`` mean and
+when ``lastTransitionTime`` moves (only when a condition's status changes). With routing on, clients
+reach the replicas through the router, so ``Ready`` also needs every router pod ready. No
+Kubernetes API, no Kopf.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvdrive.operator.manifests import endpoint_url, selector_string
+from kvdrive.operator.childmeta import endpoint_url, selector_string
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "RouterReady")
+# the status keys the reconciler writes; `router` only with routing on (a key it stops writing must go)
+RECONCILER_KEYS = ("observedGeneration", "replicas", "readyReplicas", "selector", "endpoint", "conditions", "router")
 
 
 @dataclass(frozen=True)
@@ -25,12 +29,21 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class RouterObserved:
+    """The router's pods (routing on)."""
+
+    desired: int  # spec.routing.replicas
+    ready: int  # router pods passing their readiness probe (/readyz: they reach a ready replica)
+
+
+@dataclass(frozen=True)
 class Observed:
     """What the cluster shows for one CR."""
 
     generation: int | None
     replicas: int  # desired replicas of the StatefulSet
     ready: int  # pods passing their readiness probe
+    router: RouterObserved | None = None  # None: routing off
 
 
 @dataclass(frozen=True)
@@ -45,13 +58,32 @@ def now_rfc3339() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def router_condition(observed: Observed) -> ConditionValue | None:
+    """``RouterReady`` (None with routing off): every router pod ready, else how many and why not."""
+    router = observed.router
+    if router is None:
+        return None
+    pods = f"{router.ready}/{router.desired} router pods ready"
+    if router.ready >= router.desired:
+        return ConditionValue("RouterReady", "True", "AllRouterPodsReady", pods)
+    if router.ready == 0 and observed.ready == 0:
+        return ConditionValue("RouterReady", "False", "NoReplicaReady",
+                              f"{pods}: a router is ready (/readyz) only once it reaches a ready replica, "
+                              f"and {observed.ready}/{observed.replicas} replicas are ready")
+    return ConditionValue("RouterReady", "False", "RouterPodsNotReady",
+                          f"{pods} (Deployment rolling out, or pods not scheduled or failing /readyz)")
+
+
 def desired_conditions(observed: Observed, problem: Problem | None) -> list[ConditionValue]:
-    """The three conditions for what is observed (``problem`` set: the CR is Degraded)."""
+    """The conditions for what is observed (``problem`` set: the CR is Degraded)."""
+    routed = router_condition(observed)
     if problem is not None:
+        blocked = [ConditionValue("RouterReady", "False", problem.reason, problem.message)] if routed else []
         return [
             ConditionValue("Ready", "False", problem.reason, problem.message),
             ConditionValue("Progressing", "False", "Blocked", "not reconciled until the problem is fixed"),
             ConditionValue("Degraded", "True", problem.reason, problem.message),
+            *blocked,
         ]
     pods = f"{observed.ready}/{observed.replicas} pods ready"
     if observed.replicas == 0:
@@ -63,7 +95,12 @@ def desired_conditions(observed: Observed, problem: Problem | None) -> list[Cond
     else:
         ready = ConditionValue("Ready", "False", "ReplicasNotReady", pods)
         progressing = ConditionValue("Progressing", "True", "ReplicasStarting", pods)
-    return [ready, progressing, ConditionValue("Degraded", "False", "AsExpected", "")]
+    if routed is None:
+        return [ready, progressing, ConditionValue("Degraded", "False", "AsExpected", "")]
+    if ready.status == "True" and routed.status != "True":  # the replicas serve, the clients' way in not yet
+        ready = ConditionValue("Ready", "False", "RouterNotReady", f"{pods}; {routed.message}")
+        progressing = ConditionValue("Progressing", "True", "RouterStarting", routed.message)
+    return [ready, progressing, ConditionValue("Degraded", "False", "AsExpected", ""), routed]
 
 
 def merge_conditions(
@@ -112,13 +149,16 @@ def build_status(
         "endpoint": endpoint_url(name, namespace, port),
         "conditions": conditions,
     }
+    if observed.router is not None:
+        status["router"] = {"ready": observed.router.ready, "desired": observed.router.desired}
     if observed.generation is not None:
         status["observedGeneration"] = observed.generation
     return status
 
 
 def status_differs(previous: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    return any(previous.get(key) != value for key, value in new.items())
+    """Whether ``new`` (the reconciler's part) changes the status, a key it no longer writes included."""
+    return any(previous.get(key) != new.get(key) for key in {*new, *RECONCILER_KEYS})
 
 
 def degraded_changed(previous: Mapping[str, Any], problem: Problem | None) -> bool:

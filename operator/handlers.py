@@ -9,6 +9,11 @@ a conflict is reported on the CR (Degraded, reason FieldConflict), never forced.
 ``replicas`` have one writer: this reconciler in autoscaling modes none/external, the autoscaler
 (``live``) in mode operator. Everything is idempotent; a CR, a child or a pod event all lead to the
 same ``Reconciler.reconcile``. ``build_registry`` returns a fresh registry (no module state).
+
+The router (``spec.routing.mode: prefix``): the client Service moves to the router's pods only once
+one of them is ready (it would cut the clients off before), and back as soon as routing is off; then
+the router's objects that this CR controls are deleted (nothing else removes them: the garbage
+collector acts only when the CR goes).
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from typing import Any
 
 import kopf
 
+from kvdrive.operator import router_manifests
+from kvdrive.operator.childmeta import MANAGER, ROUTER_APP, Names, router_selector_labels, selector_labels
 from kvdrive.operator.conditions import (
     Observed,
     Problem,
+    RouterObserved,
     build_status,
     degraded_changed,
     now_rfc3339,
@@ -33,7 +41,7 @@ from kvdrive.operator.conditions import (
 )
 from kvdrive.operator.kubeclient import ApiError, Conflict, KubeApi, owns_field
 from kvdrive.operator.live import LiveController
-from kvdrive.operator.manifests import MANAGER, Names, admin_token_of, render, selector_labels
+from kvdrive.operator.manifests import admin_token_of, render
 from kvdrive.operator.objects import (
     AUTOSCALER,
     CHILDREN,
@@ -45,13 +53,15 @@ from kvdrive.operator.objects import (
     STORAGE_CLASSES,
     pod_ready,
 )
-from kvdrive.operator.spec import GROUP, PLURAL, VERSION, KVDriveDeployment, SpecError, parse_cr
+from kvdrive.operator.spec import GROUP, PLURAL, VERSION, KVDriveDeployment, SpecError, parse_cr, routing_of
 
 __all__ = ["CHILDREN", "CLAIMS", "CR", "PODS", "STATEFULSETS", "STORAGE_CLASSES", "Reconciler", "build_registry"]
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 INSTANCE_LABEL = "app.kubernetes.io/instance"
+NAME_LABEL = "app.kubernetes.io/name"
 # the API server's answer when an apply changes a StatefulSet field that only a new object can change
 STS_IMMUTABLE = "updates to statefulset spec for fields other than"
+Existing = dict[tuple[str, str], dict[str, Any] | None]  # children as they are now, by (kind, name)
 
 
 def _controller_uid(obj: Mapping[str, Any]) -> str | None:
@@ -146,6 +156,8 @@ class Reconciler:
                 problem, existing = await self._preflight(model)
                 if problem is None:
                     problem = await self._apply(model, existing, logger)
+                if problem is None:
+                    await self._prune_router(model, logger)
             await self._write_status(cr, problem, logger)
 
     async def refresh_status(self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter) -> None:
@@ -156,12 +168,12 @@ class Reconciler:
                 return
             await self._write_status(cr, _current_problem(cr.get("status") or {}), logger)
 
-    async def _preflight(self, model: KVDriveDeployment) -> tuple[Problem | None, dict[str, dict[str, Any] | None]]:
+    async def _preflight(self, model: KVDriveDeployment) -> tuple[Problem | None, Existing]:
         """What the schema cannot check; nothing is applied while any of it fails. Returns the children
-        as they are now, by kind."""
+        as they are now, by (kind, name)."""
         api, spec, namespace = self._api(), model.spec, model.metadata.namespace
         storage_class = spec.tiers.ssd.storage_class_name
-        existing: dict[str, dict[str, Any] | None] = {}
+        existing: Existing = {}
         if await api.get(STORAGE_CLASSES, None, storage_class) is None:
             return Problem(
                 "StorageClassNotFound",
@@ -176,21 +188,22 @@ class Reconciler:
                 ), existing
         for child in render(model, admin_token="-"):
             kind, child_name = child["kind"], child["metadata"]["name"]
-            existing[kind] = found = await api.get(CHILDREN[kind], namespace, child_name)
+            existing[kind, child_name] = found = await api.get(CHILDREN[kind], namespace, child_name)
             owner = None if found is None else _controller_uid(found)
             if owner is not None and owner != model.metadata.uid:
                 return Problem("ChildConflict", f"{kind} {child_name!r} is controlled by another owner ({owner})"), existing
         return None, existing
 
-    async def _apply(self, model: KVDriveDeployment, existing: Mapping[str, dict[str, Any] | None],
+    async def _apply(self, model: KVDriveDeployment, existing: Existing,
                      logger: logging.Logger | logging.LoggerAdapter) -> Problem | None:
         """Server-side apply of every child; the first conflict with another manager is the problem."""
-        api, namespace = self._api(), model.metadata.namespace
-        token = admin_token_of(existing.get("Secret")) or secrets.token_urlsafe(32)
-        replicas = statefulset_replicas(model, existing.get("StatefulSet"))
-        for child in render(model, token, replicas):
+        api, namespace, names = self._api(), model.metadata.namespace, Names(model.metadata.name)
+        token = admin_token_of(existing.get(("Secret", names.secret))) or secrets.token_urlsafe(32)
+        replicas = statefulset_replicas(model, existing.get(("StatefulSet", names.statefulset)))
+        to_router = await self._clients_to_router(model, existing.get(("Service", names.service)))
+        for child in render(model, token, replicas, clients_to_router=to_router):
             kind, child_name = child["kind"], child["metadata"]["name"]
-            if existing.get(kind) is None:
+            if existing.get((kind, child_name)) is None:
                 logger.info("creating %s %s", kind, child_name)
             try:
                 if kind == "StatefulSet":
@@ -201,6 +214,33 @@ class Reconciler:
                 logger.warning("not applied: %s", exc)
                 return _conflict_problem(kind, child_name, exc)
         return None
+
+    async def _clients_to_router(self, model: KVDriveDeployment, client: Mapping[str, Any] | None) -> bool:
+        """Whether the client Service selects the router's pods: routing is on, and it does already or a
+        router pod is ready (before that, the clients keep going to the replicas)."""
+        if not router_manifests.enabled(model.spec):
+            return False
+        name = model.metadata.name
+        if client is not None and (client.get("spec") or {}).get("selector") == router_selector_labels(name):
+            return True
+        pods = await self._api().list(PODS, model.metadata.namespace, router_selector_labels(name))
+        return any(pod_ready(pod) for pod in pods)
+
+    async def _prune_router(self, model: KVDriveDeployment, logger: logging.Logger | logging.LoggerAdapter) -> None:
+        """Routing off: delete the router's objects that this CR controls, its ServiceAccount last (so
+        that reading the ServiceAccount alone tells whether anything is left; router_manifests.KINDS)."""
+        if router_manifests.enabled(model.spec):
+            return
+        api, namespace, uid = self._api(), model.metadata.namespace, model.metadata.uid
+        name = Names(model.metadata.name).router
+        account = await api.get(CHILDREN["ServiceAccount"], namespace, name)
+        if account is None or _controller_uid(account) != uid:
+            return
+        for kind in reversed(router_manifests.KINDS):
+            found = account if kind == "ServiceAccount" else await api.get(CHILDREN[kind], namespace, name)
+            if found is not None and _controller_uid(found) == uid:
+                logger.info("routing off: deleting %s %s", kind, name)
+                await api.delete(CHILDREN[kind], namespace, name)
 
     async def _apply_statefulset(self, api: KubeApi, namespace: str, desired: dict[str, Any], model: KVDriveDeployment,
                                  logger: logging.Logger | logging.LoggerAdapter) -> None:
@@ -239,10 +279,15 @@ class Reconciler:
         namespace, name = meta["namespace"], meta["name"]
         sts = await api.get(STATEFULSETS, namespace, Names(name).statefulset)
         pods = await api.list(PODS, namespace, selector_labels(name))
+        routing, router = routing_of(cr.get("spec")), None
+        if routing.mode != "none":
+            routers = await api.list(PODS, namespace, router_selector_labels(name))
+            router = RouterObserved(desired=routing.replicas, ready=sum(1 for pod in routers if pod_ready(pod)))
         observed = Observed(
             generation=meta.get("generation"),
             replicas=int((sts or {}).get("spec", {}).get("replicas") or 0),
             ready=sum(1 for pod in pods if pod_ready(pod)),
+            router=router,
         )
         port = int(cr.get("spec", {}).get("service", {}).get("port") or 8000)
         previous = cr.get("status") or {}
@@ -329,8 +374,12 @@ def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> ko
             await reconciler.reconcile(body["metadata"]["namespace"], instance, logger)
 
     async def pod_changed(body: Mapping[str, Any], logger: logging.Logger, **_: Any) -> None:
-        instance = (body.get("metadata", {}).get("labels") or {}).get(INSTANCE_LABEL)
-        if instance:
+        labels = body.get("metadata", {}).get("labels") or {}
+        instance = labels.get(INSTANCE_LABEL)
+        if instance and labels.get(NAME_LABEL) == ROUTER_APP:
+            # a router pod's readiness may let the client Service move to the router
+            await reconciler.reconcile(body["metadata"]["namespace"], instance, logger)
+        elif instance:
             await reconciler.refresh_status(body["metadata"]["namespace"], instance, logger)
 
     for ref in CHILDREN.values():

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdrive.operator import autoscale, tuning
+from kvdrive.operator.childmeta import Names, selector_labels
 from kvdrive.operator.conditions import now_rfc3339
 from kvdrive.operator.kubeclient import ApiError, Conflict, KubeApi
 from kvdrive.operator.livestatus import budget_event, budget_summary, last_budgets, pod_entry, scale_event
-from kvdrive.operator.manifests import Names, admin_token_of, runtime_settings, selector_labels
+from kvdrive.operator.manifests import admin_token_of, runtime_settings
 from kvdrive.operator.objects import (
     AUTOSCALER,
     CR,

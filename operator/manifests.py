@@ -1,10 +1,11 @@
 """Pure rendering of a KVDriveDeployment into its child manifests.
 
-Owns what the children look like: the StatefulSet running ``kvdrive serve`` (GPU limits,
+Owns what the runtime's children look like: the StatefulSet running ``kvdrive serve`` (GPU limits,
 hugepages sized from the DRAM tier, a local-NVMe claim for the SSD tier, probes, security
 context), the headless and client Services, the ConfigMap, the admin-token Secret and the
-PodDisruptionBudget. No Kubernetes API and no Kopf here: the same function backs
-``kvdrive-operator render`` and the reconcile handlers.
+PodDisruptionBudget, and ``render``: every child in creation order, the router's
+(``router_manifests``) included when ``spec.routing.mode`` is ``prefix``. No Kubernetes API and no
+Kopf here: the same function backs ``kvdrive-operator render`` and the reconcile handlers.
 """
 
 from __future__ import annotations
@@ -13,20 +14,28 @@ import base64
 import binascii
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
 
+from kvdrive.operator import router_manifests
+from kvdrive.operator.childmeta import (
+    CONTAINER_PORT,
+    Names,
+    common_labels,
+    container_security,
+    object_meta,
+    pod_security,
+    probe,
+    router_selector_labels,
+    selector_labels,
+)
 from kvdrive.operator.quantity import to_bytes
-from kvdrive.operator.spec import API_VERSION, KIND, KVDriveDeployment, KVDriveSpec
+from kvdrive.operator.spec import KVDriveDeployment, KVDriveSpec
 
-MANAGER = "kvdrive-operator"
-CONTAINER_PORT = 8000
 DRAIN_SECONDS = 120  # terminationGracePeriodSeconds of the runtime pods
 PRESTOP_SECONDS = 5  # preStop sleep: the Service stops routing to a terminating pod first
 SERVER_DRAIN_SECONDS = 90  # the server's own deadline (--drain-seconds) after SIGTERM: 5 + 90 < 120
-RUN_AS_USER = 10001
 SSD_BUDGET_FRACTION_PERCENT = 90  # leave file-system headroom: the tier never fills the volume
 HUGEPAGE_DIR = "/var/lib/kvdrive/hugepages"
 SSD_DIR = "/var/lib/kvdrive/ssd"
@@ -34,80 +43,6 @@ MODEL_DIR = "/models"
 ADMIN_DIR = "/var/run/kvdrive/admin"
 CONFIG_DIR = "/etc/kvdrive"
 SSD_VOLUME = "kv-ssd"
-
-
-@dataclass(frozen=True)
-class Names:
-    """Names of the children of one CR."""
-
-    instance: str
-
-    @property
-    def statefulset(self) -> str:
-        return self.instance
-
-    @property
-    def service(self) -> str:
-        return self.instance
-
-    @property
-    def headless(self) -> str:
-        return f"{self.instance}-headless"
-
-    @property
-    def configmap(self) -> str:
-        return f"{self.instance}-config"
-
-    @property
-    def secret(self) -> str:
-        return f"{self.instance}-admin"
-
-    @property
-    def pdb(self) -> str:
-        return self.instance
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    """Labels that select the pods of one CR (immutable StatefulSet selector)."""
-    return {"app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance": name}
-
-
-def common_labels(name: str, component: str) -> dict[str, str]:
-    return {
-        **selector_labels(name),
-        "app.kubernetes.io/component": component,
-        "app.kubernetes.io/part-of": "kvdrive",
-        "app.kubernetes.io/managed-by": MANAGER,
-    }
-
-
-def selector_string(name: str) -> str:
-    """``status.selector`` for the scale subresource."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
-
-
-def endpoint_url(name: str, namespace: str, port: int) -> str:
-    return f"http://{name}.{namespace}.svc:{port}/v1"
-
-
-def _meta(cr: KVDriveDeployment, name: str, component: str) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": cr.metadata.namespace,
-        "labels": common_labels(cr.metadata.name, component),
-    }
-    if cr.metadata.uid:
-        meta["ownerReferences"] = [
-            {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "name": cr.metadata.name,
-                "uid": cr.metadata.uid,
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ]
-    return meta
 
 
 def runtime_settings(spec: KVDriveSpec) -> dict[str, Any]:
@@ -158,7 +93,7 @@ def configmap(cr: KVDriveDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(cr, Names(cr.metadata.name).configmap, "config"),
+        "metadata": object_meta(cr, Names(cr.metadata.name).configmap, "config"),
         "data": {"config.yaml": yaml.safe_dump(settings, sort_keys=True)},
     }
 
@@ -168,7 +103,7 @@ def secret(cr: KVDriveDeployment, admin_token: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(cr, Names(cr.metadata.name).secret, "admin-token"),
+        "metadata": object_meta(cr, Names(cr.metadata.name).secret, "admin-token"),
         "type": "Opaque",
         "data": {"token": base64.b64encode(admin_token.encode()).decode()},
     }
@@ -190,7 +125,7 @@ def headless_service(cr: KVDriveDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(cr, Names(cr.metadata.name).headless, "server"),
+        "metadata": object_meta(cr, Names(cr.metadata.name).headless, "server"),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -200,13 +135,19 @@ def headless_service(cr: KVDriveDeployment) -> dict[str, Any]:
     }
 
 
-def client_service(cr: KVDriveDeployment) -> dict[str, Any]:
+def client_service(cr: KVDriveDeployment, to_router: bool | None = None) -> dict[str, Any]:
+    """The Service clients use (``status.endpoint``). It selects the router's pods when ``to_router``
+    (default: whenever routing is on), else the runtime's; both name their container port ``http``."""
+    if to_router is None:
+        to_router = router_manifests.enabled(cr.spec)
+    name = cr.metadata.name
     port = {"name": "http", "port": cr.spec.service.port, "targetPort": "http", "protocol": "TCP"}
+    selector = router_selector_labels(name) if to_router else selector_labels(name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(cr, Names(cr.metadata.name).service, "server"),
-        "spec": {"type": cr.spec.service.type, "selector": selector_labels(cr.metadata.name), "ports": [port]},
+        "metadata": object_meta(cr, Names(name).service, "server"),
+        "spec": {"type": cr.spec.service.type, "selector": selector, "ports": [port]},
     }
 
 
@@ -214,7 +155,7 @@ def pdb(cr: KVDriveDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(cr, Names(cr.metadata.name).pdb, "server"),
+        "metadata": object_meta(cr, Names(cr.metadata.name).pdb, "server"),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(cr.metadata.name)}},
     }
 
@@ -228,15 +169,6 @@ def _resources(spec: KVDriveSpec) -> dict[str, Any]:
     if spec.resources.gpus:
         limits["nvidia.com/gpu"] = str(spec.resources.gpus)  # the API server stores quantities as strings
     return {"requests": requests, "limits": limits}
-
-
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {
-        "httpGet": {"path": path, "port": "http"},
-        "periodSeconds": period,
-        "timeoutSeconds": 5,
-        "failureThreshold": failures,
-    }
 
 
 def _volumes(cr: KVDriveDeployment) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -277,28 +209,17 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
         "ports": [{"name": "http", "containerPort": CONTAINER_PORT, "protocol": "TCP"}],
         "resources": _resources(spec),
         "volumeMounts": mounts,
-        "startupProbe": _probe("/healthz", 10, 60),
-        "livenessProbe": _probe("/healthz", 10, 3),
-        "readinessProbe": _probe("/readyz", 5, 3),
+        "startupProbe": probe("/healthz", 10, 60),
+        "livenessProbe": probe("/healthz", 10, 3),
+        "readinessProbe": probe("/readyz", 5, 3),
         # the endpoints drop the pod before SIGTERM arrives; the server then drains within its
         # --drain-seconds, inside terminationGracePeriodSeconds
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security(),
     }
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": DRAIN_SECONDS,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security(fs_group=True),
         "automountServiceAccountToken": False,
         "containers": [container],
         "volumes": volumes,
@@ -320,7 +241,7 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
     sts = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _meta(cr, Names(name).statefulset, "server"),
+        "metadata": object_meta(cr, Names(name).statefulset, "server"),
         "spec": {
             "replicas": replicas,
             "serviceName": Names(name).headless,
@@ -343,19 +264,23 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
     return sts
 
 
-def render(cr: KVDriveDeployment, admin_token: str,
-           replicas: int | None | Literal["initial"] = "initial") -> list[dict[str, Any]]:
-    """All children of a CR, in creation order (config and secret before the pods need them).
+def render(cr: KVDriveDeployment, admin_token: str, replicas: int | None | Literal["initial"] = "initial",
+           clients_to_router: bool | None = None) -> list[dict[str, Any]]:
+    """All children of a CR, in creation order (config and secret before the pods need them; the
+    router's ServiceAccount and RBAC before its Deployment).
 
     ``replicas``: the StatefulSet's count; "initial" for the count a new object starts with, None to
-    leave the field out (another writer owns it)."""
+    leave the field out (another writer owns it). ``clients_to_router``: whether the client Service
+    selects the router's pods (default: whenever routing is on; the handlers hold it back until a
+    router pod is ready)."""
     if replicas == "initial":
         replicas = cr.spec.desired_replicas()
     return [
         configmap(cr),
         secret(cr, admin_token),
         headless_service(cr),
-        client_service(cr),
+        client_service(cr, clients_to_router),
         statefulset(cr, replicas),
         pdb(cr),
+        *router_manifests.render(cr),
     ]

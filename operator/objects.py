@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvdrive.operator.childmeta import CONTAINER_PORT
 from kvdrive.operator.kubeclient import Ref
-from kvdrive.operator.manifests import CONTAINER_PORT
 from kvdrive.operator.spec import GROUP, KIND, PLURAL, VERSION
 
 CR = Ref(f"{GROUP}/{VERSION}", KIND, PLURAL)
@@ -28,6 +28,11 @@ CHILDREN = {
     "Service": Ref("v1", "Service", "services"),
     "StatefulSet": STATEFULSETS,
     "PodDisruptionBudget": Ref("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    # the router's (spec.routing.mode prefix; router_manifests)
+    "Deployment": Ref("apps/v1", "Deployment", "deployments"),
+    "ServiceAccount": Ref("v1", "ServiceAccount", "serviceaccounts"),
+    "Role": Ref("rbac.authorization.k8s.io/v1", "Role", "roles"),
+    "RoleBinding": Ref("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
 }
 # Field managers: the reconciler owns the children and status' conditions; the autoscaler owns the
 # StatefulSet's replicas in autoscaling mode operator; the live loop owns status.pods/budgets/autoscaling.

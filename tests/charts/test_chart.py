@@ -190,8 +190,11 @@ def test_notes_say_what_to_do_next() -> None:
     assert "ServiceMonitor" not in notes and "ServiceMonitor" in render_notes(ALL_ON)
 
 
-def test_runtime_service_monitor_scrapes_each_runtime_pod_once() -> None:
-    """Its selector picks the Services the operator renders for a CR; the relabeling keeps one."""
+@pytest.mark.parametrize("routing", ["none", "prefix"])
+def test_runtime_service_monitor_scrapes_each_runtime_pod_once(routing: str) -> None:
+    """Its selector picks the Services the operator renders for a CR; the relabeling keeps one. The
+    router's Service is not one of them (with routing on, the client Service selects the router's pods,
+    and the headless one still the replicas)."""
     import re
 
     from crdcheck import load_example
@@ -201,7 +204,9 @@ def test_runtime_service_monitor_scrapes_each_runtime_pod_once() -> None:
 
     monitors = {m["metadata"]["name"]: m for m in _by_kind(render_chart(ALL_ON))["ServiceMonitor"]}
     spec = monitors["kvdrive-operator-runtime"]["spec"]
-    children = render(parse_cr(load_example("full.yaml")), "token")
+    doc = load_example("full.yaml")
+    doc["spec"]["routing"] = {"mode": routing}
+    children = render(parse_cr(doc), "token")
     services = [c for c in children if c["kind"] == "Service"]
     selected = [s for s in services if spec["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
     assert len(selected) == 2  # the client Service and the headless one
@@ -212,6 +217,7 @@ def test_runtime_service_monitor_scrapes_each_runtime_pod_once() -> None:
     assert [s["spec"].get("clusterIP") for s in kept] == ["None"]
     assert endpoint["port"] in {p["name"] for p in kept[0]["spec"]["ports"]}
     (sts,) = [c for c in children if c["kind"] == "StatefulSet"]
+    assert kept[0]["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]  # the replicas, never the router
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     assert endpoint["port"] in {p["name"] for p in container["ports"]}
     assert endpoint["path"] == "/metrics"

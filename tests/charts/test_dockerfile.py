@@ -118,7 +118,7 @@ def test_entry_points_are_the_console_scripts_and_their_commands_parse() -> None
 
 
 def test_users_and_ports_match_the_pods_and_the_chart() -> None:
-    from kvdrive.operator.manifests import CONTAINER_PORT, RUN_AS_USER
+    from kvdrive.operator.childmeta import CONTAINER_PORT, RUN_AS_USER
 
     runtime, operator = BY_NAME["runtime"], BY_NAME["operator"]
     assert runtime.last("USER") == f"{RUN_AS_USER}:{RUN_AS_USER}"

@@ -4,9 +4,11 @@ The chart's ServiceAccount, ClusterRole and ClusterRoleBinding are rendered with
 library and applied to the test control plane; a token is minted for the ServiceAccount
 (TokenRequest), and the real Kopf operator logs in with it. It goes through every code path that
 talks to the API server (create, a spec change, pod readiness, a live round, a re-created
-StatefulSet, a degraded CR with its Warning Event, deletion). The API server's audit log says what
-the operator asked for and what it was refused: nothing may be refused (a permission missing from
-the chart), and nothing granted may go unused (a permission no code path needs). A static check
+StatefulSet, the router turned on and off, a degraded CR with its Warning Event, deletion). The API
+server's audit log says what the operator asked for and what it was refused: nothing may be refused
+(a permission missing from the chart; creating the router's Role also needs the rights it grants, the
+API server's escalation check), and nothing granted may go unused (a permission no code path needs),
+except the rights the operator only passes on to the router's Role. A static check
 makes sure the scenario keeps up with the code: every API resource the operator's modules name,
 and every kind of call they make, shows up in it.
 """
@@ -24,8 +26,10 @@ from chartrender import render_chart
 from crdcheck import load_example
 from kopfenv import Cluster, eventually, run_operator
 
+from kvdrive.operator import router_manifests
 from kvdrive.operator.kubeclient import KubeApi, Ref
 from kvdrive.operator.objects import CHILDREN, CLAIMS, CR, EVENTS, PODS, STATEFULSETS
+from kvdrive.operator.spec import parse_cr
 
 REPO = Path(__file__).resolve().parents[2]
 KUBECLIENT_VERBS = {"get": {"get"}, "list": {"list"}, "create": {"create"}, "apply": {"patch"}, "delete": {"delete"}}
@@ -49,8 +53,8 @@ async def _install_chart_rbac(cluster: Cluster) -> tuple[str, str, dict[str, Any
     return cluster.namespace, account, role
 
 
-def _pod(name: str, instance: str) -> dict[str, Any]:
-    labels = {"app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance": instance,
+def _pod(name: str, instance: str, app: str = "kvdrive") -> dict[str, Any]:
+    labels = {"app.kubernetes.io/name": app, "app.kubernetes.io/instance": instance,
               "app.kubernetes.io/managed-by": "kvdrive-operator"}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
             "spec": {"containers": [{"name": "kvdrive", "image": "x"}]},
@@ -81,6 +85,18 @@ async def _exercise(cluster: Cluster) -> None:
         {"type": "Ready", "status": "True"}]}}, subresource="status")
     await _changed(cluster, CR, "chat", lambda cr: (cr.get("status") or {}).get("readyReplicas") == 1, "readyReplicas")
     await _changed(cluster, CR, "chat", lambda cr: "pods" in (cr.get("status") or {}), "the live loop's status")
+    # the router on (its objects applied; a ready router pod moves the client Service), then off (deleted)
+    await cluster.patch(CR, "chat", {"spec": {"routing": {"mode": "prefix"}}})
+    await _changed(cluster, CHILDREN["Deployment"], "chat-router", lambda obj: True, "the router's Deployment")
+    await cluster.create(PODS, _pod("chat-router-a", "chat", app="kvdrive-router"))
+    await cluster.patch(PODS, "chat-router-a", {"status": {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": "True"}]}}, subresource="status")
+    await _changed(cluster, CHILDREN["Service"], "chat",
+                   lambda svc: svc["spec"]["selector"]["app.kubernetes.io/name"] == "kvdrive-router",
+                   "the client Service on the router")
+    await cluster.patch(CR, "chat", {"spec": {"routing": {"mode": "none"}}})
+    await eventually(lambda: _gone(cluster, CHILDREN["ServiceAccount"], "chat-router"), what="the router deleted")
+    await cluster.delete(PODS, "chat-router-a")
     # a deleted child is created again
     await cluster.delete(CHILDREN["ConfigMap"], "chat-config")
     await _changed(cluster, CHILDREN["ConfigMap"], "chat-config", lambda obj: True, "ConfigMap re-created")
@@ -126,7 +142,18 @@ async def test_cluster_role_grants_exactly_what_the_operator_uses(cluster: Clust
     _assert_scenario_covers_the_code(needed)
     grants = granted(role)
     assert not needed - grants, f"the ClusterRole misses: {sorted(needed - grants)}"
-    assert not grants - needed, f"the ClusterRole grants what the operator never uses: {sorted(grants - needed)}"
+    delegated = _delegated()
+    assert delegated <= grants, "the operator cannot create the router's Role without holding its rights"
+    assert not delegated & needed, "the operator calls what it only means to pass on"
+    unused = grants - needed - delegated
+    assert not unused, f"the ClusterRole grants what the operator never uses: {sorted(unused)}"
+
+
+def _delegated() -> set[Rule]:
+    """What the operator holds only to grant it: the rules of the router's Role."""
+    doc = copy.deepcopy(load_example("full.yaml"))
+    doc["spec"]["routing"] = {"mode": "prefix"}
+    return granted({"rules": router_manifests.role(parse_cr(doc))["rules"]})
 
 
 def _operator_sources() -> list[Path]:

@@ -29,6 +29,22 @@ def test_render_prints_valid_children(example: str) -> None:
         kubernetes_validate.validate(doc, "1.33", strict=True)
 
 
+def test_render_prints_the_router_when_routing_is_on() -> None:
+    result = _run("render", "-f", str(EXAMPLES / "routing.yaml"), "--admin-token", "abc", "--namespace", "team-a")
+    assert result.returncode == 0, result.stderr
+    docs = list(yaml.safe_load_all(result.stdout))
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs[6:]] == [
+        (kind, "routed-router") for kind in
+        ("ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget", "Deployment")]
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33", strict=True)
+    client = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "routed")
+    assert client["spec"]["selector"]["app.kubernetes.io/name"] == "kvdrive-router"
+    deployment = docs[-1]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--namespace") + 1] == "team-a" and args[args.index("--service") + 1] == "routed-headless"
+
+
 def test_render_reads_stdin_and_several_documents() -> None:
     text = (EXAMPLES / "minimal.yaml").read_text() + "\n---\n" + (EXAMPLES / "fixed-replicas.yaml").read_text()
     result = _run("render", "-f", "-", "--namespace", "team-a", stdin=text)
@@ -47,6 +63,8 @@ def test_render_reads_stdin_and_several_documents() -> None:
         ("  resources: {cpu: lots}", "spec.resources.cpu"),
         ("  tiers: {ssd: {storageClassName: ''}}", "spec.tiers.ssd.storageClassName"),
         ("  unknownField: 1", "spec.unknownField"),
+        ("  routing: {mode: bogus}", "spec.routing.mode"),
+        ("  routing: {mode: prefix, replicas: 0}", "spec.routing.replicas"),
     ],
 )
 def test_render_rejects_an_invalid_cr_naming_the_field(patch: str, field: str, tmp_path: Path) -> None:

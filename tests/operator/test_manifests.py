@@ -10,7 +10,9 @@ import pytest
 import yaml
 from crdcheck import EXAMPLES, load_example
 
-from kvdrive.operator.manifests import render, selector_string
+from kvdrive.operator.childmeta import selector_string
+from kvdrive.operator.manifests import render
+from kvdrive.operator.objects import CHILDREN
 from kvdrive.operator.spec import KVDriveDeployment, parse_cr
 
 EXAMPLE_FILES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
@@ -36,9 +38,12 @@ def _sts(cr: KVDriveDeployment) -> dict[str, Any]:
 @pytest.mark.parametrize("version", ["1.30", "1.33"])
 @pytest.mark.parametrize("example", EXAMPLE_FILES)
 def test_children_validate_strictly(example: str, version: str) -> None:
-    children = render(_cr(load_example(example)), "t0ken")
+    cr = _cr(load_example(example))
+    children = render(cr, "t0ken")
+    router = ["ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget", "Deployment"]
     assert [c["kind"] for c in children] == [
-        "ConfigMap", "Secret", "Service", "Service", "StatefulSet", "PodDisruptionBudget"]
+        "ConfigMap", "Secret", "Service", "Service", "StatefulSet", "PodDisruptionBudget",
+        *(router if cr.spec.routing.mode == "prefix" else [])]
     for child in children:
         kubernetes_validate.validate(child, version, strict=True)
 
@@ -165,10 +170,16 @@ def test_operator_rbac_covers_every_child_kind() -> None:
     docs = list(yaml.safe_load_all((EXAMPLES / "operator" / "operator.yaml").read_text()))
     (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
     allowed = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
-    for child in render(_cr(load_example("full.yaml")), "t"):
-        group = child["apiVersion"].rpartition("/")[0]
-        plural = {"PodDisruptionBudget": "poddisruptionbudgets", "StatefulSet": "statefulsets"}.get(
-            child["kind"], child["kind"].lower() + "s")
-        assert {"get", "list", "watch", "create", "patch"} <= allowed[group, plural], child["kind"]
+    children = render(_cr(load_example("full.yaml"), routing={"mode": "prefix"}), "t")
+    assert "Deployment" in {c["kind"] for c in children}
+    for child in children:
+        ref = CHILDREN[child["kind"]]
+        assert (ref.api_version, ref.kind) == (child["apiVersion"], child["kind"])
+        verbs = {"get", "list", "watch", "create", "patch"}
+        if child["metadata"]["name"].endswith("-router"):
+            verbs.add("delete")  # deleted when routing is turned off
+        assert verbs <= allowed[ref.group, ref.plural], child["kind"]
+    # the router's Role grants endpointslices: the operator must hold them to grant them
+    assert {"get", "list", "watch"} <= allowed["discovery.k8s.io", "endpointslices"]
     assert {"get", "patch"} <= allowed["kvdrive.io", "kvdrivedeployments/status"]
     assert "delete" not in allowed["", "secrets"]
