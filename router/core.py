@@ -108,6 +108,8 @@ class Router:
     async def _poll(self, b: Backend) -> None:
         started = time.monotonic()
         try:
+            async with await self._get(b, "/readyz"):  # starting, or its engine down: not in service
+                pass
             async with await self._get(b, "/v1/kvdrive/routing") as r:
                 raw = await r.json()
             info = RoutingInfo(str(raw["model"]), bytes.fromhex(raw["root"]), int(raw["page_size"]),

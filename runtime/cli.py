@@ -158,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--gpu-budget", type=_size, default=32 << 20)
     rs.add_argument("--dram-budget", type=_size, default=128 << 20)
     rs.add_argument("--out", type=Path, default=Path("bench/results/rss.json"))
+    rt = bsub.add_parser("routing", help="prefix-aware routing vs round-robin over local replicas, with faults")
+    rt.add_argument("--work-dir", required=True, help="replicas' SSD directories and logs (fresh per run)")
+    rt.add_argument("--replicas", type=int, default=3)
+    rt.add_argument("--clients", type=int, default=16)
+    rt.add_argument("--seconds", type=float, default=120.0)
+    rt.add_argument("--replica-threads", type=int, default=1, help="compute threads of each replica")
+    rt.add_argument("--no-faults", action="store_true", help="skip the run with a replica and the router killed")
+    rt.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
     ld.add_argument("--url", default="http://127.0.0.1:8000")
     ld.add_argument("--clients", type=int, default=16)
@@ -279,6 +287,20 @@ def _bench(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rss, indent=2) + "\n")
         print(json.dumps(rss, indent=2))
+        return 0
+    if args.bench == "routing":
+        from dataclasses import asdict
+
+        from kvdrive.runtime.bench import routing_bench, routing_report
+
+        res = routing_bench.run_routing_bench(args.work_dir, args.replicas, args.clients, args.seconds,
+                                              args.replica_threads, not args.no_faults)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(asdict(res), indent=2) + "\n")
+        report = routing_report.markdown(res, "kvdrive bench routing " + " ".join(sys.argv[3:]))
+        args.out.with_suffix(".md").write_text(report)
+        routing_report.plot(res, str(args.out.with_suffix(".png")))
+        print(report)
         return 0
     if args.bench == "load":
         import asyncio

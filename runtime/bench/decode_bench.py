@@ -94,7 +94,8 @@ def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[
     Each prompt goes in one context at a time, shortest first, each stage reusing the one before: the pages
     are the same either way, and a hybrid model keeps its sliding window's snapshot at every stage's end, so
     each shorter context can be reused on its own (a window is kept only at a sequence's boundaries)."""
-    gen = Generator(loaded, EngineConfig(tiers=TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget), max_sequences=1))
+    gen = Generator(loaded, EngineConfig(tiers=TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget), max_sequences=1,
+                                         window_checkpoint=0))  # the stage ends are the boundaries reused
     s = gen.cache.layout.page_size
     stages = [p[:ctx] for p in prompts for ctx in sorted(contexts)]
     try:

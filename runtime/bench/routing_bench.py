@@ -1,0 +1,177 @@
+"""Prefix-aware routing against round-robin: real replicas of ``kvdrive serve`` behind ``kvdrive route``.
+
+Each run starts ``replicas`` fresh demo-model replicas (small tiers, their own SSD directories, one compute
+thread each) and a router with the run's policy, then drives ``clients`` streaming clients for ``seconds``
+with the same requests (``routing_workload``). Measured per run: client TTFT (all, and per kind), errors,
+completion tokens/s, and from the replicas' own counters the prompt tokens received, the pages reused and
+so the prefill tokens computed; from the router, its decisions by reason.
+
+The fault run repeats the prefix run and, during it, kills one replica (SIGKILL: its in-flight requests
+are lost), restarts it, then kills and restarts the router; it reports the requests lost, how long the
+router kept the dead replica in service, when it rejoined, and how soon prefix hits resumed after the
+router's restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvdrive.runtime.bench.routing_fleet import Counters, Fleet, metrics_of
+from kvdrive.runtime.bench.routing_workload import Sample, Workload, percentiles, run_clients
+
+PAGE = 16
+
+
+@dataclass(frozen=True)
+class RunResult:
+    policy: str
+    seconds: float
+    requests: int
+    errors: int
+    completion_tokens: int
+    tokens_per_s: float
+    ttft_ms: dict[str, float]
+    ttft_ms_by_kind: dict[str, dict[str, float]]
+    prompt_tokens: int  # received by the replicas
+    prefix_pages_reused: int
+    prefill_tokens_computed: int
+    decisions: dict[str, float]
+    per_replica_prompt_tokens: list[int]
+    faults: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class RoutingBenchResult:
+    replicas: int
+    clients: int
+    seconds: float
+    workload: dict[str, object]
+    runs: list[RunResult] = field(default_factory=list)
+    host: str = ""
+
+
+def _summary(policy: str, samples: list[Sample], seconds: float, fleet: Fleet, counters: Counters) -> RunResult:
+    ok = [s for s in samples if s.error is None]
+    prompt = [int(counters.of(r, "kvdrive_prompt_tokens_total")) for r in fleet.replicas]
+    hits = [int(counters.of(r, "kvdrive_prefix_hit_pages_total")) for r in fleet.replicas]
+    kinds = sorted({s.kind for s in ok})
+    return RunResult(
+        policy, seconds, len(samples), len(samples) - len(ok), sum(s.tokens for s in ok),
+        sum(s.tokens for s in ok) / seconds, percentiles([s.ttft for s in ok if s.ttft is not None]),
+        {k: percentiles([s.ttft for s in ok if s.kind == k and s.ttft is not None]) for k in kinds},
+        sum(prompt), sum(hits), sum(prompt) - PAGE * sum(hits),
+        counters.labelled(fleet.router, "kvdrive_router_decisions_total", "reason"), prompt)
+
+
+def _decisions(router_url: str) -> dict[str, float]:
+    m = metrics_of(router_url)
+    return {k.split('reason="')[1].rstrip('"}'): v for k, v in m.items() if k.startswith("kvdrive_router_decisions")}
+
+
+async def _fault_script(fleet: Fleet, seconds: float, log: dict[str, object]) -> None:
+    """Kill a replica at 30% of the run, restart it at 50%, restart the router at 70%."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    victim = fleet.replicas[1]
+
+    async def at(frac: float) -> None:
+        await asyncio.sleep(max(0.0, began + frac * seconds - loop.time()))
+
+    def up() -> float:
+        return metrics_of(fleet.router.url).get(f'kvdrive_router_backend_up{{backend="{victim.url}"}}', 0.0)
+
+    await at(0.3)
+    victim.kill()
+    t_kill = loop.time()
+    log["replica_killed_at_s"] = round(t_kill - began, 1)
+    while await asyncio.to_thread(up) and loop.time() - t_kill < 30:
+        await asyncio.sleep(0.1)
+    log["router_took_it_out_after_s"] = round(loop.time() - t_kill, 2)
+    await at(0.5)
+    t_restart = loop.time()
+    await asyncio.to_thread(victim.start)
+    while not await asyncio.to_thread(up) and loop.time() - t_restart < 60:
+        await asyncio.sleep(0.1)
+    log["replica_restarted_at_s"] = round(t_restart - began, 1)
+    log["rejoined_after_restart_s"] = round(loop.time() - t_restart, 2)
+    await at(0.7)
+    fleet.router.kill()
+    t_router = loop.time()
+    log["router_killed_at_s"] = round(t_router - began, 1)
+    await asyncio.to_thread(fleet.router.start)
+    log["router_back_after_s"] = round(loop.time() - t_router, 2)
+    base = (await asyncio.to_thread(_decisions, fleet.router.url)).get("prefix", 0.0)
+    while (await asyncio.to_thread(_decisions, fleet.router.url)).get("prefix", 0.0) <= base \
+            and loop.time() - t_router < 60:
+        await asyncio.sleep(0.2)
+    log["first_prefix_hit_after_router_restart_s"] = round(loop.time() - t_router, 2)
+
+
+def _run(root: Path, policy: str, args: RunArgs, with_faults: bool) -> RunResult:
+    fleet = Fleet(root, args.replicas, policy, args.threads)
+    try:
+        fleet.start()
+        bar = tqdm(desc=f"{policy}{' + faults' if with_faults else ''}: requests", unit="req")
+        faults: dict[str, object] = {}
+
+        async def go() -> list[Sample]:
+            clients = run_clients(fleet.router.url, "demo", args.workload, args.clients, args.seconds, {},
+                                  lambda n: bar.update(1))
+            if not with_faults:
+                return await clients
+            samples, _ = await asyncio.gather(clients, _fault_script(fleet, args.seconds, faults))
+            return samples
+
+        with Counters([*fleet.replicas, fleet.router], ("kvdrive_prompt_tokens", "kvdrive_prefix_hit_pages",
+                                                        "kvdrive_router_decisions")) as counters:
+            samples = asyncio.run(go())
+        bar.close()
+        result = _summary(policy, samples, args.seconds, fleet, counters)
+        if with_faults:
+            faults.update(_fault_counts(samples, faults))
+            result = RunResult(**{**asdict(result), "faults": faults})
+        return result
+    finally:
+        fleet.stop()
+
+
+def _fault_counts(samples: list[Sample], log: dict[str, object]) -> dict[str, object]:
+    """Errors by cause: requests in flight on the killed replica when it died, requests in flight through
+    the router when it was killed or sent while it was down, and any other."""
+    killed = float(log.get("replica_killed_at_s", -1))
+    router_at = float(log.get("router_killed_at_s", -1))
+    router_back = router_at + float(log.get("router_back_after_s", 0))
+    failed = [s for s in samples if s.error]
+    lost = [s for s in failed if s.start < killed <= s.end]
+    router = [s for s in failed if s not in lost and (s.start < router_at <= s.end or router_at <= s.start <= router_back)]
+    return {"errors": len(failed), "lost_in_flight_on_the_killed_replica": len(lost),
+            "lost_in_flight_or_refused_while_the_router_restarted": len(router),
+            "other_errors": len(failed) - len(lost) - len(router),
+            "error_examples": sorted({(s.error or "")[:100] for s in failed})[:5]}
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    replicas: int
+    clients: int
+    seconds: float
+    threads: int
+    workload: Workload
+
+
+def run_routing_bench(work_dir: str, replicas: int = 3, clients: int = 16, seconds: float = 120.0,
+                      threads: int = 1, faults: bool = True, seed: int = 0) -> RoutingBenchResult:
+    args = RunArgs(replicas, clients, seconds, threads, Workload(seed=seed))
+    root = Path(work_dir) / f"run-{int(time.time())}"
+    out = RoutingBenchResult(replicas, clients, seconds, asdict(args.workload), host=os.uname().nodename)
+    for policy in ("round-robin", "prefix"):
+        out.runs.append(_run(root / policy, policy, args, with_faults=False))
+    if faults:
+        out.runs.append(_run(root / "prefix-faults", "prefix", args, with_faults=True))
+    return out
