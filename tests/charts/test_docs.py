@@ -77,10 +77,10 @@ def _label_names(call: ast.Call) -> list[str]:
     return []
 
 
-def runtime_metrics() -> dict[str, tuple[str, list[str]]]:
-    """Exposed name -> (type, labels) of every metric the runtime's code defines."""
+def runtime_metrics(folder: str = "runtime") -> dict[str, tuple[str, list[str]]]:
+    """Exposed name -> (type, labels) of every metric the code under ``folder`` defines."""
     found: dict[str, tuple[str, list[str]]] = {}
-    for path in (REPO / "runtime").rglob("*.py"):
+    for path in (REPO / folder).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not node.args:
                 continue
@@ -94,9 +94,9 @@ def runtime_metrics() -> dict[str, tuple[str, list[str]]]:
     return found
 
 
-def _documented() -> dict[str, tuple[str, list[str]]]:
+def _documented(heading: str = "## Runtime metrics") -> dict[str, tuple[str, list[str]]]:
     rows = {}
-    section = (REPO / "docs" / "metrics.md").read_text().split("## Runtime metrics")[1].split("\n## ")[0]
+    section = (REPO / "docs" / "metrics.md").read_text().split(heading)[1].split("\n## ")[0]
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[0].startswith("`kvdrive_"):
@@ -111,6 +111,12 @@ def test_metrics_reference_lists_exactly_the_runtime_metrics() -> None:
     assert sorted(set(documented) - set(defined)) == [], "docs/metrics.md lists metrics the runtime does not define"
     for name, (kind, labels) in defined.items():
         assert documented[name] == (kind, labels), name
+
+
+def test_metrics_reference_lists_exactly_the_router_metrics() -> None:
+    defined, documented = runtime_metrics("router"), _documented("## Router metrics")
+    assert "kvdrive_router_decisions_total" in defined
+    assert defined == documented
 
 
 def test_architecture_metrics_are_all_defined() -> None:
