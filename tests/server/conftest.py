@@ -72,8 +72,11 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight llama in HF format (fast generation)."""
     import importlib.util
+    import sys
 
     path = ROOT / "tests" / "runtime" / "conftest.py"
+    if str(path.parent) not in sys.path:  # its helper modules (tokenizerkit, ...), when run without tests/runtime
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location("runtime_test_models", path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
