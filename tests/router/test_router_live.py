@@ -4,7 +4,7 @@ Narrated: the router becomes ready once it reached the replicas and learned thei
 asked about twice, with different questions, is sent both times to the replica that computed it, which
 reuses its pages the second time; the official ``openai`` client works through it, streaming included,
 with the same greedy answer as asking a replica directly; client errors come back as the replica's 4xx;
-and when the replica holding the document dies, its next question is answered by the other one, the dead
+a client that leaves stops its request on the replica; and when the replica holding the document dies, its next question is answered by the other one, the dead
 one is taken out within seconds, and it rejoins after a restart.
 """
 
@@ -86,6 +86,22 @@ def test_routing_through_two_replicas(cluster: tuple[Process, list[Process], Pat
     huge = httpx.post(router.url + "/v1/completions", content=b"x" * (9 << 20), headers=AUTH, timeout=30)
     assert huge.status_code == 413
     assert metric(router.url, "kvdrive_router_backend_errors_total") == 0  # client errors are not replica errors
+
+    # a client that leaves, before the first token or mid-stream, stops its request on the replica too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(router.url + "/v1/completions", headers=AUTH, timeout=1.0, json={
+            "model": "demo", "prompt": DOC, "max_tokens": 400, "ignore_eos": True})
+    with httpx.stream("POST", router.url + "/v1/completions", headers=AUTH, timeout=60, json={
+            "model": "demo", "prompt": "Count: one, two,", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}) as streaming:
+        next(streaming.iter_lines())
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (
+            sum(metric(r.url, "kvdrive_requests_running", headers=AUTH) for r in replicas)
+            or metric(router.url, "kvdrive_router_backend_in_flight")):
+        time.sleep(0.2)
+    assert sum(metric(r.url, "kvdrive_requests_running", headers=AUTH) for r in replicas) == 0
+    assert metric(router.url, "kvdrive_router_backend_in_flight") == 0
 
     # the replica holding the document dies: its next question is answered by the other one
     dead = replicas[holder]
