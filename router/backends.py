@@ -38,7 +38,8 @@ class Backend:
     def __init__(self, url: str) -> None:
         self.url = url
         self.in_flight = 0  # requests this router has sent it and not finished
-        self.waiting = 0  # its own queue, from its /metrics (kvdrive_requests_waiting)
+        self.running = 0  # its running batch and its queue, from its /metrics (kvdrive_requests_running and
+        self.waiting = 0  # kvdrive_requests_waiting): what other routers and direct clients sent it too
         self.info: RoutingInfo | None = None
         self.failures = 0  # consecutive
         self.errors = 0  # total
@@ -47,7 +48,9 @@ class Backend:
 
     @property
     def load(self) -> int:
-        return self.in_flight + self.waiting
+        """Requests it is running or queueing: this router's own count, or the replica's last report when
+        that is higher (other routers, direct clients). Never the sum: each request would count twice."""
+        return max(self.in_flight, self.running + self.waiting)
 
     def usable(self, now: float) -> bool:
         return self.info is not None and now >= self.out_until

@@ -131,7 +131,7 @@ class Router:
                                    started)
                 self._last_index[b.url] = started
             async with await self._get(b, "/metrics") as r:
-                b.waiting = _waiting(await r.text())
+                b.running, b.waiting = _queue(await r.text())
             if b.url not in self.pool.backends:
                 return  # left while we polled
             b.info = info
@@ -168,8 +168,10 @@ class Router:
         return self.pool.backends[decision.name], decision, mine[decision.name]
 
 
-def _waiting(text: str) -> int:
+def _queue(text: str) -> tuple[int, int]:
+    """(running, waiting) from a replica's /metrics."""
+    found = {"kvdrive_requests_running": 0, "kvdrive_requests_waiting": 0}
     for family in text_string_to_metric_families(text):
-        if family.name == "kvdrive_requests_waiting":
-            return int(sum(s.value for s in family.samples))
-    return 0
+        if family.name in found:
+            found[family.name] = int(sum(s.value for s in family.samples))
+    return found["kvdrive_requests_running"], found["kvdrive_requests_waiting"]

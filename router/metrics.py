@@ -53,6 +53,9 @@ class RouterMetrics(Collector):
                                            labels=["backend"]),
             "waiting": GaugeMetricFamily("kvdrive_router_backend_waiting", "the replica's own queue",
                                          labels=["backend"]),
+            "load": GaugeMetricFamily("kvdrive_router_backend_load", "the load routing weighs: requests it runs or "
+                                      "queues (this router's count, or the replica's report when higher)",
+                                      labels=["backend"]),
             "up": GaugeMetricFamily("kvdrive_router_backend_up", "1 when the replica is in service",
                                     labels=["backend"]),
             "pages": GaugeMetricFamily("kvdrive_router_backend_index_pages", "pages the index says it holds",
@@ -63,6 +66,7 @@ class RouterMetrics(Collector):
         for b in list(self.router.pool.backends.values()):
             families["in_flight"].add_metric([b.url], b.in_flight)
             families["waiting"].add_metric([b.url], b.waiting)
+            families["load"].add_metric([b.url], b.load)
             families["up"].add_metric([b.url], 1 if b.usable(now) else 0)
             families["pages"].add_metric([b.url], self.router.index.pages(b.url))
             errors.add_metric([b.url], b.errors)

@@ -25,14 +25,14 @@ class NoReplicaError(RuntimeError):
 class Candidate:
     name: str  # the replica's base URL
     matched_pages: int  # the longest run of the prompt's leading pages this replica holds
-    load: int  # requests in flight through this router plus the replica's own queue
+    load: int  # requests the replica is running or queueing
 
 
 @dataclass(frozen=True)
 class Policy:
     mode: str = "prefix"  # prefix | round-robin
     load_tokens: int = 512  # a request already running or queued weighs as much as this many prompt tokens
-    max_imbalance: int = 4  # never more than this many requests above the least loaded replica
+    max_imbalance: int = 8  # never more than this many requests above the least loaded replica
 
 
 @dataclass(frozen=True)

@@ -165,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--seconds", type=float, default=120.0)
     rt.add_argument("--replica-threads", type=int, default=1, help="compute threads of each replica")
     rt.add_argument("--no-faults", action="store_true", help="skip the run with a replica and the router killed")
+    rt.add_argument("--fault-seconds", type=float, default=120.0, help="length of that run")
     rt.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
     ld.add_argument("--url", default="http://127.0.0.1:8000")
@@ -294,7 +295,8 @@ def _bench(args: argparse.Namespace) -> int:
         from kvdrive.runtime.bench import routing_bench, routing_report
 
         res = routing_bench.run_routing_bench(args.work_dir, args.replicas, args.clients, args.seconds,
-                                              args.replica_threads, not args.no_faults)
+                                              args.replica_threads, not args.no_faults,
+                                              fault_seconds=args.fault_seconds)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(asdict(res), indent=2) + "\n")
         report = routing_report.markdown(res, "kvdrive bench routing " + " ".join(sys.argv[3:]))

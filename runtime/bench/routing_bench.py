@@ -56,8 +56,9 @@ class RoutingBenchResult:
     host: str = ""
 
 
-def _summary(policy: str, samples: list[Sample], seconds: float, fleet: Fleet, counters: Counters) -> RunResult:
+def _summary(policy: str, samples: list[Sample], fleet: Fleet, counters: Counters) -> RunResult:
     ok = [s for s in samples if s.error is None]
+    seconds = max((s.end for s in samples), default=1.0)  # the last answer's end: in-flight ones are waited for
     prompt = [int(counters.of(r, "kvdrive_prompt_tokens_total")) for r in fleet.replicas]
     hits = [int(counters.of(r, "kvdrive_prefix_hit_pages_total")) for r in fleet.replicas]
     kinds = sorted({s.kind for s in ok})
@@ -113,7 +114,7 @@ async def _fault_script(fleet: Fleet, seconds: float, log: dict[str, object]) ->
     log["first_prefix_hit_after_router_restart_s"] = round(loop.time() - t_router, 2)
 
 
-def _run(root: Path, policy: str, args: RunArgs, with_faults: bool) -> RunResult:
+def _run(root: Path, policy: str, args: RunArgs, seconds: float, with_faults: bool) -> RunResult:
     fleet = Fleet(root, args.replicas, policy, args.threads)
     try:
         fleet.start()
@@ -121,18 +122,18 @@ def _run(root: Path, policy: str, args: RunArgs, with_faults: bool) -> RunResult
         faults: dict[str, object] = {}
 
         async def go() -> list[Sample]:
-            clients = run_clients(fleet.router.url, "demo", args.workload, args.clients, args.seconds, {},
+            clients = run_clients(fleet.router.url, "demo", args.workload, args.clients, seconds, {},
                                   lambda n: bar.update(1))
             if not with_faults:
                 return await clients
-            samples, _ = await asyncio.gather(clients, _fault_script(fleet, args.seconds, faults))
+            samples, _ = await asyncio.gather(clients, _fault_script(fleet, seconds, faults))
             return samples
 
         with Counters([*fleet.replicas, fleet.router], ("kvdrive_prompt_tokens", "kvdrive_prefix_hit_pages",
                                                         "kvdrive_router_decisions")) as counters:
             samples = asyncio.run(go())
         bar.close()
-        result = _summary(policy, samples, args.seconds, fleet, counters)
+        result = _summary(policy, samples, fleet, counters)
         if with_faults:
             faults.update(_fault_counts(samples, faults))
             result = RunResult(**{**asdict(result), "faults": faults})
@@ -149,10 +150,12 @@ def _fault_counts(samples: list[Sample], log: dict[str, object]) -> dict[str, ob
     router_back = router_at + float(log.get("router_back_after_s", 0))
     failed = [s for s in samples if s.error]
     lost = [s for s in failed if s.start < killed <= s.end]
-    router = [s for s in failed if s not in lost and (s.start < router_at <= s.end or router_at <= s.start <= router_back)]
+    through = [s for s in failed if s not in lost and s.start < router_at <= s.end]
+    refused = [s for s in failed if s not in lost and s not in through and router_at <= s.start <= router_back + 1]
     return {"errors": len(failed), "lost_in_flight_on_the_killed_replica": len(lost),
-            "lost_in_flight_or_refused_while_the_router_restarted": len(router),
-            "other_errors": len(failed) - len(lost) - len(router),
+            "lost_in_flight_through_the_killed_router": len(through),
+            "refused_while_the_router_was_down (clients retry every 0.5 s)": len(refused),
+            "other_errors": len(failed) - len(lost) - len(through) - len(refused),
             "error_examples": sorted({(s.error or "")[:100] for s in failed})[:5]}
 
 
@@ -166,12 +169,13 @@ class RunArgs:
 
 
 def run_routing_bench(work_dir: str, replicas: int = 3, clients: int = 16, seconds: float = 120.0,
-                      threads: int = 1, faults: bool = True, seed: int = 0) -> RoutingBenchResult:
+                      threads: int = 1, faults: bool = True, seed: int = 0,
+                      fault_seconds: float = 120.0) -> RoutingBenchResult:
     args = RunArgs(replicas, clients, seconds, threads, Workload(seed=seed))
     root = Path(work_dir) / f"run-{int(time.time())}"
     out = RoutingBenchResult(replicas, clients, seconds, asdict(args.workload), host=os.uname().nodename)
     for policy in ("round-robin", "prefix"):
-        out.runs.append(_run(root / policy, policy, args, with_faults=False))
+        out.runs.append(_run(root / policy, policy, args, seconds, with_faults=False))
     if faults:
-        out.runs.append(_run(root / "prefix-faults", "prefix", args, with_faults=True))
+        out.runs.append(_run(root / "prefix-faults", "prefix", args, fault_seconds, with_faults=True))
     return out

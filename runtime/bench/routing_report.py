@@ -59,7 +59,8 @@ def markdown(result: RoutingBenchResult, command: str) -> str:
         "# Routing benchmark: prefix-aware vs round-robin",
         f"{result.replicas} replicas of the demo model (`kvdrive serve`, 1 compute thread each, GPU-tier budget "
         f"32 MiB, DRAM 64 MiB, SSD 512 MiB, fresh directories per run) behind `kvdrive route`; {result.clients} "
-        f"streaming clients for {result.seconds:.0f} s per run; "
+        f"streaming clients starting requests for {result.seconds:.0f} s per comparison run (the fault run: its own "
+        f"length; every run then waits for its answers in flight); "
         f"{int(100 * float(result.workload['shared_share']))}% of requests ask about one of "
         f"{result.workload['documents']} shared documents (1.5-3K tokens), the rest are unique prompts; "
         f"{result.workload['max_tokens']} tokens per answer; host {result.host}. Command: `{command}`.",
