@@ -40,6 +40,7 @@ class Backend:
         self.in_flight = 0  # requests this router has sent it and not finished
         self.running = 0  # its running batch and its queue, from its /metrics (kvdrive_requests_running and
         self.waiting = 0  # kvdrive_requests_waiting): what other routers and direct clients sent it too
+        self.pending_tokens = 0  # prompt tokens to compute of the requests in flight (as routed: uncached)
         self.info: RoutingInfo | None = None
         self.failures = 0  # consecutive
         self.errors = 0  # total

@@ -21,8 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--backend-port-name", default="http", help="the EndpointSlice port name to use")
     p.add_argument("--kubeconfig", help="kubeconfig for --service outside a cluster (default: in-cluster)")
     p.add_argument("--policy", choices=("prefix", "round-robin"), default="prefix")
-    p.add_argument("--load-tokens", type=int, default=512,
-                   help="prompt tokens one running or queued request weighs against a cached prefix")
+    p.add_argument("--load-tokens", type=int, default=128,
+                   help="prompt tokens each running or queued request costs besides its own prefill")
     p.add_argument("--max-imbalance", type=int, default=8,
                    help="never route to a replica this many requests above the least loaded")
     p.add_argument("--api-key-file", type=Path, help="the replicas' API key, for the router's own polls")

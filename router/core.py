@@ -150,8 +150,8 @@ class Router:
                 out[key] = page_digests(b.info.root, tokens, b.info.page_size)
         return out
 
-    def pick(self, digests: dict[tuple[bytes, int], list[bytes]] | None,
-             exclude: set[str]) -> tuple[Backend, Decision, list[bytes]]:
+    def pick(self, digests: dict[tuple[bytes, int], list[bytes]] | None, exclude: set[str],
+             prompt_tokens: int = 0) -> tuple[Backend, Decision, list[bytes]]:
         """The replica for a prompt with these digests (None: the prompt could not be read), and the digests
         it will hold once it accepts it. Raises NoReplicaError when no usable replica is left."""
         usable = [b for b in self.pool.usable(time.monotonic()) if b.url not in exclude]
@@ -162,9 +162,10 @@ class Router:
             mine[b.url] = ds
             if ds and first is None:
                 first, page_size = ds[0], b.info.page_size
-            cands.append(Candidate(b.url, self.index.matched(b.url, ds), b.load))
+            cands.append(Candidate(b.url, self.index.matched(b.url, ds), b.load, b.pending_tokens))
         self.turn += 1
-        decision = choose(cands, self.config.policy, page_size, first, self.turn, readable=digests is not None)
+        decision = choose(cands, self.config.policy, page_size, first, self.turn, readable=digests is not None,
+                          prompt_tokens=prompt_tokens)
         return self.pool.backends[decision.name], decision, mine[decision.name]
 
 

@@ -51,27 +51,32 @@ async def forward(router: Router, metrics: RouterMetrics, method: str, path_qs: 
     health = router.pool.health
     for _ in range(router.config.attempts):
         try:
-            b, decision, mine = router.pick(digests, tried)
+            b, decision, mine = router.pick(digests, tried, prompt_tokens)
         except NoReplicaError:
             break
         if tried:
             metrics.retries += 1
         tried.add(b.url)
+        work = max(0, prompt_tokens - decision.matched_tokens)
         b.in_flight += 1
+        b.pending_tokens += work
         try:
             resp = await _until_gone(router.session.request(method, b.url + path_qs, headers=_headers(headers),
                                                             data=body), gone)
         except ClientGone:
             b.in_flight -= 1
+            b.pending_tokens -= work
             return Response(status_code=499)  # nobody is listening; nginx's code for it, for the access log
         except (TimeoutError, aiohttp.ClientError) as exc:
             b.in_flight -= 1
+            b.pending_tokens -= work
             b.failed(time.monotonic(), f"{type(exc).__name__}: {exc}", health)
             continue
         if resp.status >= 500 or resp.status == 429:
             payload = await resp.read()
             resp.release()
             b.in_flight -= 1
+            b.pending_tokens -= work
             if resp.status >= 500:
                 b.failed(time.monotonic(), f"HTTP {resp.status}", health)
             last = Response(payload, status_code=resp.status, headers=_headers(resp.headers))
@@ -81,7 +86,7 @@ async def forward(router: Router, metrics: RouterMetrics, method: str, path_qs: 
             metrics.decided(decision.reason, decision.matched_tokens, prompt_tokens)
         if resp.status == 200 and mine:
             router.index.learn(b.url, mine, time.monotonic())  # its pages once the prompt is in
-        relay = Relay(resp, b, router)
+        relay = Relay(resp, b, router, work)
         return StreamingResponse(relay.chunks(), status_code=resp.status, headers=_headers(resp.headers),
                                  background=BackgroundTask(relay.close))
     if last is not None:
@@ -113,8 +118,8 @@ class Relay:
     """One replica's answer passed through chunk by chunk. ``close`` is idempotent and runs both when the
     stream ends and after the response (a client that left before the first chunk never starts it)."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, backend: Backend, router: Router) -> None:
-        self.resp, self.backend, self.router = resp, backend, router
+    def __init__(self, resp: aiohttp.ClientResponse, backend: Backend, router: Router, work: int) -> None:
+        self.resp, self.backend, self.router, self.work = resp, backend, router, work
         self.complete = self.closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -138,3 +143,4 @@ class Relay:
         else:
             self.resp.close()  # the replica sees its client gone and stops the request
         self.backend.in_flight -= 1
+        self.backend.pending_tokens -= self.work

@@ -1,11 +1,12 @@
 """Which replica gets a request: a pure function of what each replica holds of the prompt and its load.
 
-Scores are in prompt tokens: a replica is worth the tokens of the prompt's leading pages it already holds
-(they need no prefill there), minus ``load_tokens`` for every request it is already running or queueing.
+Costs are in prompt tokens, an estimate of the work ahead of this request's first token on each replica:
+the prompt tokens it would compute there (those past the longest run of its leading pages the replica
+holds), plus the prompt tokens still to compute of the requests already routed there (``pending``), plus
+``load_tokens`` for every request it runs or queues (decode and overhead). The cheapest replica wins.
 Replicas more than ``max_imbalance`` requests above the least loaded are never picked, so one hot document
-cannot pile every request onto one pod. With no prefix anywhere the least loaded replicas are tied, and
-the first page's digest picks among them by rendezvous hashing, so repeats of a new document converge on
-one replica while the load stays even.
+spills over to other replicas instead of queueing on one. Exact ties (idle replicas, no prefix anywhere)
+are broken by the first page's digest (rendezvous hashing), so repeats of a new document converge.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ class Candidate:
     name: str  # the replica's base URL
     matched_pages: int  # the longest run of the prompt's leading pages this replica holds
     load: int  # requests the replica is running or queueing
+    pending_tokens: int = 0  # prompt tokens still to compute of the requests this router sent it
 
 
 @dataclass(frozen=True)
 class Policy:
     mode: str = "prefix"  # prefix | round-robin
-    load_tokens: int = 512  # a request already running or queued weighs as much as this many prompt tokens
+    load_tokens: int = 128  # a request already running or queued costs this many prompt tokens, besides its prefill
     max_imbalance: int = 8  # never more than this many requests above the least loaded replica
 
 
@@ -47,11 +49,11 @@ def _rendezvous(key: bytes, name: str) -> bytes:
 
 
 def choose(candidates: Sequence[Candidate], policy: Policy, page_size: int, first_page: bytes | None = None,
-           turn: int = 0, readable: bool = True) -> Decision:
-    """The replica for one request. ``first_page``: the digest of the prompt's first page (None for a prompt
-    shorter than a page); ``readable`` False when the router could not read the prompt (an invalid body,
-    which the replica will refuse; no tokenizer yet): only load decides, reason ``fallback``; ``turn``: a
-    counter that round-robin and ties without a first page rotate on."""
+           turn: int = 0, readable: bool = True, prompt_tokens: int = 0) -> Decision:
+    """The replica for one request of ``prompt_tokens``. ``first_page``: the digest of the prompt's first
+    page (None for a prompt shorter than a page); ``readable`` False when the router could not read the
+    prompt (an invalid body, which the replica will refuse; no tokenizer yet): only load decides, reason
+    ``fallback``; ``turn``: a counter that round-robin and ties without a first page rotate on."""
     if not candidates:
         raise NoReplicaError("no replica is ready")
     ordered = sorted(candidates, key=lambda c: c.name)
@@ -60,16 +62,18 @@ def choose(candidates: Sequence[Candidate], policy: Policy, page_size: int, firs
         return Decision(c.name, "round-robin", c.matched_pages * page_size)
     least = min(c.load for c in ordered)
     eligible = [c for c in ordered if c.load <= least + policy.max_imbalance]
-
-    def score(c: Candidate) -> int:
-        return c.matched_pages * page_size - policy.load_tokens * c.load
-
-    best = max(eligible, key=lambda c: (score(c), -c.load))
-    if best.matched_pages and score(best) > -policy.load_tokens * least:
-        return Decision(best.name, "prefix", best.matched_pages * page_size)
-    idle = [c for c in eligible if c.load == least]
-    if not readable or first_page is None:
+    if not readable:
+        idle = [c for c in eligible if c.load == least]
         c = idle[turn % len(idle)]
-        return Decision(c.name, "load" if readable else "fallback", 0)
-    c = max(idle, key=lambda c: _rendezvous(first_page, c.name))
-    return Decision(c.name, "load", c.matched_pages * page_size)
+        return Decision(c.name, "fallback", 0)
+
+    def cost(c: Candidate) -> int:
+        return max(0, prompt_tokens - c.matched_pages * page_size) + c.pending_tokens + policy.load_tokens * c.load
+
+    best = min(cost(c) for c in eligible)
+    tied = [c for c in eligible if cost(c) == best]
+    c = tied[0] if len(tied) == 1 else max(tied, key=lambda c: _rendezvous(first_page or b"", c.name)) \
+        if first_page is not None else tied[turn % len(tied)]
+    shared = min(x.matched_pages for x in eligible)  # pages every replica holds (a common system prompt)
+    reason = "prefix" if c.matched_pages > shared else "load"
+    return Decision(c.name, reason, c.matched_pages * page_size)

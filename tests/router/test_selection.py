@@ -1,5 +1,5 @@
 """Scenarios for the router's choice of replica (``kvdrive.router.selection.choose``): a pure function of
-what each replica holds of the prompt and how loaded it is."""
+what each replica holds of the prompt, the prefill already routed to it and how many requests it runs."""
 
 from __future__ import annotations
 
@@ -10,51 +10,66 @@ import pytest
 from kvdrive.router.selection import Candidate, NoReplicaError, Policy, choose
 
 PAGE = 16
-POLICY = Policy(load_tokens=512, max_imbalance=4)
+POLICY = Policy(load_tokens=128, max_imbalance=8)
+DOC = 2000  # a prompt of 2,000 tokens (125 pages)
 
 
 def test_a_repeated_document_goes_where_its_pages_are_even_if_that_replica_is_busier() -> None:
-    # a 2,000-token document sits on b; b runs 2 requests, a and c are idle
+    # the document sits on b, which runs 2 requests; a and c are idle but would compute all 2,000 tokens
     cands = [Candidate("a", 0, 0), Candidate("b", 125, 2), Candidate("c", 0, 0)]
-    d = choose(cands, POLICY, PAGE, first_page=b"doc")
+    d = choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
     assert (d.name, d.reason, d.matched_tokens) == ("b", "prefix", 2000)
 
 
-def test_a_short_match_does_not_outweigh_a_queue() -> None:
-    # b holds only 4 pages (64 tokens) but runs 3 requests: computing 64 tokens elsewhere is cheaper
-    cands = [Candidate("a", 0, 0), Candidate("b", 4, 3)]
-    d = choose(cands, POLICY, PAGE, first_page=b"doc")
+def test_the_prefill_already_queued_on_the_holder_counts_against_it() -> None:
+    # b holds the document but has 6,000 prompt tokens still to compute for requests routed before: an idle
+    # replica computing the 2,000 tokens itself answers first
+    cands = [Candidate("a", 0, 0), Candidate("b", 125, 1, pending_tokens=6000)]
+    d = choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
     assert (d.name, d.reason) == ("a", "load")
 
 
+def test_a_short_match_does_not_outweigh_a_queue() -> None:
+    # b holds 4 pages (64 tokens) but runs 3 requests (384 tokens of cost): a computes 64 more and waits less
+    cands = [Candidate("a", 0, 0), Candidate("b", 4, 3)]
+    assert choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC).name == "a"
+
+
+def test_pages_every_replica_holds_are_no_reason() -> None:
+    # a common system prompt (1 page) is on every replica: the choice is by load, and says so
+    cands = [Candidate("a", 1, 2), Candidate("b", 1, 0), Candidate("c", 1, 1)]
+    d = choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
+    assert (d.name, d.reason) == ("b", "load")
+
+
 def test_a_hot_document_spills_over_once_its_replica_is_too_far_ahead() -> None:
-    # everyone asks about the same document held by b: b takes them while it is within max_imbalance of the
-    # least loaded replica; past that the next one goes elsewhere, however long the match
+    # everyone asks about the document held by b; each request there costs only its decode (128 tokens), so
+    # b takes them while it is within max_imbalance requests of the least loaded; then they go elsewhere
     loads = {"a": 0, "b": 0, "c": 0}
-    held = {"b": 200}
     picked = []
-    for _ in range(8):
-        cands = [Candidate(n, held.get(n, 0), loads[n]) for n in loads]
-        d = choose(cands, POLICY, PAGE, first_page=b"hot")
+    for _ in range(12):
+        cands = [Candidate(n, 125 if n == "b" else 0, loads[n]) for n in loads]
+        d = choose(cands, POLICY, PAGE, first_page=b"hot", prompt_tokens=DOC)
         loads[d.name] += 1
         picked.append(d.name)
-    assert picked[:5] == ["b"] * 5  # 5 in flight on b: 5 > 0 + 4 would be next
-    assert picked[5] != "b"
-    assert max(loads.values()) - min(loads.values()) <= POLICY.max_imbalance + 1
+    assert picked[:9] == ["b"] * 9  # 9 in flight on b: one more would be 9 above the idle ones
+    assert picked[9] != "b"
 
 
 def test_with_no_prefix_anywhere_repeats_converge_and_different_documents_spread() -> None:
     cands = [Candidate(n, 0, 0) for n in ("a", "b", "c")]
-    first = choose(cands, POLICY, PAGE, first_page=b"new document")
-    again = choose(list(reversed(cands)), POLICY, PAGE, first_page=b"new document", turn=7)
+    first = choose(cands, POLICY, PAGE, first_page=b"new document", prompt_tokens=DOC)
+    again = choose(list(reversed(cands)), POLICY, PAGE, first_page=b"new document", turn=7, prompt_tokens=DOC)
     assert first.name == again.name and first.reason == "load"
-    spread = Counter(choose(cands, POLICY, PAGE, first_page=f"doc {i}".encode()).name for i in range(300))
+    spread = Counter(choose(cands, POLICY, PAGE, first_page=f"doc {i}".encode(), prompt_tokens=DOC).name
+                     for i in range(300))
     assert set(spread) == {"a", "b", "c"} and min(spread.values()) > 60
 
 
 def test_with_no_prefix_the_least_loaded_replica_wins_over_the_hash() -> None:
     cands = [Candidate("a", 0, 3), Candidate("b", 0, 1), Candidate("c", 0, 2)]
-    assert {choose(cands, POLICY, PAGE, first_page=f"d{i}".encode()).name for i in range(50)} == {"b"}
+    assert {choose(cands, POLICY, PAGE, first_page=f"d{i}".encode(), prompt_tokens=DOC).name
+            for i in range(50)} == {"b"}
 
 
 def test_an_unreadable_prompt_falls_back_to_load_and_rotates_among_the_idle() -> None:
@@ -66,7 +81,7 @@ def test_an_unreadable_prompt_falls_back_to_load_and_rotates_among_the_idle() ->
 
 def test_a_prompt_shorter_than_a_page_is_placed_by_load() -> None:
     cands = [Candidate("a", 0, 2), Candidate("b", 0, 0)]
-    d = choose(cands, POLICY, PAGE, first_page=None)
+    d = choose(cands, POLICY, PAGE, first_page=None, prompt_tokens=10)
     assert (d.name, d.reason) == ("b", "load")
 
 
