@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -63,10 +63,10 @@ class Router:
         if self.session is not None:
             await self.session.close()
 
-    async def _loop(self, work: object, every: float) -> None:
+    async def _loop(self, work: Callable[[], Awaitable[None]], every: float) -> None:
         while True:
             try:
-                await work()  # type: ignore[operator]
+                await work()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a failed round is logged and retried, never fatal

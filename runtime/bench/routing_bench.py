@@ -163,7 +163,6 @@ def _fault_counts(samples: list[Sample], log: dict[str, object]) -> dict[str, ob
 class RunArgs:
     replicas: int
     clients: int
-    seconds: float
     threads: int
     workload: Workload
 
@@ -171,7 +170,7 @@ class RunArgs:
 def run_routing_bench(work_dir: str, replicas: int = 3, clients: int = 16, seconds: float = 120.0,
                       threads: int = 1, faults: bool = True, seed: int = 0,
                       fault_seconds: float = 120.0) -> RoutingBenchResult:
-    args = RunArgs(replicas, clients, seconds, threads, Workload(seed=seed))
+    args = RunArgs(replicas, clients, threads, Workload(seed=seed))
     root = Path(work_dir) / f"run-{int(time.time())}"
     out = RoutingBenchResult(replicas, clients, seconds, asdict(args.workload), host=os.uname().nodename)
     for policy in ("round-robin", "prefix"):
