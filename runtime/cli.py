@@ -109,7 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-seconds", type=float, default=30.0,
                    help="after SIGTERM/SIGINT: stop admitting, let in-flight requests finish this long, then abort "
                         "them, flush the SSD index and exit 0")
-    s.add_argument("--max-running", type=int, default=16, help="sequences in the running batch")
+    s.add_argument("--max-running", type=int, default=16,
+                   help="sequences in the running batch to start with (live: PUT /admin/tiers max_running); each "
+                        "takes one decode step buffer from the --gpu-budget envelope, the rest is the hot tier")
+    s.add_argument("--max-sequences", type=int, default=None,
+                   help="the most sequences --max-running may ever be set to (their rows and open pages are "
+                        "reserved at start; default: --max-running)")
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     s.add_argument("--step-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
     s.add_argument("--step-seconds", type=_seconds, default=1.0,
@@ -206,7 +211,8 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def engine_config(args: argparse.Namespace, max_sequences: int):  # type: ignore[no-untyped-def]
+def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[no-untyped-def]
+                  max_running: int | None = None):
     """The engine's KV configuration from the model/tier flags."""
     from kvdrive.runtime.engine import EngineConfig, TierConfig
 
@@ -217,7 +223,7 @@ def engine_config(args: argparse.Namespace, max_sequences: int):  # type: ignore
                        ssd_bytes=ssd_budget, hugetlbfs_dir=args.dram_hugepage_dir, ssd_codec=args.ssd_compression)
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
                         full_attention=args.full_attention, token_budget=args.token_budget,
-                        max_sequences=max_sequences, kv_dtype=_dtype(args.dtype))
+                        max_sequences=max_sequences, max_running=max_running, kv_dtype=_dtype(args.dtype))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -225,9 +231,13 @@ def _serve(args: argparse.Namespace) -> int:
     from kvdrive.runtime.server.auth import read_secret
     from kvdrive.runtime.server.serve import ServeOptions, serve
 
+    ceiling = args.max_sequences if args.max_sequences is not None else args.max_running
+    if not 1 <= args.max_running <= ceiling:
+        raise ValueError(f"--max-running {args.max_running} must be between 1 and --max-sequences {ceiling}")
     opts = ServeOptions(
         model=args.model, host=args.host, port=args.port, device=args.device, dtype=_dtype(args.dtype),
-        engine=engine_config(args, max_sequences=args.max_running), served_model_name=args.served_model_name,
+        engine=engine_config(args, max_sequences=ceiling, max_running=args.max_running),
+        served_model_name=args.served_model_name,
         api_key=read_secret(args.api_key_file), admin_token=read_secret(args.admin_token_file),
         protect_metadata=args.protect_metadata, max_body_bytes=args.max_body_bytes, drain_seconds=args.drain_seconds,
         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,

@@ -15,7 +15,7 @@ SERVE_KEYS = frozenset({
     "model", "device", "dtype", "page_size", "gpu_budget", "dram_budget", "dram_hugepage_dir", "ssd_dir",
     "ssd_budget", "ssd_compression", "token_budget", "full_attention", "placement", "host", "port",
     "served_model_name", "api_key_file", "admin_token_file", "protect_metadata", "max_body_bytes", "max_running",
-    "max_waiting", "step_tokens", "step_seconds", "scheduling", "drain_seconds",
+    "max_sequences", "max_waiting", "step_tokens", "step_seconds", "scheduling", "drain_seconds",
 })
 SWITCHES = frozenset({"full_attention", "protect_metadata"})  # flags without a value
 

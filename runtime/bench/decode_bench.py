@@ -35,6 +35,8 @@ from kvdrive.runtime.bench import llama_cpp
 from kvdrive.runtime.bench.floor import floor_step_times
 from kvdrive.runtime.bench.texts import filler_tokens
 from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
+from kvdrive.runtime.engine.envelope import step_columns
+from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.model import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -74,16 +76,20 @@ class DecodeBenchResult:
     seconds: float = 0.0
 
 
-def _config(mode: str, total: int, batch: int, page_bytes: int, seq_reserve: int, ssd_dir: str, ssd_budget: int,
+def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: int, ssd_dir: str, ssd_budget: int,
             token_budget: int) -> EngineConfig:
-    tails = batch * seq_reserve  # each sequence's open page (and a hybrid model's sliding window)
+    page_bytes = layout.page_bytes
+    placement = "fullfetch" if mode == "full-gpu" else "kvdrive" if mode == "sparse-gpu" else mode
+    # what the envelope reserves per running sequence beside the hot tier: its open page (and a hybrid model's
+    # sliding window) and, under sparse attention, its decode step buffer (token_budget / page_size + 1 page
+    # columns of one layer)
+    probe = EngineConfig(placement=placement, token_budget=token_budget, page_size=layout.page_size)
+    tails = batch * (seq_reserve + step_columns(probe) * layout.block_bytes)
     if mode in ("full-gpu", "sparse-gpu"):
         tiers = TierConfig(gpu_bytes=int(total * 1.1) + tails + 4 * page_bytes, ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
-        placement = "fullfetch" if mode == "full-gpu" else "kvdrive"
     else:
         tiers = TierConfig(gpu_bytes=max(int(total * 0.10), 2 * page_bytes) + tails, dram_bytes=int(total * 0.25),
                            ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
-        placement = mode
     return EngineConfig(tiers=tiers, placement=placement, token_budget=token_budget, max_sequences=batch)
 
 
@@ -219,7 +225,7 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
         bar.update()
         for mode in modes:
             bar.set_postfix_str(f"ctx {ctx} batch {b}: {mode}")
-            cfg = _config(mode, ctx * b * per_token, b, layout.page_bytes, seq_reserve, ssd_dir, ssd_budget,
+            cfg = _config(mode, ctx * b * per_token, b, layout, seq_reserve, ssd_dir, ssd_budget,
                           token_budget)
             out.results.append(_run_mode(loaded, mode, [p[:ctx] for p in longest[:b]], cfg, steps, warmup,
                                          layout.block_bytes))

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.engine.heap import HeapTrimmer
 from kvdrive.runtime.engine.kv_state import EngineConfig
 from kvdrive.runtime.engine.sampling import SamplingParams, make_generator, sample
@@ -40,8 +41,8 @@ class Generator:
             page_size=c.page_size,
             dtype=c.kv_dtype or model.embed_tokens.weight.dtype,
         )
-        if c.tiers.gpu_bytes is None:  # one full-context sequence plus the open pages
-            gpu = (layout.pages_for(cfg.context_length) + c.max_sequences) * layout.page_bytes
+        if c.tiers.gpu_bytes is None:  # one full-context sequence plus what running sequences reserve
+            gpu = layout.pages_for(cfg.context_length) * layout.page_bytes + reserve_bytes(layout, c)
             c = self.config = replace(c, tiers=replace(c.tiers, gpu_bytes=gpu))
         fingerprint = f"{loaded.fingerprint}|{layout.fingerprint()}"
         windows = SlidingWindows(cfg.sliding_layers, cfg.sliding_window, c.page_size, c.max_sequences,

@@ -38,9 +38,29 @@ class EngineConfig:
     token_budget: int = 1024  # tokens each decode query attends to (selected pages + the open one)
     page_size: int = 16
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
-    max_sequences: int = 16  # sequences with an open page at once (the scheduler's max_running)
+    max_sequences: int = 16  # the most sequences that may ever run at once (rows and open pages reserved)
+    max_running: int | None = None  # sequences that may run at once to start with (live; None: max_sequences)
     prefill_chunk: int = 512  # tokens per prefill forward in ``Generator.prefill`` (bounds activation memory)
     window_checkpoint: int = 2048  # hybrid models: a long prompt keeps its window every this many tokens (0: off)
+
+
+@dataclass(frozen=True)
+class EnvelopeSplit:
+    """How the device envelope (the gpu budget) is split now: the hot KV tier, and the reserve for running
+    sequences: a fixed part (the open pages, and a hybrid model's windows, of every row) and
+    ``per_sequence_bytes`` (one decode step buffer) for each of the ``max_running`` sequences."""
+
+    envelope_bytes: int
+    hot_bytes: int
+    fixed_reserve_bytes: int
+    per_sequence_bytes: int
+    max_running: int
+    max_sequences: int
+    pending_max_running: int | None = None  # a smaller limit waiting for running sequences to finish
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.fixed_reserve_bytes + self.max_running * self.per_sequence_bytes
 
 
 @dataclass

@@ -55,6 +55,7 @@ class EngineStats:
     preemptions_total: int
     kv_capacity_bytes: int
     kv_used_bytes: int
+    queue_wait_seconds: float = 0.0  # requests x seconds spent queued for a running slot, since start
 
 
 class LLMEngine:
@@ -76,6 +77,23 @@ class LLMEngine:
         self._reserved = 0  # pages promised to this step's chunks (the scheduler's plan)
         cfg = self.scheduler.config
         self.pacer = StepPacer(cfg.step_seconds, cfg.step_token_budget)
+        self._queued_seconds = 0.0  # the integral of the queue's length over time, up to _queue_tick
+        self._queue_tick = time.monotonic()
+        if generator.cache.envelope.max_running != cfg.max_running:
+            generator.cache.envelope.set_max_running(cfg.max_running, 0)
+
+    def set_max_running(self, n: int) -> bool:
+        """Move the device envelope's split live (BudgetError, nothing changed, when impossible): the
+        scheduler admits at most ``n`` from now on; a smaller limit gives its bytes to the hot tier once at
+        most ``n`` sequences run (returns False until then), never by ending one."""
+        applied = self.gen.cache.envelope.set_max_running(n, len(self.scheduler.running))
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, max_running=n)
+        return applied
+
+    def _tick_queue(self) -> None:
+        now = time.monotonic()
+        self._queued_seconds += len(self.scheduler.waiting) * (now - self._queue_tick)
+        self._queue_tick = now
 
     # --- KVAllocator for the scheduler ---------------------------------------------------------
     def start_plan(self) -> None:
@@ -116,6 +134,7 @@ class LLMEngine:
             tokens=list(request.prompt_ids),
         )
         self._seqs[request.request_id] = seq
+        self._tick_queue()
         self.scheduler.waiting.append(seq)
         self._prompt_tokens += len(request.prompt_ids)
 
@@ -134,6 +153,7 @@ class LLMEngine:
             generated_tokens_total=self._generated, prompt_tokens_total=self._prompt_tokens,
             preemptions_total=self._preemptions, kv_capacity_bytes=self.gen.cache.capacity_bytes,
             kv_used_bytes=self.gen.cache.used_bytes,
+            queue_wait_seconds=self._queued_seconds + len(self.scheduler.waiting) * (time.monotonic() - self._queue_tick),
         )
 
     # --- the step -----------------------------------------------------------------------------
@@ -152,6 +172,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule (allocating), run the forward pass, postprocess (sample, emit)."""
         outputs = self._fail_unservable()
+        self._tick_queue()
+        self.gen.cache.envelope.settle(len(self.scheduler.running))  # a pending smaller limit, once it can
         t0 = time.perf_counter()
         decodes = sum(1 for q in self.scheduler.running if q.num_generated and not q.prefill_left)
         chunks = self.scheduler.plan(self, self._preempt, self.pacer.budget(decodes))

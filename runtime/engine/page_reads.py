@@ -24,14 +24,19 @@ if TYPE_CHECKING:
 
 
 class PageReader:
-    def __init__(self, cache: TieredKVCache, batch: int, pages: int, tail: bool) -> None:
+    def __init__(self, cache: TieredKVCache, batch: int, pages: int, tail: bool,
+                 storage: torch.Tensor | None = None) -> None:
+        """``storage``: bytes to hold the buffer (a decode step's share of the envelope's reserve); None:
+        allocated here (prompt chunks, full attention)."""
         lay = cache.layout
         self.cache, self.store, self.layout = cache, cache.store, lay
         self.batch, self.pages, self.width = batch, pages, pages + int(tail)
         self.prompt = not tail  # a prompt chunk re-reading its own earlier pages (counted when they spilled)
         self.miss_seconds = 0.0  # time in the miss path (store reads, placement's admissions)
         hkv = lay.num_kv_heads
-        self.buf = torch.empty((2, batch, hkv, self.width, lay.row_elems), dtype=lay.dtype, device=cache.device)
+        shape = (2, batch, hkv, self.width, lay.row_elems)
+        self.buf = storage.view(lay.dtype).view(shape) if storage is not None else \
+            torch.empty(shape, dtype=lay.dtype, device=cache.device)
         # rows move as 8-byte words: PyTorch's CPU gathers and scatters run ~2x faster on int64 rows than on
         # the same bytes as float32 (measured: 720 rows of 4 KiB, 285 vs 138 us)
         self.word = torch.int64 if (lay.row_elems * lay.itemsize) % 8 == 0 else lay.dtype

@@ -71,7 +71,7 @@ class _DecodeBatch:
         tail_mask = tok[None, :] > offs[:, None]  # [B, S]: the open page's tokens not written yet
         page_mask = (~self.valid)[:, :, None].expand(b, k, s)
         self.mask = torch.cat([page_mask, tail_mask[:, None, :]], dim=1).reshape(b, 1, 1, (k + 1) * s)
-        self.reader = PageReader(cache, b, k, tail=True)
+        self.reader = PageReader(cache, b, k, tail=True, storage=cache.envelope.step_storage(b, k + 1))
         self.scratch = cache.placer.scratch
         self.mass = cache.placer.wants_mass
         self.prefetch = cache.placer.policy.prefetch

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvdrive.runtime.attention import SelectionConfig, SummaryTable, key_bounds
+from kvdrive.runtime.engine.envelope import Envelope, step_columns
 from kvdrive.runtime.engine.kv_state import EngineConfig, PageLostError, SeqKV, StepSeq
 from kvdrive.runtime.engine.promotions import PromotionQueue
 from kvdrive.runtime.engine.sliding import SlidingWindows
@@ -61,7 +62,12 @@ class TieredKVCache:
         # each running sequence's open page (all global layers) and, for a hybrid model, its sliding window
         self.seq_reserve = layout.page_bytes + (windows.bytes_per_sequence() if windows is not None else 0)
         self.tail_reserve = config.max_sequences * self.seq_reserve
-        gpu = tiers.gpu_bytes if tiers.gpu_bytes is not None else self.tail_reserve + layout.page_bytes
+        cap = config.max_sequences
+        self.envelope = Envelope(self.tail_reserve, step_columns(config),
+                                 layout.block_bytes, cap, config.max_running if config.max_running is not None
+                                 else cap, device)
+        gpu = tiers.gpu_bytes if tiers.gpu_bytes is not None else self.envelope.reserve() + layout.page_bytes
+        self.envelope.envelope_bytes = gpu
         self.store = TieredKVStore(
             layout, self._store_budgets(gpu, tiers.dram_bytes, tiers.ssd_bytes), ssd_dir=tiers.ssd_dir,
             device=device, hugetlbfs_dir=tiers.hugetlbfs_dir, ssd_codec=tiers.ssd_codec,
@@ -77,6 +83,7 @@ class TieredKVCache:
         self._stepping: list[SeqKV] = []  # sequences begun and not yet settled by finish_step
         self.promotions = PromotionQueue(self.placer, self.store)  # copies the step's lower-tier reads earn
         self.transfers = TransferEngine(self.store, workers=1)
+        self.envelope.bind(self.store, self.transfers.drain)
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device)
         self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}
@@ -93,14 +100,7 @@ class TieredKVCache:
                  self.policy.name, "sparse" if self.policy.sparse else "full", config.token_budget)
 
     def _store_budgets(self, gpu: int, dram: int, ssd: int) -> TierBudgets:
-        store_gpu = gpu - self.tail_reserve
-        if store_gpu < self.layout.page_bytes:
-            raise BudgetError(
-                f"gpu budget {gpu} bytes leaves no room for KV pages: {self.config.max_sequences} running "
-                f"sequences reserve {self.tail_reserve} bytes for their open pages"
-                f"{' and sliding windows' if self.windows is not None else ''}, and one page of all layers "
-                f"is {self.layout.page_bytes} bytes (raise the budget or lower --max-running)")
-        return TierBudgets(gpu_bytes=store_gpu, dram_bytes=dram, ssd_bytes=ssd)
+        return TierBudgets(gpu_bytes=self.envelope.hot_bytes(gpu), dram_bytes=dram, ssd_bytes=ssd)
 
     def _table(self, rows: int, pages: int) -> torch.Tensor:
         with torch.inference_mode(False):
@@ -349,10 +349,11 @@ class TieredKVCache:
     # --- tiers -------------------------------------------------------------------------------------
     def usage(self) -> list[TierUsage]:
         out = []
-        tails = len(self._seqs) * self.seq_reserve
+        reserve = self.envelope.reserve()
+        tails = len(self._seqs) * (self.seq_reserve + self.envelope.per_sequence_bytes)
         for u in self.store.usage():
-            if u.tier == "gpu":  # the gpu budget includes the reserved open pages (and sliding windows)
-                u = TierUsage(u.tier, u.budget_bytes + self.tail_reserve, u.capacity_bytes + self.tail_reserve,
+            if u.tier == "gpu":  # the gpu budget is the envelope: the hot tier and the running sequences' reserve
+                u = TierUsage(u.tier, u.budget_bytes + reserve, u.capacity_bytes + reserve,
                               u.used_bytes + tails, u.pages, u.pinned_pages, u.backing, u.page_reads, u.errors,
                               u.cached_bytes)
             out.append(u)
@@ -393,11 +394,15 @@ class TieredKVCache:
             if want > limit:
                 raise BudgetError(f"{tier} budget {want} bytes exceeds the {limit} bytes this host has for it")
         b = self._store_budgets(gpu_bytes, dram_bytes, ssd_bytes)
+        if self.envelope.pending is not None and gpu_bytes != self.envelope.envelope_bytes:
+            raise BudgetError(f"max_running is still shrinking to {self.envelope.pending} (sequences are "
+                              "finishing); change the gpu budget after that")
         self.transfers.drain()
         self.store.bind_owner()
         has_ssd = "ssd" in self.store.tiers
         now = self.store.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if has_ssd else None,
                                      defer=frozenset({"ssd"}) if defer_ssd_shrink else frozenset())
+        self.envelope.envelope_bytes = gpu_bytes
         return has_ssd and now.ssd_bytes != b.ssd_bytes
 
     def shrink_ssd(self, ssd_bytes: int) -> None:

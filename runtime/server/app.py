@@ -86,7 +86,8 @@ class ServerState:
     request_limit: Callable[[], int]
     metrics: ServerMetrics
     tiers: Callable[[], list[s.TierUsage]]
-    set_tiers: Callable[[int, int, int], Awaitable[list[s.TierUsage]]]
+    split: Callable[[], s.EnvelopeSplit]
+    set_tiers: Callable[[s.TiersUpdate], Awaitable[None]]
     ready: Callable[[], bool]
     started: int
     health: Callable[[], dict[str, str]] = dict  # degraded tier -> why
@@ -286,18 +287,17 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/admin/tiers", response_model=s.TiersResponse, responses={401: ERRORS[401]})
     async def get_tiers() -> s.TiersResponse:
-        return s.TiersResponse(tiers=state.tiers())
+        return s.TiersResponse(tiers=state.tiers(), split=state.split())
 
     @app.put("/admin/tiers", response_model=s.TiersResponse, responses={
         **ERRORS, 422: {"model": s.ErrorResponse, "description": "impossible budgets (the reason)"}})
     async def put_tiers(body: s.TiersUpdate) -> s.TiersResponse:
         try:
-            tiers = await state.set_tiers(body.gpu_bytes, body.dram_bytes, body.ssd_bytes)
+            await state.set_tiers(body)
         except ValueError as exc:  # BudgetError: nothing changed (or, it says, only what it names)
             raise ApiError(422, f"budgets not applied: {exc}", param="tiers") from exc
-        log.info("tier budgets set via admin API: gpu=%d dram=%d ssd=%d bytes", body.gpu_bytes, body.dram_bytes,
-                 body.ssd_bytes)
-        return s.TiersResponse(tiers=tiers)
+        log.info("tiers set via admin API: %s", body.model_dump(exclude_none=True))
+        return s.TiersResponse(tiers=state.tiers(), split=state.split())
 
     return app
 

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvdrive.runtime.engine import EngineStats
+from kvdrive.runtime.engine.kv_state import EnvelopeSplit
 from kvdrive.runtime.server.schemas import TierUsage
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -31,6 +32,7 @@ class TierCounters:
     degraded: frozenset[str] | set[str] = frozenset()  # tiers degraded now
     prompt_rereads: int = 0  # blocks prompt chunks read back from below the memory tiers
     layer_kind_bytes: dict[str, int] = field(default_factory=dict)  # global | sliding -> bytes held now
+    split: EnvelopeSplit | None = None  # the device envelope's split now
 
 
 class _LiveCollector(Collector):
@@ -102,6 +104,30 @@ class _LiveCollector(Collector):
             degraded.add_metric([t], 1.0 if t in c.degraded else 0.0)
         yield from (running, waiting, generated, prompt, preempt, cap, budget, used, cached, reads, moved, prefetch,
                     wait, steps, hits, misses, throttled, rereads, kinds, faults, degraded)
+        queued = CounterMetricFamily("kvdrive_queue_wait_seconds", "requests x seconds spent queued for a running "
+                                     "slot (its rate is the mean queue length: what max_running explains)")
+        queued.add_metric([], s.queue_wait_seconds)
+        yield queued
+        if c.split is not None:
+            yield from _split_metrics(c.split)
+
+
+def _split_metrics(split: EnvelopeSplit) -> Iterator[GaugeMetricFamily]:
+    """The device envelope's split: the hot tier and what running sequences reserve."""
+    for name, text, value in (
+        ("kvdrive_max_running", "sequences the engine may run at once now (PUT /admin/tiers max_running)",
+         split.max_running),
+        ("kvdrive_max_sequences", "the most max_running may be set to (--max-sequences)", split.max_sequences),
+        ("kvdrive_gpu_hot_bytes", "the device envelope's share for the hot KV tier (fetch waits are what it "
+         "explains)", split.hot_bytes),
+        ("kvdrive_sequence_reserve_bytes", "the device envelope's share kept for running sequences (open pages, "
+         "decode step buffers)", split.reserve_bytes),
+        ("kvdrive_sequence_reserve_per_sequence_bytes", "what one more running sequence takes from the hot tier",
+         split.per_sequence_bytes),
+    ):
+        family = GaugeMetricFamily(name, text)
+        family.add_metric([], value)
+        yield family
 
 
 class ServerMetrics:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]  # an int is a number too; a bool or a string is not
@@ -226,7 +226,8 @@ class Readiness(BaseModel):
 
 class TierUsage(BaseModel):
     tier: Literal["gpu", "dram", "ssd"]
-    budget_bytes: int = Field(description="the configured budget (gpu: includes the open pages' reserve)")
+    budget_bytes: int = Field(description="the configured budget (gpu: the envelope, the running sequences' "
+                              "reserve included)")
     capacity_bytes: int = Field(description="bytes of pages the tier can hold now (<= budget)")
     used_bytes: int = Field(description="bytes held for running sequences")
     cached_bytes: int = Field(0, description="bytes of reusable pages no running sequence needs (evictable)")
@@ -236,13 +237,36 @@ class TierUsage(BaseModel):
 
 
 class TiersUpdate(BaseModel):
-    """PUT /admin/tiers: new budgets, applied live."""
+    """PUT /admin/tiers: new budgets and/or the envelope's split, applied live (a field left out is unchanged)."""
 
     model_config = REQUEST
-    gpu_bytes: Int = Field(ge=0, description="device tier, including one open page per running sequence")
-    dram_bytes: Int = Field(ge=0)
-    ssd_bytes: Int = Field(ge=0)
+    gpu_bytes: Int | None = Field(None, ge=0, description="the device envelope: hot tier + running sequences' reserve")
+    dram_bytes: Int | None = Field(None, ge=0)
+    ssd_bytes: Int | None = Field(None, ge=0)
+    max_running: Int | None = Field(None, ge=1, description="sequences that may run at once (at most --max-sequences); "
+                                    "each takes its decode step buffer from the hot tier")
+
+    @model_validator(mode="after")
+    def _something(self) -> TiersUpdate:
+        if all(v is None for v in (self.gpu_bytes, self.dram_bytes, self.ssd_bytes, self.max_running)):
+            raise ValueError("give at least one of gpu_bytes, dram_bytes, ssd_bytes, max_running")
+        return self
+
+
+class EnvelopeSplit(BaseModel):
+    """How the device envelope (the gpu budget) is split between the hot tier and running sequences."""
+
+    envelope_bytes: int
+    hot_bytes: int = Field(description="the hot KV tier")
+    reserve_bytes: int = Field(description="kept for running sequences: fixed_reserve_bytes + "
+                               "max_running x per_sequence_bytes")
+    fixed_reserve_bytes: int = Field(description="every row's open pages (and sliding windows)")
+    per_sequence_bytes: int = Field(description="one running sequence's decode step buffer")
+    max_running: int
+    max_sequences: int
+    pending_max_running: int | None = Field(None, description="a smaller limit applied once that few sequences run")
 
 
 class TiersResponse(BaseModel):
     tiers: list[TierUsage]
+    split: EnvelopeSplit

@@ -20,7 +20,7 @@ from kvdrive.runtime.model.loader import DEMO_ALIAS, MODEL_ALIASES
 from kvdrive.runtime.server.app import ServerConfig, ServerState, create_app
 from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
 from kvdrive.runtime.server.routing_api import RoutingSource
-from kvdrive.runtime.server.schemas import TierUsage
+from kvdrive.runtime.server.schemas import EnvelopeSplit, TiersUpdate, TierUsage
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +67,36 @@ def build_state(opts: ServeOptions) -> ServerState:
                             decode_steps=cache.decode_steps, prefix_hit_pages=cache.prefix_hit_pages,
                             misses=cache.store.misses, prefetch_throttled=cache.placer.throttle.throttled,
                             faults=cache.store.faults(), degraded=set(cache.store.health()),
-                            prompt_rereads=cache.prompt_store_reads, layer_kind_bytes=cache.bytes_by_layer_kind())
+                            prompt_rereads=cache.prompt_store_reads, layer_kind_bytes=cache.bytes_by_layer_kind(),
+                            split=cache.envelope.split())
 
     admin = asyncio.Lock()  # one budget change at a time
 
-    async def set_tiers(gpu: int, dram: int, ssd: int) -> list[TierUsage]:
-        async with admin:  # memory tiers between two engine steps; an SSD shrink (disk I/O) beside the steps
+    def split() -> EnvelopeSplit:
+        now = cache.envelope.split()
+        return EnvelopeSplit(envelope_bytes=now.envelope_bytes, hot_bytes=now.hot_bytes,
+                             reserve_bytes=now.reserve_bytes, fixed_reserve_bytes=now.fixed_reserve_bytes,
+                             per_sequence_bytes=now.per_sequence_bytes, max_running=now.max_running,
+                             max_sequences=now.max_sequences, pending_max_running=now.pending_max_running)
+
+    async def set_tiers(update: TiersUpdate) -> None:
+        """Budgets, then the split: the memory tiers and the split between two engine steps, an SSD shrink
+        (disk I/O) beside the steps."""
+        async with admin:
+            if update.max_running is not None:
+                await async_engine.call(lambda e: e.set_max_running(update.max_running))
+            if all(v is None for v in (update.gpu_bytes, update.dram_bytes, update.ssd_bytes)):
+                return
+            budgets = {u.tier: u.budget_bytes for u in cache.usage()}
+            gpu = update.gpu_bytes if update.gpu_bytes is not None else budgets["gpu"]
+            dram = update.dram_bytes if update.dram_bytes is not None else budgets.get("dram", 0)
+            ssd = update.ssd_bytes if update.ssd_bytes is not None else budgets.get("ssd", 0)
             if await async_engine.call(lambda _e: cache.set_budgets(gpu, dram, ssd, defer_ssd_shrink=True)):
                 try:
                     await asyncio.to_thread(cache.shrink_ssd, ssd)
                 except BudgetError as exc:
                     raise BudgetError(f"{exc} (the gpu and dram budgets were applied; the ssd tier kept "
                                       "its size)") from exc
-        return tiers()
 
     metrics = ServerMetrics(engine.stats, tiers, counters)
     async_engine = AsyncEngine(engine, metrics.engine_step.observe)
@@ -88,7 +105,7 @@ def build_state(opts: ServeOptions) -> ServerState:
                           max_body_bytes=opts.max_body_bytes)
     return ServerState(config=config, engine=async_engine, tokenizer=loaded.tokenizer, max_context=gen.max_context,
                        request_limit=gen.request_limit,
-                       metrics=metrics, tiers=tiers, set_tiers=set_tiers, ready=lambda: async_engine.alive,
+                       metrics=metrics, tiers=tiers, split=split, set_tiers=set_tiers, ready=lambda: async_engine.alive,
                        started=int(time.time()), health=lambda: dict(cache.store.health()),
                        routing=RoutingSource(loaded.model_id, cache.root, cache.layout.page_size, loaded.tokenizer,
                                              lambda: asyncio.to_thread(cache.store.page_digests)))

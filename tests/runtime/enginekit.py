@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from kvdrive.runtime.engine import (
@@ -14,19 +15,28 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
+from kvdrive.runtime.engine.envelope import reserve_bytes
+from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.model import LoadedModel
 
 PAGE = 4  # tokens a page: small, so that short prompts span many pages
 
 
+def with_reserve(layout: KVLayout, hot_bytes: int, config: EngineConfig) -> int:
+    """The gpu budget (the device envelope) whose hot tier is ``hot_bytes`` for ``config``: plus every row's
+    open page and each running sequence's decode step buffer."""
+    return hot_bytes + reserve_bytes(layout, config)
+
+
 def small_engine(loaded: LoadedModel, ssd: Path, gpu_pages: int, dram_pages: int, token_budget_pages: int) -> LLMEngine:
     """Two sequences at most, a device tier of ``gpu_pages`` pages (plus their open pages), DRAM of
     ``dram_pages``, a 64 MiB SSD tier in ``ssd``."""
-    page = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout.page_bytes
-    gen = Generator(loaded, EngineConfig(
-        tiers=TierConfig(gpu_bytes=(gpu_pages + 2) * page, dram_bytes=dram_pages * page, ssd_dir=str(ssd),
-                         ssd_bytes=64 << 20),
-        page_size=PAGE, max_sequences=2, token_budget=token_budget_pages * PAGE))
+    layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    page = layout.page_bytes
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=token_budget_pages * PAGE)
+    gen = Generator(loaded, replace(shape, tiers=TierConfig(
+        gpu_bytes=with_reserve(layout, gpu_pages * page, shape), dram_bytes=dram_pages * page, ssd_dir=str(ssd),
+        ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2))
 
 

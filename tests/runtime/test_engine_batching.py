@@ -19,14 +19,15 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
+from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.model import load_model
 
 
 def _engine(path, pages: int, **sched) -> LLMEngine:  # type: ignore[no-untyped-def]
     loaded = load_model(str(path), progress=False)
     gen = Generator(loaded, EngineConfig(page_size=4))
-    # the gpu budget holds `pages` sealed pages plus one open page per running sequence
-    budget = (pages + 16) * gen.cache.layout.page_bytes
+    # the gpu budget holds `pages` sealed pages plus what the running sequences reserve (open pages, step buffers)
+    budget = pages * gen.cache.layout.page_bytes + reserve_bytes(gen.cache.layout, EngineConfig(page_size=4))
     gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig(gpu_bytes=budget)))
     return LLMEngine(gen, SchedulerConfig(**sched))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from kvdrive.runtime.engine import EngineConfig, Generator, SamplingParams, TierConfig
+from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.kvcache import TieredKVStore
 from kvdrive.runtime.model import LoadedModel, load_model
 
@@ -122,18 +124,20 @@ def test_no_tier_reads_or_writes_while_the_store_lock_is_held(tiny: LoadedModel,
     """Every tier is wrapped in a double that records a read or write made with the store lock held. A
     600-token sequence decodes through tiny device and DRAM tiers (demotions, promotions, prefetch,
     write-through to SSD), with a live shrink halfway: all three tiers move bytes, none under the lock."""
-    page = Generator(tiny, EngineConfig(page_size=PAGE)).cache.layout.page_bytes
+    layout = Generator(tiny, EngineConfig(page_size=PAGE)).cache.layout
+    page = layout.page_bytes
     for placement in ("kvdrive", "lru"):
-        gen = Generator(tiny, EngineConfig(
-            tiers=TierConfig(gpu_bytes=12 * page, dram_bytes=24 * page, ssd_dir=str(tmp_path / placement),
-                             ssd_bytes=64 << 20), page_size=PAGE, max_sequences=2, placement=placement,
-            token_budget=16 * PAGE))
+        shape = EngineConfig(page_size=PAGE, max_sequences=2, placement=placement, token_budget=16 * PAGE)
+        reserve = reserve_bytes(layout, shape)  # the envelope's share for the rows' open pages and step buffers
+        gen = Generator(tiny, replace(shape, tiers=TierConfig(
+            gpu_bytes=10 * page + reserve, dram_bytes=24 * page, ssd_dir=str(tmp_path / placement),
+            ssd_bytes=64 << 20)))
         violations, io = _guard_tiers(gen.cache.store)
         out = []
         for i, tok in enumerate(gen.generate(_prompt(600, seed=7), SamplingParams(max_tokens=24, ignore_eos=True))):
             out.append(tok)
             if i == 12:
-                gen.cache.set_budgets(8 * page, 16 * page, 64 << 20)
+                gen.cache.set_budgets(6 * page + reserve, 16 * page, 64 << 20)
         gen.close()
         assert len(out) == 24
         assert all(n > 0 for n in io.values()), io

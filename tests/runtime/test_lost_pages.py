@@ -9,6 +9,7 @@ finishing, everything queued behind it). A healthy request in the same engine is
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
+from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.engine.llm_engine import MAX_LOST_PAGE_RESTARTS
 from kvdrive.runtime.model import LoadedModel, load_model
 
@@ -29,10 +31,11 @@ PAGE = 4
 
 
 def _engine(loaded: LoadedModel, ssd: Path) -> LLMEngine:
-    page = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout.page_bytes
-    gen = Generator(loaded, EngineConfig(
-        tiers=TierConfig(gpu_bytes=(24 + 2) * page, dram_bytes=0, ssd_dir=str(ssd), ssd_bytes=64 << 20),
-        page_size=PAGE, max_sequences=2, token_budget=8 * PAGE))
+    layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=8 * PAGE)
+    gen = Generator(loaded, replace(shape, tiers=TierConfig(
+        gpu_bytes=24 * layout.page_bytes + reserve_bytes(layout, shape), dram_bytes=0, ssd_dir=str(ssd),
+        ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2))
 
 

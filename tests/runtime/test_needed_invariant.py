@@ -10,6 +10,7 @@ changes, and checks the invariant after each step.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
+from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.kvcache import BudgetError, CacheFullError
 from kvdrive.runtime.model import load_model
 
@@ -41,12 +43,13 @@ def _leaked(engine: LLMEngine) -> list[str]:
 def test_no_block_stays_needed_after_its_sequences_are_gone(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
     loaded = load_model(str(path), progress=False)
-    page = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout.page_bytes
-    budgets = [((24 + 4) * page, 16 * page, 80 * page), ((40 + 4) * page, 8 * page, 50 * page)]
-    gen = Generator(loaded, EngineConfig(
-        tiers=TierConfig(gpu_bytes=budgets[0][0], dram_bytes=budgets[0][1], ssd_dir=str(tmp_path / "ssd"),
-                         ssd_bytes=budgets[0][2]),
-        page_size=PAGE, max_sequences=4, token_budget=8 * PAGE))
+    layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    page = layout.page_bytes
+    shape = EngineConfig(page_size=PAGE, max_sequences=4, token_budget=8 * PAGE)
+    reserve = reserve_bytes(layout, shape)  # the rows' open pages and step buffers, beside the hot tier
+    budgets = [(24 * page + reserve, 16 * page, 80 * page), (40 * page + reserve, 8 * page, 50 * page)]
+    gen = Generator(loaded, replace(shape, tiers=TierConfig(
+        gpu_bytes=budgets[0][0], dram_bytes=budgets[0][1], ssd_dir=str(tmp_path / "ssd"), ssd_bytes=budgets[0][2])))
     engine = LLMEngine(gen, SchedulerConfig(max_running=4, step_token_budget=32))
     rng = random.Random(7)
     store, ssd = gen.cache.store, gen.cache.store.tiers["ssd"]

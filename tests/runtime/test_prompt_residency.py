@@ -13,6 +13,7 @@ the memory tiers, so they were demoted to the SSD between chunks and every later
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
+from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.model import LoadedModel, load_model
 
 PAGE = 4
@@ -33,10 +35,12 @@ MEMORY_PAGES = 24  # device tier 12 pages + DRAM 12 pages
 
 
 def _engine(loaded: LoadedModel, ssd: Path, step_tokens: int = 8, **sched: float) -> LLMEngine:
-    page = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout.page_bytes
-    gen = Generator(loaded, EngineConfig(
-        tiers=TierConfig(gpu_bytes=(12 + 2) * page, dram_bytes=12 * page, ssd_dir=str(ssd), ssd_bytes=64 << 20),
-        page_size=PAGE, max_sequences=2, token_budget=8 * PAGE))
+    layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    page = layout.page_bytes
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=8 * PAGE)
+    gen = Generator(loaded, replace(shape, tiers=TierConfig(
+        gpu_bytes=12 * page + reserve_bytes(layout, shape), dram_bytes=12 * page, ssd_dir=str(ssd),
+        ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2, step_token_budget=step_tokens, **sched))  # type: ignore[arg-type]
 
 

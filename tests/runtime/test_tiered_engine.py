@@ -3,10 +3,12 @@ its isolation, persistence across restarts, every placement policy, lost pages, 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from enginekit import with_reserve
 
 from kvdrive.runtime.engine import (
     EngineConfig,
@@ -36,10 +38,16 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 TIER_FIELDS = {"gpu_bytes", "dram_bytes", "ssd_bytes", "ssd_dir", "persist"}
 
 
-def _gen(loaded: LoadedModel, **kw: object) -> Generator:
-    tiers = TierConfig(**{k: v for k, v in kw.items() if k in TIER_FIELDS})  # type: ignore[arg-type]
+def _gen(loaded: LoadedModel, hot_pages: int | None = None, **kw: object) -> Generator:
+    """A generator of two rows; ``hot_pages``: the gpu budget is that many pages of hot tier plus what the
+    running sequences reserve (open pages, decode step buffers)."""
     rest = {k: v for k, v in kw.items() if k not in TIER_FIELDS}
-    return Generator(loaded, EngineConfig(tiers=tiers, page_size=PAGE, max_sequences=2, **rest))  # type: ignore[arg-type]
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, **rest)  # type: ignore[arg-type]
+    if hot_pages is not None:
+        layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+        kw["gpu_bytes"] = with_reserve(layout, hot_pages * layout.page_bytes, shape)
+    tiers = TierConfig(**{k: v for k, v in kw.items() if k in TIER_FIELDS})  # type: ignore[arg-type]
+    return Generator(loaded, replace(shape, tiers=tiers))
 
 
 def _greedy(gen: Generator, prompt: list[int], n: int = 12) -> list[int]:
@@ -115,7 +123,7 @@ def test_every_placement_uses_all_three_tiers_and_changes_no_output(tiny: Loaded
     ref = _greedy(_gen(tiny, full_attention=True), prompt, 16)
     probe = _gen(tiny)
     page = probe.cache.layout.page_bytes
-    gen = _gen(tiny, gpu_bytes=10 * page, dram_bytes=16 * page, ssd_dir=str(tmp_path),
+    gen = _gen(tiny, hot_pages=8, dram_bytes=16 * page, ssd_dir=str(tmp_path),
                ssd_bytes=64 << 20, placement=placement, token_budget=2048)
     assert _greedy(gen, prompt, 16) == ref
     reads = gen.cache.page_reads()
@@ -132,9 +140,7 @@ def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_pa
     prompt = _prompt(200, seed=4)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     ref = _greedy(_gen(tiny, full_attention=True), prompt, 20)
-    probe = _gen(tiny)
-    page = probe.cache.layout.page_bytes
-    gen = _gen(tiny, gpu_bytes=6 * page, ssd_dir=str(tmp_path), ssd_bytes=16 << 20,
+    gen = _gen(tiny, hot_pages=4, ssd_dir=str(tmp_path), ssd_bytes=16 << 20,
                placement="ondemand", token_budget=4096)
     engine = LLMEngine(gen, SchedulerConfig(max_running=2))
     engine.add_request(Request("r", tuple(prompt), params, 0.0))
@@ -159,7 +165,7 @@ def test_budgets_shrink_live_without_changing_outputs(tiny: LoadedModel, tmp_pat
     prompt = _prompt(300, seed=5)
     ref = _greedy(_gen(tiny, full_attention=True), prompt, 24)
     page = _gen(tiny).cache.layout.page_bytes
-    gen = _gen(tiny, gpu_bytes=120 * page, dram_bytes=60 * page, ssd_dir=str(tmp_path),
+    gen = _gen(tiny, hot_pages=118, dram_bytes=60 * page, ssd_dir=str(tmp_path),
                ssd_bytes=32 << 20, token_budget=4096)
     engine = LLMEngine(gen, SchedulerConfig(max_running=2))
     engine.add_request(Request("r", tuple(prompt), SamplingParams(max_tokens=24, ignore_eos=True), 0.0))
@@ -169,7 +175,7 @@ def test_budgets_shrink_live_without_changing_outputs(tiny: LoadedModel, tmp_pat
         for o in engine.step():
             out.extend(o.new_token_ids)
         if len(out) == 8 and not shrunk:
-            gen.cache.set_budgets(10 * page, 12 * page, 32 << 20)
+            gen.cache.set_budgets(8 * page + gen.cache.envelope.reserve(), 12 * page, 32 << 20)
             shrunk = True
             for u in gen.cache.usage():
                 assert u.used_bytes <= u.budget_bytes

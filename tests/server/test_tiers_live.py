@@ -85,6 +85,55 @@ def test_put_admin_tiers_shrinks_budgets_during_generation(tmp_path: Path) -> No
         server.process.wait(60)
 
 
+def test_put_admin_tiers_moves_the_envelope_split_between_hot_tier_and_concurrency(tmp_path: Path) -> None:
+    """One 48 MiB envelope: raising max_running from 4 to 8 takes four step buffers from the hot tier,
+    lowering it to 1 while a request streams gives them back once that request runs alone, and the
+    stream's text is the same as without the change. /metrics says all of it; a limit past
+    --max-sequences is a 422 with the reason, an empty body a 400."""
+    server = start_server(tmp_path, "--gpu-budget", "48MiB", "--dram-budget", "32MiB", "--ssd-dir",
+                          str(tmp_path / "ssd"), "--ssd-budget", "256MiB", "--max-running", "4",
+                          "--max-sequences", "8")
+    try:
+        prompt = TEXT * 4
+        reference = _complete(server, prompt, 24)
+        split = httpx.get(server.url + "/admin/tiers", headers=_admin(server), timeout=30).json()["split"]
+        assert (split["max_running"], split["max_sequences"], split["envelope_bytes"]) == (4, 8, 48 * MiB)
+        per_seq = split["per_sequence_bytes"]
+        assert per_seq > 0 and split["hot_bytes"] + split["reserve_bytes"] == 48 * MiB
+        up = httpx.put(server.url + "/admin/tiers", headers=_admin(server), timeout=60, json={"max_running": 8})
+        assert up.status_code == 200, up.text
+        assert up.json()["split"]["hot_bytes"] == split["hot_bytes"] - 4 * per_seq
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert _metric(metrics, "kvdrive_max_running") == 8
+        assert _metric(metrics, "kvdrive_gpu_hot_bytes") == split["hot_bytes"] - 4 * per_seq
+        assert _metric(metrics, "kvdrive_sequence_reserve_per_sequence_bytes") == per_seq
+        assert "kvdrive_queue_wait_seconds_total" in metrics
+        chunks: list[str] = []
+        body = {"model": "demo", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", headers=server.headers(API_KEY), json=body,
+                          timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:])["choices"][0]["text"])
+                    if len(chunks) == 3:
+                        down = httpx.put(server.url + "/admin/tiers", headers=_admin(server), timeout=60,
+                                         json={"max_running": 1})
+                        assert down.status_code == 200, down.text
+        assert "".join(chunks) == reference
+        after = httpx.get(server.url + "/admin/tiers", headers=_admin(server), timeout=30).json()["split"]
+        assert after["max_running"] == 1 and after["pending_max_running"] is None
+        assert after["hot_bytes"] == split["hot_bytes"] + 3 * per_seq
+        past = httpx.put(server.url + "/admin/tiers", headers=_admin(server), timeout=30, json={"max_running": 9})
+        assert past.status_code == 422 and "--max-sequences" in past.json()["error"]["message"]
+        empty = httpx.put(server.url + "/admin/tiers", headers=_admin(server), timeout=30, json={})
+        assert empty.status_code == 400 and "at least one" in empty.json()["error"]["message"]
+        assert _tiers(server)["gpu"]["budget_bytes"] == 48 * MiB
+    finally:
+        server.process.terminate()
+        server.process.wait(60)
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_prefix_pages_are_reused_after_a_restart(tmp_path: Path, stop: signal.Signals) -> None:
     ssd = tmp_path / "ssd"
