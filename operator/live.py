@@ -3,11 +3,13 @@
 Split from ``handlers`` (which registers it as a Kopf daemon per CR, so that its period follows
 ``spec.tuning.intervalSeconds``). Each round: list the CR's ready pods (explicit ``KubeApi`` calls:
 list pods, get the admin Secret, apply the StatefulSet's replicas as the ``AUTOSCALER`` field manager,
-apply its part of the CR's status as ``LIVE``), read each
-pod's ``/metrics`` with a timeout, let ``tuning.decide`` and ``autoscale.decide`` judge, apply
-budgets through ``PUT /admin/tiers`` and replicas on the StatefulSet, post an Event for every change
-with the numbers behind it, and write ``status.pods``, ``status.budgets`` and ``status.autoscaling``.
-The memory it keeps (metric histories, past recommendations) is per controller instance.
+apply its part of the CR's status as ``LIVE``), read each pod's ``/metrics`` with a timeout, let
+``tuning.decide`` and ``autoscale.decide`` judge, apply each pod's concurrency limit (the split of its
+fixed device envelope) through ``PUT /admin/tiers`` and replicas on the StatefulSet, post an Event for
+every change and every new right-sizing recommendation with the numbers behind it, and write
+``status.pods``, ``status.budgets``, ``status.maxRunning``, ``status.recommendations`` and
+``status.autoscaling``. The memory it keeps (metric histories, past recommendations) is per controller
+instance.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,15 @@ from kvdrive.operator import autoscale, tuning
 from kvdrive.operator.childmeta import Names, selector_labels
 from kvdrive.operator.conditions import now_rfc3339
 from kvdrive.operator.kubeclient import ApiError, Conflict, KubeApi
-from kvdrive.operator.livestatus import budget_event, budget_summary, last_budgets, pod_entry, scale_event
+from kvdrive.operator.livestatus import (
+    agreed_recommendations,
+    budget_event,
+    budget_summary,
+    pod_entry,
+    recommendation_event,
+    running_summary,
+    scale_event,
+)
 from kvdrive.operator.manifests import admin_token_of, runtime_settings
 from kvdrive.operator.objects import (
     AUTOSCALER,
@@ -39,10 +49,12 @@ from kvdrive.operator.objects import (
     pod_url,
 )
 from kvdrive.operator.podclient import PodClient
-from kvdrive.operator.podmetrics import Scrape, rates
+from kvdrive.operator.podmetrics import rates
+from kvdrive.operator.quantity import to_bytes
 from kvdrive.operator.spec import KVDriveSpec, SpecError, parse_cr
 
 IDLE_SECONDS = 30.0  # period of a CR that cannot be read or parsed
+SSD_GRANULE = 1 << 20  # recommended SSD sizes are whole MiB (DRAM: whole hugepages)
 Logger = logging.Logger | logging.LoggerAdapter
 
 
@@ -96,22 +108,26 @@ class LiveController:
         if spec.tuning.enabled or spec.autoscaling.mode == "operator":
             pods = await self._ready_pods(api, namespace, name)
             scrapes = await asyncio.gather(*(self._pods.scrape(p.url, spec.tuning.scrape_timeout_seconds) for p in pods))
+            keep = tuning.policy_from_spec(spec).history
             for pod, scrape in zip(pods, scrapes, strict=True):
-                memory.pods[pod.uid] = memory.pods.get(pod.uid, tuning.PodHistory()).add(scrape, keep=64)
+                memory.pods[pod.uid] = memory.pods.get(pod.uid, tuning.PodHistory()).add(scrape, keep=keep)
             for uid in set(memory.pods) - {p.uid for p in pods}:
                 memory.pods.pop(uid)
                 memory.changed_at.pop(uid, None)
-            applied: dict[str, Mapping[str, int]] = {}
             if spec.tuning.enabled:
-                applied = await self._tune(api, cr, spec, pods, memory, logger)
-            status["pods"] = [self._entry(p, s, memory, applied.get(p.uid)) for p, s in zip(pods, scrapes, strict=True)]
+                await self._tune(api, cr, spec, pods, memory, logger)
+            now = now_rfc3339()
+            status["pods"] = [pod_entry(p.name, s, memory.pods[p.uid], now, memory.changed_at.get(p.uid))
+                              for p, s in zip(pods, scrapes, strict=True)]
+            status["recommendations"] = agreed_recommendations([(p.name, memory.pods[p.uid]) for p in pods])
             if spec.autoscaling.mode == "operator":
                 status["autoscaling"] = await self._autoscale(api, cr, spec, pods, memory, logger)
         else:
-            status["pods"] = []
+            status["pods"], status["recommendations"] = [], []
         start = runtime_settings(spec)
         status["budgets"] = budget_summary(status["pods"], {"gpu": start["gpu_budget"], "dram": start["dram_budget"],
                                                             "ssd": start["ssd_budget"]})
+        status["maxRunning"] = running_summary(status["pods"], start["max_running"])
         previous = cr.get("status") or {}
         if any(previous.get(key) != value for key, value in status.items()):  # an unchanged round writes nothing
             body = {"apiVersion": cr["apiVersion"], "kind": cr["kind"], "metadata": {"name": name}, "status": status}
@@ -127,48 +143,60 @@ class LiveController:
                 found.append(_Pod(uid=str(meta.get("uid") or meta["name"]), name=meta["name"], url=url))
         return sorted(found, key=lambda p: p.name)
 
-    def _entry(self, pod: _Pod, scrape: Scrape, memory: _Memory, applied: Mapping[str, int] | None) -> dict[str, Any]:
-        history = memory.pods[pod.uid]
-        budgets = applied or last_budgets(history)
-        return pod_entry(pod.name, scrape, history, budgets, now_rfc3339(), memory.changed_at.get(pod.uid))
-
     async def _tune(self, api: KubeApi, cr: dict[str, Any], spec: KVDriveSpec, pods: list[_Pod], memory: _Memory,
-                    logger: Logger) -> dict[str, Mapping[str, int]]:
-        """Decide and apply each pod's budgets; returns the budgets pods accepted this round."""
+                    logger: Logger) -> None:
+        """Decide each pod's concurrency limit and apply the changes; report new recommendations."""
         limits, policy = tuning.limits_from_spec(spec), tuning.policy_from_spec(spec)
-        decisions = {p.uid: tuning.decide(memory.pods[p.uid], limits, policy) for p in pods}
-        if not any(d.changes for d in decisions.values()):
-            return {}
-        meta = cr["metadata"]
-        secret = await api.get(SECRETS, meta["namespace"], Names(meta["name"]).secret)
-        token = admin_token_of(secret)
-        accepted: dict[str, Mapping[str, int]] = {}
+        sizes, granules = tuning.tier_sizes(spec), {"dram": to_bytes(spec.tiers.dram.huge_page_size), "ssd": SSD_GRANULE}
+        decisions = {p.uid: tuning.decide(memory.pods[p.uid], limits, policy, sizes, granules) for p in pods}
         for pod in pods:
+            await self._recommend(api, cr, pod, decisions[pod.uid], memory, logger)
+        changing = [p for p in pods if decisions[p.uid].changed]
+        if not changing:
+            return
+        meta = cr["metadata"]
+        token = admin_token_of(await api.get(SECRETS, meta["namespace"], Names(meta["name"]).secret))
+        if token is None:
+            logger.warning("no admin token in Secret %s: cannot change concurrency", Names(meta["name"]).secret)
+            return
+        for pod in changing:
             decision = decisions[pod.uid]
-            if not decision.changes:
-                continue
+            assert decision.new_max_running is not None  # decision.changed
+            result = await self._pods.set_running(pod.url, token, decision.new_max_running,
+                                                  spec.tuning.scrape_timeout_seconds)
             now, history = self._clock(), memory.pods[pod.uid]
-            if token is None:
-                logger.warning("no admin token in Secret %s: cannot change budgets", Names(meta["name"]).secret)
-                return accepted
-            result = await self._pods.set_tiers(pod.url, token, decision.budgets, spec.tuning.scrape_timeout_seconds)
+            memory.changed_at[pod.uid] = now_rfc3339()
             if result.ok:
                 memory.pods[pod.uid] = history.changed(now, decision.summary)
-                memory.changed_at[pod.uid] = now_rfc3339()
-                accepted[pod.uid] = decision.budgets
-                logger.info("pod %s budgets: %s", pod.name, decision.summary)
-                await post_event(api, cr, "Normal", "TierBudgetsChanged", budget_event(pod.name, decision.summary))
+                logger.info("pod %s: %s", pod.name, decision.summary)
+                await post_event(api, cr, "Normal", "ConcurrencyChanged", budget_event(pod.name, decision.summary))
+                continue
+            if result.status == 422:  # the pod cannot: the limit is capped where it stands, and a window passes
+                summary = f"{decision.summary} -- refused (422): {result.detail}"
+                memory.pods[pod.uid] = history.refused(decision, now, summary)
+                reason = "ConcurrencyRefused"
             else:
-                refused = result.status == 422
-                what = f"refused ({result.status}): {result.detail}" if result.status else f"not applied: {result.detail}"
-                summary = f"{decision.summary} -- {what}"
-                memory.pods[pod.uid] = history.refused(decision.changes, now, summary) if refused \
-                    else history.changed(now, summary)
-                memory.changed_at[pod.uid] = now_rfc3339()
-                logger.warning("pod %s budgets %s", pod.name, summary)
-                await post_event(api, cr, "Warning", "TierBudgetsRefused" if refused else "TierBudgetsNotApplied",
-                                 budget_event(pod.name, summary))
-        return accepted
+                code = f" (HTTP {result.status})" if result.status else ""
+                summary = f"{decision.summary} -- not applied{code}: {result.detail}"
+                memory.pods[pod.uid] = history.changed(now, summary)
+                reason = "ConcurrencyNotApplied"
+            logger.warning("pod %s: %s", pod.name, summary)
+            await post_event(api, cr, "Warning", reason, budget_event(pod.name, summary))
+
+    @staticmethod
+    async def _recommend(api: KubeApi, cr: dict[str, Any], pod: _Pod, decision: tuning.Decision, memory: _Memory,
+                         logger: Logger) -> None:
+        """Remember the pod's right-sizing recommendations when they change (tier and size); one Normal
+        Event per new one. Nothing is changed on the pod."""
+        history = memory.pods[pod.uid]
+        before = {(rec.tier, rec.recommended) for rec in history.recommendations}
+        if {(rec.tier, rec.recommended) for rec in decision.recommendations} == before:
+            return
+        memory.pods[pod.uid] = history.recommended(decision.recommendations)
+        for rec in decision.recommendations:
+            if (rec.tier, rec.recommended) not in before:
+                logger.info("pod %s: %s", pod.name, rec.describe())
+                await post_event(api, cr, "Normal", "TierRightSizing", recommendation_event(pod.name, rec))
 
     async def _autoscale(self, api: KubeApi, cr: dict[str, Any], spec: KVDriveSpec, pods: list[_Pod],
                          memory: _Memory, logger: Logger) -> dict[str, Any]:
@@ -208,7 +236,6 @@ class LiveController:
             report["lastScaleTime"] = memory.last_scale_time
         report["lastDecision"] = memory.last_decision or f"replicas {current}: {decision.reason}"[:1024]
         return report
-
 
     @staticmethod
     async def _scale(api: KubeApi, namespace: str, name: str, replicas: int) -> str | None:

@@ -1,8 +1,11 @@
-"""Pure shaping of what the live loop reports: ``status.pods[]``, ``status.budgets``, ``status.autoscaling``.
+"""Pure shaping of what the live loop reports: ``status.pods[]``, ``status.budgets``, ``status.maxRunning``,
+``status.recommendations`` and the messages of its Events.
 
-Owns how per-pod budgets and decisions read in ``kubectl get kvd`` / ``kubectl describe kvd``: byte
-counts per pod, a per-tier summary (``12Mi``, or ``8Mi-12Mi`` when the tuner set pods apart), and the
-last change with the numbers behind it. No Kubernetes API, no Kopf.
+Owns how per-pod budgets, envelope splits and decisions read in ``kubectl get kvd`` / ``kubectl describe
+kvd``: byte counts per pod, a per-tier summary (``12Mi``, or ``8Mi-12Mi`` when pods differ), the
+concurrency limit across the pods (``16``, or ``8-16``), right-sizing recommendations as exact
+quantities (per pod, and the ones every pod agrees on), and the last change with the numbers behind
+it. No Kubernetes API, no Kopf.
 """
 
 from __future__ import annotations
@@ -10,39 +13,54 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvdrive.operator.podmetrics import TIERS, Scrape
-from kvdrive.operator.quantity import format_bytes
-from kvdrive.operator.tuning import PodHistory
+from kvdrive.operator.podmetrics import TIERS, PodMetrics, Scrape
+from kvdrive.operator.quantity import exact_quantity, format_bytes
+from kvdrive.operator.tuning import PodHistory, Recommendation
 
 
-def last_budgets(history: PodHistory) -> dict[str, int]:
-    """The budgets of the latest good scrape (a pod that cannot be read keeps what it last showed)."""
+def last_metrics(history: PodHistory) -> PodMetrics | None:
+    """The latest good scrape's metrics (a pod that cannot be read keeps what it last showed)."""
     for scrape in reversed(history.scrapes):
         if scrape.metrics is not None:
-            return scrape.metrics.budgets()
-    return {}
+            return scrape.metrics
+    return None
 
 
-def pod_entry(name: str, scrape: Scrape, history: PodHistory, budgets: Mapping[str, int], scraped_at: str,
-              changed_at: str | None) -> dict[str, Any]:
-    """One item of ``status.pods`` (the CRD's field names)."""
+def recommendation_entry(rec: Recommendation) -> dict[str, str]:
+    """One item of ``recommendations`` (the CRD's field names; sizes as quantities a CR can take)."""
+    return {"tier": rec.tier, "field": rec.field, "current": exact_quantity(rec.current),
+            "recommended": exact_quantity(rec.recommended), "reason": rec.reason[:1024]}
+
+
+def pod_entry(name: str, scrape: Scrape, history: PodHistory, scraped_at: str, changed_at: str | None) -> dict[str, Any]:
+    """One item of ``status.pods``: budgets and the envelope's split from the latest good scrape, the
+    pod's standing recommendations and its last change."""
     entry: dict[str, Any] = {"name": name, "metrics": "ok" if scrape.ok else "missing", "lastScrapeTime": scraped_at}
     if not scrape.ok:
         entry["scrapeError"] = scrape.error or "unknown"
-    for tier in TIERS:
-        if tier in budgets:
-            entry[f"{tier}Bytes"] = int(budgets[tier])
+    metrics = last_metrics(history)
+    if metrics is not None:
+        budgets = metrics.budgets()
+        for tier in TIERS:
+            if tier in budgets:
+                entry[f"{tier}Bytes"] = int(budgets[tier])
+        split = {"maxRunning": metrics.max_running, "hotBytes": metrics.hot_bytes,
+                 "reserveBytes": metrics.reserve_bytes}
+        entry.update({key: int(value) for key, value in split.items() if value is not None})
+    if history.recommendations:
+        entry["recommendations"] = [recommendation_entry(rec) for rec in history.recommendations]
     if changed_at and history.last_change:
         entry["lastChangeTime"] = changed_at
         entry["lastChange"] = history.last_change[:1024]
     return entry
 
 
-def range_text(values: Iterable[int]) -> str:
+def range_text(values: Iterable[int], unit: str = "bytes") -> str:
     found = sorted(set(values))
     if not found:
         return ""
-    low, high = format_bytes(found[0]), format_bytes(found[-1])
+    show = format_bytes if unit == "bytes" else str
+    low, high = show(found[0]), show(found[-1])
     return low if low == high else f"{low}-{high}"
 
 
@@ -55,8 +73,34 @@ def budget_summary(entries: Sequence[Mapping[str, Any]], fallback: Mapping[str, 
     return out
 
 
+def running_summary(entries: Sequence[Mapping[str, Any]], fallback: int) -> str:
+    """``status.maxRunning``: the pods' concurrency limits; the spec's start before any pod reported one."""
+    values = [int(e["maxRunning"]) for e in entries if "maxRunning" in e]
+    return range_text(values, unit="count") if values else str(fallback)
+
+
+def agreed_recommendations(pods: Sequence[tuple[str, PodHistory]]) -> list[dict[str, str]]:
+    """``status.recommendations``: a tier every pod recommends shrinking (one CR size serves them all),
+    at the largest size any of them needs."""
+    if not pods:
+        return []
+    out = []
+    for tier in sorted({rec.tier for _, history in pods for rec in history.recommendations}):
+        found = [(name, rec) for name, history in pods for rec in history.recommendations if rec.tier == tier]
+        if len({name for name, _ in found}) < len(pods):
+            continue  # a pod that needs the tier (or that was not judged yet) vetoes the shrink
+        name, widest = max(found, key=lambda item: item[1].recommended)
+        reason = f"every pod ({len(pods)}) recommends it; the largest need, {name}'s: {widest.reason}"
+        out.append(recommendation_entry(Recommendation(tier, widest.field, widest.current, widest.recommended, reason)))
+    return out
+
+
 def budget_event(pod: str, summary: str) -> str:
     return f"pod {pod}: {summary}"[:1024]
+
+
+def recommendation_event(pod: str, rec: Recommendation) -> str:
+    return f"pod {pod}: {rec.describe()}"[:1024]
 
 
 def scale_event(current: int, replicas: int, reason: str) -> tuple[str, str]:

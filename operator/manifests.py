@@ -67,6 +67,8 @@ def runtime_settings(spec: KVDriveSpec) -> dict[str, Any]:
         "ssd_budget": ssd_bytes - ssd_bytes % (1 << 20),
         "token_budget": spec.attention.token_budget,
         "page_size": spec.attention.page_size,
+        "max_running": spec.concurrency.max_running,
+        "max_sequences": spec.max_sequences(),
         "placement": spec.placement,
         "admin_token_file": f"{ADMIN_DIR}/token",
     }
@@ -81,6 +83,7 @@ def serve_args(spec: KVDriveSpec) -> list[str]:
         args += ["--dram-hugepage-dir", s["dram_hugepage_dir"]]
     args += ["--ssd-dir", s["ssd_dir"], "--ssd-budget", str(s["ssd_budget"])]
     args += ["--token-budget", str(s["token_budget"]), "--page-size", str(s["page_size"])]
+    args += ["--max-running", str(s["max_running"]), "--max-sequences", str(s["max_sequences"])]
     args += ["--placement", s["placement"], "--admin-token-file", s["admin_token_file"]]
     args += ["--drain-seconds", str(SERVER_DRAIN_SECONDS)]
     if spec.model.name:

@@ -1,15 +1,15 @@
 """HTTP to the runtime pods themselves (not the Kubernetes API): read ``/metrics``, set ``/admin/tiers``.
 
 Owns the transport, timeouts and how failures are reported: a scrape never raises, it returns a
-``Scrape`` whose ``metrics`` is None with the reason (missing data, never zeros); a budget change
-returns an ``Applied`` saying whether the pod took it and, if not, what it said.
+``Scrape`` whose ``metrics`` is None with the reason (missing data, never zeros); a change of a pod's
+concurrency limit (``max_running``, the split of its device envelope) returns an ``Applied`` saying
+whether the pod took it and, if not, what it said.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -21,7 +21,7 @@ from kvdrive.operator.podmetrics import MetricsFormatError, Scrape, parse_metric
 class Applied:
     ok: bool
     status: int  # HTTP status, 0 when the pod could not be reached
-    detail: str  # the pod's budgets after the change, or why it refused
+    detail: str  # the pod's answer: its split after the change, or why it refused
 
 
 class PodClient:
@@ -55,9 +55,9 @@ class PodClient:
         except MetricsFormatError as exc:
             return Scrape(time.monotonic(), None, f"GET /metrics: {exc}"[:300])
 
-    async def set_tiers(self, base_url: str, token: str, budgets: Mapping[str, int], timeout: float) -> Applied:
-        """PUT ``/admin/tiers`` with all three budgets (bytes) and the admin token."""
-        body = {f"{tier}_bytes": int(budgets[tier]) for tier in ("gpu", "dram", "ssd") if tier in budgets}
+    async def set_running(self, base_url: str, token: str, max_running: int, timeout: float) -> Applied:
+        """PUT ``/admin/tiers`` with ``{"max_running": N}`` (the envelope's split) and the admin token."""
+        body = {"max_running": int(max_running)}
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         try:
             async with self._open().put(f"{base_url}/admin/tiers", data=json.dumps(body), headers=headers,

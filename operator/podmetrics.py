@@ -56,6 +56,13 @@ class PodMetrics:
     generated_tokens: float = 0.0
     requests_running: float = 0.0
     requests_waiting: float = 0.0
+    # the device envelope's split (None: a runtime too old to report it)
+    max_running: int | None = None  # sequences the engine may run at once now (live)
+    max_sequences: int | None = None  # ... at most (rows reserved at start)
+    hot_bytes: int | None = None  # the envelope's share for the hot KV tier
+    reserve_bytes: int | None = None  # ... reserved for running sequences (open pages, step buffers)
+    per_sequence_bytes: int | None = None  # what one more running sequence takes from the hot tier
+    queue_wait_seconds: float | None = None  # requests x seconds spent queued for a running slot
 
     def budgets(self) -> dict[str, int]:
         return {tier: state.budget for tier, state in self.tiers.items()}
@@ -83,6 +90,7 @@ class Rates:
     prefetch: Mapping[str, float]  # hit/late/wasted -> pages/s
     fetch_wait_fraction: float | None  # share of wall time decode steps waited for tier reads
     tokens_per_second: float
+    queue_length: float | None = None  # requests queued for a running slot, on average over the interval
 
     @property
     def reads_total(self) -> float:
@@ -121,7 +129,10 @@ def parse_metrics(text: str) -> PodMetrics:
             elif name == "kvdrive_prefetch_total" and "outcome" in labels:
                 prefetch[labels["outcome"]] = value
             elif name in ("kvdrive_fetch_wait_seconds_total", "kvdrive_decode_steps_total",
-                          "kvdrive_generated_tokens_total", "kvdrive_requests_running", "kvdrive_requests_waiting"):
+                          "kvdrive_generated_tokens_total", "kvdrive_requests_running", "kvdrive_requests_waiting",
+                          "kvdrive_max_running", "kvdrive_max_sequences", "kvdrive_gpu_hot_bytes",
+                          "kvdrive_sequence_reserve_bytes", "kvdrive_sequence_reserve_per_sequence_bytes",
+                          "kvdrive_queue_wait_seconds_total"):
                 scalars[name] = value
     if "kvdrive_requests_waiting" not in scalars or not (budgets or capacities):
         raise MetricsFormatError("no kvdrive_requests_waiting or tier budgets: not a kvdrive serve /metrics")
@@ -141,7 +152,17 @@ def parse_metrics(text: str) -> PodMetrics:
         generated_tokens=scalars.get("kvdrive_generated_tokens_total", 0.0),
         requests_running=scalars.get("kvdrive_requests_running", 0.0),
         requests_waiting=scalars["kvdrive_requests_waiting"],
+        max_running=_int(scalars.get("kvdrive_max_running")),
+        max_sequences=_int(scalars.get("kvdrive_max_sequences")),
+        hot_bytes=_int(scalars.get("kvdrive_gpu_hot_bytes")),
+        reserve_bytes=_int(scalars.get("kvdrive_sequence_reserve_bytes")),
+        per_sequence_bytes=_int(scalars.get("kvdrive_sequence_reserve_per_sequence_bytes")),
+        queue_wait_seconds=scalars.get("kvdrive_queue_wait_seconds_total"),
     )
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float] | None:
@@ -170,10 +191,17 @@ def rates(before: Scrape, after: Scrape) -> Rates | None:
         if waited < 0:
             return None
         wait = min(1.0, waited / dt)
+    queue: float | None = None
+    if a.queue_wait_seconds is not None and b.queue_wait_seconds is not None:
+        queued = b.queue_wait_seconds - a.queue_wait_seconds
+        if queued < 0:
+            return None
+        queue = queued / dt
     return Rates(
         seconds=dt,
         page_reads={k: v / dt for k, v in reads.items()},
         prefetch={k: v / dt for k, v in prefetch.items()},
         fetch_wait_fraction=wait,
         tokens_per_second=tokens / dt,
+        queue_length=queue,
     )

@@ -67,3 +67,12 @@ def format_bytes(value: int) -> str:
             text = f"{value / size:.1f}".removesuffix(".0")
             return f"{text}{suffix}"
     return str(value)  # pragma: no cover - the loop always returns for value >= 1024
+
+
+def exact_quantity(value: int) -> str:
+    """Bytes as a quantity that says exactly that many: the largest binary suffix that divides them
+    (3221225472 -> ``3Gi``, 1415577600 -> ``1350Mi``, 1000 -> ``1000``), for values a CR can take as written."""
+    for suffix, size in (("Ei", 2**60), ("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if value >= size and value % size == 0:
+            return f"{value // size}{suffix}"
+    return str(value)

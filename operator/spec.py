@@ -107,22 +107,24 @@ class Attention(_Model):
         return self
 
 
-class TierBounds(_Model):
-    min: Quantity | None = Field(default=None, alias="min")
-    max: Quantity | None = Field(default=None, alias="max")
+class Concurrency(_Model):
+    """Sequences each pod runs at once to start with (``kvdrive serve --max-running``)."""
+
+    max_running: int = Field(default=16, ge=1, le=1024)
+
+
+class ConcurrencyBounds(_Model):
+    """Where the live tuner may move each pod's ``max_running`` (the envelope's split)."""
+
+    min: int = Field(default=1, ge=1, le=1024, alias="min")
+    max: int = Field(default=32, ge=1, le=1024, alias="max")
+    min_step: int = Field(default=1, ge=1, le=1024)
 
     @model_validator(mode="after")
-    def _ordered(self) -> TierBounds:
-        if self.min is not None and self.max is not None:
-            if parse_quantity(self.min) > parse_quantity(self.max):
-                raise _cross("min", "must not exceed max")
+    def _ordered(self) -> ConcurrencyBounds:
+        if self.min > self.max:
+            raise _cross("min", "must not exceed max")
         return self
-
-
-class TuningBounds(_Model):
-    gpu: TierBounds = TierBounds()
-    dram: TierBounds = TierBounds()
-    ssd: TierBounds = TierBounds()
 
 
 class Tuning(_Model):
@@ -130,14 +132,7 @@ class Tuning(_Model):
     interval_seconds: int = Field(default=30, ge=1, le=3600)
     scrape_timeout_seconds: int = Field(default=5, ge=1, le=60)
     stabilization_intervals: int = Field(default=3, ge=1, le=100)
-    min_step: Quantity = "64Mi"
-    bounds: TuningBounds = TuningBounds()
-
-    @model_validator(mode="after")
-    def _positive_step(self) -> Tuning:
-        if parse_quantity(self.min_step) < 1:
-            raise _cross("minStep", "must be at least one byte")
-        return self
+    concurrency: ConcurrencyBounds = ConcurrencyBounds()
 
 
 class AutoscalingTargets(_Model):
@@ -182,6 +177,7 @@ class KVDriveSpec(_Model):
     resources: Resources = Resources()
     tiers: Tiers = Tiers()
     attention: Attention = Attention()
+    concurrency: Concurrency = Concurrency()
     tuning: Tuning = Tuning()
     autoscaling: Autoscaling = Autoscaling()
     service: Service = Service()
@@ -195,6 +191,19 @@ class KVDriveSpec(_Model):
         if self.replicas is not None and self.autoscaling.mode == "operator":
             raise _cross("replicas", "must not be set when autoscaling.mode is operator")
         return self
+
+    @model_validator(mode="after")
+    def _running_within_tuning(self) -> KVDriveSpec:
+        bounds = self.tuning.concurrency
+        if self.tuning.enabled and not bounds.min <= self.concurrency.max_running <= bounds.max:
+            raise _cross("concurrency.maxRunning", f"must be within tuning.concurrency.min and max "
+                                                   f"([{bounds.min}, {bounds.max}]) when tuning is enabled")
+        return self
+
+    def max_sequences(self) -> int:
+        """The most sequences a pod may ever run (``--max-sequences``, rows reserved at start): the tuner's
+        ceiling when it may move the limit, else the fixed limit itself."""
+        return self.tuning.concurrency.max if self.tuning.enabled else self.concurrency.max_running
 
     def desired_replicas(self, current: int | None = None) -> int:
         """StatefulSet replicas: spec.replicas unless the operator's autoscaler owns the count."""
@@ -231,6 +240,16 @@ class Condition(_Model):
     observed_generation: int | None = None
 
 
+class TierRecommendation(_Model):
+    """A right-sizing hint for one ``tiers.*`` size of the CR (quantities); the operator changes nothing."""
+
+    tier: Literal["dram", "ssd"]
+    field: str
+    current: str
+    recommended: str
+    reason: str = Field(default="", max_length=1024)
+
+
 class PodStatus(_Model):
     """One pod as the live tuner last saw it (budgets in bytes, as the pod reported them)."""
 
@@ -241,6 +260,10 @@ class PodStatus(_Model):
     gpu_bytes: int | None = None
     dram_bytes: int | None = None
     ssd_bytes: int | None = None
+    max_running: int | None = None
+    hot_bytes: int | None = None
+    reserve_bytes: int | None = None
+    recommendations: list[TierRecommendation] = Field(default_factory=list)
     last_change_time: str | None = None
     last_change: str | None = None
 
@@ -276,6 +299,8 @@ class KVDriveStatus(_Model):
     endpoint: str = ""
     conditions: list[Condition] = Field(default_factory=list)
     budgets: BudgetSummary | None = None
+    max_running: str | None = None  # across the pods, e.g. 16, or 8-16 when the tuner set them apart
+    recommendations: list[TierRecommendation] = Field(default_factory=list)  # what every pod agrees on
     pods: list[PodStatus] = Field(default_factory=list)
     autoscaling: AutoscalingStatus | None = None
     router: RouterStatus | None = None

@@ -1,81 +1,92 @@
-"""Live tier-budget tuning: a pure function from one pod's metric history to its next budgets.
+"""Live tuning of one pod: a pure function from its metric history to its next concurrency limit.
 
-Owns the policy. Each tier is a cache of the one below it (gpu > dram > ssd > recompute), so a tier
-whose bytes would buy something is one that is full while the tier just below it keeps serving
-needed pages: the GPU tier grows on DRAM reads (and late prefetches), DRAM on SSD reads, SSD on
-pages recomputed because no tier held them. Growth of GPU/DRAM also needs decode steps to have
-actually waited for reads (when the pod reports that). A tier that stayed mostly empty gives bytes
-back, down to its peak use plus headroom. Every change stays within the spec's bounds and the
-physical limits (``TierLimits``), moves in whole granules (hugepages for DRAM) and by at least
-``min_step``.
+Owns the policy. A pod's device memory for KV is one fixed envelope (``tiers.gpu.budget``), split
+between the hot KV tier and a reserve per running sequence (its open pages and decode step buffer):
+every sequence the engine may run at once (``max_running``) takes ``per_sequence_bytes`` from the hot
+tier. The tuner moves that split, and only that:
 
-Against flapping: a signal must hold in every interval of a window of ``window`` intervals, all
-measured at the current budgets (a change restarts the evidence); shrinking needs
-``idle_windows`` windows; full (>= 80%) and idle (<= 50%) leave a dead band between them; and a
-shrink stops at peak use x ``headroom``, inside that band. Missing data (a failed scrape, a counter
-reset) breaks the window, so it never changes anything.
+- **more concurrency** when requests queue in every interval of a window while the running batch is
+  at the limit (not held back by memory: a prompt that would not fit waits whatever the limit) and
+  decode steps barely waited for lower-tier reads (the hot tier serves them): the limit rises to what
+  runs plus what waits, so the queue can drain in one move;
+- **a bigger hot tier** when decode steps waited for lower-tier reads in every interval of a window,
+  nothing queued, and fewer sequences ran than the limit allows: the limit falls to the most that ran,
+  and the slots nobody used go back to the hot tier;
+- nothing when both argue at once (the queue wants slots, the reads want the bytes), or in the dead
+  band between ``wait_low`` and ``wait_high``.
+
+Against flapping: every interval of the window must agree, all measured at the current limit (a change
+restarts the evidence); a move must be at least ``min_step`` sequences; missing data (a failed scrape,
+a counter reset, a runtime that does not report its split) breaks the window, so it changes nothing.
+A pod that refuses a growth (422: the hot tier would not hold the pages running sequences need) caps
+the limit where it stood.
+
+The DRAM and SSD tiers are not tuned: hugepages are reserved at pod start and the SSD is a claimed
+volume, so bytes handed back from either would go nowhere. Where one stays mostly empty for
+``idle_windows`` windows, the tuner *recommends* a smaller ``tiers.*.size`` for the CR (status and an
+Event) and changes nothing.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from kvdrive.operator.manifests import runtime_settings
-from kvdrive.operator.podmetrics import TIERS, Rates, Scrape, rates
+from kvdrive.operator.manifests import SSD_BUDGET_FRACTION_PERCENT
+from kvdrive.operator.podmetrics import Rates, Scrape, rates
 from kvdrive.operator.quantity import format_bytes, to_bytes
 from kvdrive.operator.spec import KVDriveSpec
 
 MiB = 1 << 20
-BELOW = {"gpu": "dram", "dram": "ssd", "ssd": "miss"}  # the source whose reads a bigger tier absorbs
+SIZED = {"dram": "tiers.dram.size", "ssd": "tiers.ssd.size"}  # tiers the tuner only recommends sizes for
 
 
 @dataclass(frozen=True)
-class TierLimits:
-    """Where one tier's budget may go: [floor, ceiling], in multiples of ``granule`` bytes."""
+class RunningLimits:
+    """Where ``max_running`` may go: [floor, ceiling], moving by at least ``min_step``."""
 
-    floor: int
-    ceiling: int
-    granule: int = MiB
+    floor: int = 1
+    ceiling: int = 16
+    min_step: int = 1
 
 
 @dataclass(frozen=True)
 class TuningPolicy:
-    window: int = 3  # intervals a growth signal must hold (spec.tuning.stabilizationIntervals)
-    min_step: int = 64 * MiB  # smallest change worth making (spec.tuning.minStep)
-    step_fraction: float = 0.25  # a step is this share of the budget, at least min_step
-    full_fill: float = 0.8  # a tier at or above this fill is full (runtimes keep room for open pages)
-    idle_fill: float = 0.5  # ... at or below this, idle
-    idle_windows: int = 2  # windows a tier must stay idle before it shrinks
-    min_share: float = 0.05  # reads from below: at least this share of all needed pages ...
-    min_rate: float = 0.5  # ... and at least this many pages/s
-    min_wait_fraction: float = 0.01  # GPU/DRAM growth: decode waited for reads at least this share of the time
-    headroom: float = 1.25  # a shrink keeps peak use x headroom
+    window: int = 3  # intervals a signal must hold (spec.tuning.stabilizationIntervals)
+    wait_low: float = 0.05  # decode waited at most this share of the time: the hot tier serves the steps
+    wait_high: float = 0.15  # ... at least this share: the hot tier is too small for what runs
+    queue_min: float = 0.5  # requests queued on average over an interval: a queue
+    idle_fill: float = 0.5  # a tier at most this full is idle (a recommendation to shrink it)
+    idle_windows: int = 2  # windows a tier must stay idle before a recommendation
+    headroom: float = 1.25  # a recommended size keeps peak use x headroom
     history: int = 64  # scrapes kept per pod
 
 
 @dataclass(frozen=True)
-class Change:
+class Recommendation:
+    """A right-sizing hint for the CR: nothing is changed on the pod."""
+
     tier: str
-    old: int
-    new: int
+    field: str  # the CR field, e.g. tiers.dram.size
+    current: int  # bytes the CR gives the tier now
+    recommended: int
     reason: str
 
     def describe(self) -> str:
-        sign = "+" if self.new > self.old else "-"
-        delta = format_bytes(abs(self.new - self.old))
-        return f"{self.tier} {format_bytes(self.old)} -> {format_bytes(self.new)} ({sign}{delta}): {self.reason}"
+        return (f"{self.field}: {format_bytes(self.current)} -> recommend {format_bytes(self.recommended)} "
+                f"({self.reason}; nothing changed on the pod)")
 
 
 @dataclass(frozen=True)
 class PodHistory:
-    """What the operator remembers of one pod (by uid): recent scrapes, budget changes, learned limits."""
+    """What the operator remembers of one pod (by uid): recent scrapes, its last change, learned limits."""
 
     scrapes: tuple[Scrape, ...] = ()
     last_change_time: float | None = None
     last_change: str | None = None
-    ceilings: Mapping[str, int] = field(default_factory=dict)  # learned from the pod refusing a growth
+    running_ceiling: int | None = None  # learned from the pod refusing a growth
+    recommendations: tuple[Recommendation, ...] = ()  # the last ones reported (an Event only when they change)
 
     def add(self, scrape: Scrape, keep: int) -> PodHistory:
         return replace(self, scrapes=(*self.scrapes, scrape)[-keep:])
@@ -83,165 +94,153 @@ class PodHistory:
     def changed(self, time: float, summary: str) -> PodHistory:
         return replace(self, last_change_time=time, last_change=summary)
 
-    def refused(self, changes: Sequence[Change], time: float, summary: str) -> PodHistory:
-        """The pod answered 422: remember that it cannot grow there, and wait a window before trying more."""
-        ceilings = dict(self.ceilings)
-        for change in changes:
-            if change.new > change.old:
-                ceilings[change.tier] = min(ceilings.get(change.tier, change.old), change.old)
-        return replace(self, ceilings=ceilings, last_change_time=time, last_change=summary)
+    def refused(self, decision: Decision, time: float, summary: str) -> PodHistory:
+        """The pod answered 422: it cannot run more than it did; wait a window before trying anything."""
+        ceiling = self.running_ceiling
+        if decision.new_max_running is not None and decision.current is not None \
+                and decision.new_max_running > decision.current:
+            ceiling = decision.current if ceiling is None else min(ceiling, decision.current)
+        return replace(self, running_ceiling=ceiling, last_change_time=time, last_change=summary)
+
+    def recommended(self, recommendations: Sequence[Recommendation]) -> PodHistory:
+        return replace(self, recommendations=tuple(recommendations))
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The budgets to apply (all tiers the pod has) when ``changes`` is not empty, else why not."""
+    """The pod's next ``max_running`` (``new_max_running`` None: leave it) and the tier-size hints."""
 
-    budgets: Mapping[str, int]
-    changes: tuple[Change, ...] = ()
-    note: str = ""
+    current: int | None  # the pod's max_running now (None: it does not report one)
+    new_max_running: int | None = None
+    reason: str = ""
+    recommendations: tuple[Recommendation, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return self.new_max_running is not None and self.new_max_running != self.current
 
     @property
     def summary(self) -> str:
-        return "; ".join(change.describe() for change in self.changes) or self.note
+        if self.changed:
+            return f"max_running {self.current} -> {self.new_max_running}: {self.reason}"
+        return self.reason
 
 
-def limits_from_spec(spec: KVDriveSpec) -> dict[str, TierLimits]:
-    """Bounds of the spec intersected with what a pod physically has.
-
-    gpu: ``bounds.gpu.max``, else the spec's budget (the pod refusing a growth lowers it further:
-    only the runtime knows the GPU's memory less the model); dram: the hugepage allocation
-    (``tiers.dram.size``); ssd: the runtime's share of its claim (90% of ``tiers.ssd.size``).
-    """
-    bounds, settings = spec.tuning.bounds, runtime_settings(spec)
-    hugepage = to_bytes(spec.tiers.dram.huge_page_size)
-    caps = {
-        "gpu": to_bytes(bounds.gpu.max) if bounds.gpu.max is not None else settings["gpu_budget"],
-        "dram": min(settings["dram_budget"], to_bytes(bounds.dram.max) if bounds.dram.max else settings["dram_budget"]),
-        "ssd": min(settings["ssd_budget"], to_bytes(bounds.ssd.max) if bounds.ssd.max else settings["ssd_budget"]),
-    }
-    granules = {"gpu": MiB, "dram": hugepage, "ssd": MiB}
-    out = {}
-    for tier in TIERS:
-        granule = granules[tier]
-        ceiling = caps[tier] // granule * granule
-        tier_bounds = getattr(bounds, tier)
-        floor = to_bytes(tier_bounds.min) if tier_bounds.min is not None else 0
-        floor = min(-(-floor // granule) * granule, ceiling)
-        out[tier] = TierLimits(floor=floor, ceiling=ceiling, granule=granule)
-    return out
+def limits_from_spec(spec: KVDriveSpec) -> RunningLimits:
+    bounds = spec.tuning.concurrency
+    return RunningLimits(floor=bounds.min, ceiling=bounds.max, min_step=bounds.min_step)
 
 
 def policy_from_spec(spec: KVDriveSpec) -> TuningPolicy:
-    return TuningPolicy(window=spec.tuning.stabilization_intervals, min_step=max(1, to_bytes(spec.tuning.min_step)))
+    return TuningPolicy(window=spec.tuning.stabilization_intervals)
 
 
-def _recent_rates(history: PodHistory, count: int) -> list[Rates | None]:
-    """Rates of the last ``count`` intervals measured after the last change (None: missing data)."""
+def tier_sizes(spec: KVDriveSpec) -> dict[str, int]:
+    """What the CR gives each recommended tier, in its own field's terms (bytes)."""
+    return {"dram": to_bytes(spec.tiers.dram.size), "ssd": to_bytes(spec.tiers.ssd.size)}
+
+
+def _since_change(history: PodHistory) -> list[Scrape]:
     since = history.last_change_time
-    scrapes = [s for s in history.scrapes if since is None or s.time > since]
-    pairs = list(zip(scrapes, scrapes[1:], strict=False))[-count:]
-    out: list[Rates | None] = [rates(a, b) for a, b in pairs]
-    return out if len(out) == count else [*out, *([None] * (count - len(out)))]
+    return [s for s in history.scrapes if since is None or s.time > since]
 
 
-def _share(r: Rates, source: str) -> tuple[float, float]:
-    rate = r.page_reads.get(source, 0.0) + (r.prefetch.get("late", 0.0) if source == "dram" else 0.0)
-    return rate, rate / r.reads_total if r.reads_total > 0 else 0.0
-
-
-def _pressed(tier: str, r: Rates, fill: float, policy: TuningPolicy) -> bool:
-    rate, share = _share(r, BELOW[tier])
-    waited = tier == "ssd" or r.fetch_wait_fraction is None or r.fetch_wait_fraction >= policy.min_wait_fraction
-    return fill >= policy.full_fill and rate >= policy.min_rate and share >= policy.min_share and waited
-
-
-def _step(budget: int, policy: TuningPolicy, granule: int) -> int:
-    return max(policy.min_step, int(budget * policy.step_fraction), granule)
-
-
-def _grow(tier: str, budget: int, lim: TierLimits, window: list[Rates], fills: list[float],
-          policy: TuningPolicy) -> Change | None:
-    if budget >= lim.ceiling or not all(_pressed(tier, r, f, policy) for r, f in zip(window, fills, strict=True)):
+def _window(history: PodHistory, count: int) -> tuple[list[Rates], list[Scrape]] | None:
+    """The last ``count`` intervals after the last change (their rates and closing scrapes), or None
+    when any is missing."""
+    scrapes = _since_change(history)[-(count + 1):]
+    if len(scrapes) < count + 1:
         return None
-    new = min(lim.ceiling, (budget + _step(budget, policy, lim.granule)) // lim.granule * lim.granule)
-    if new <= budget or (new - budget < policy.min_step and new != lim.ceiling):
+    out = [rates(a, b) for a, b in zip(scrapes, scrapes[1:], strict=False)]
+    if any(r is None for r in out):
         return None
-    below = BELOW[tier]
-    rate = sum(_share(r, below)[0] for r in window) / len(window)
-    share = sum(_share(r, below)[1] for r in window) / len(window)
-    waits = [r.fetch_wait_fraction for r in window if r.fetch_wait_fraction is not None]
-    what = "pages recomputed (in no tier)" if below == "miss" else f"{below} reads"
-    if tier == "gpu":
-        what = "dram reads + late prefetches"
-    reason = (f"{what} {rate:.1f}/s = {share:.0%} of needed pages while {tier} was "
-              f"{min(fills):.0%}+ full")
-    if waits and tier != "ssd":
-        reason += f", decode waited {sum(waits) / len(waits):.0%} of the time"
-    return Change(tier, budget, new, reason + f", over {len(window)} intervals")
+    return out, scrapes[1:]  # type: ignore[return-value]
 
 
-def _shrink(tier: str, budget: int, lim: TierLimits, window: list[Rates], fills: list[float], peak: int,
-            policy: TuningPolicy) -> Change | None:
-    if budget <= lim.floor or not all(f <= policy.idle_fill for f in fills):
-        return None
-    if any(_share(r, BELOW[tier])[0] >= policy.min_rate for r in window):
-        return None  # pages come from below although this tier has room: placement, not size
-    keep = max(lim.floor, -(-math.ceil(peak * policy.headroom) // lim.granule) * lim.granule)
-    new = max(keep, -(-(budget - _step(budget, policy, lim.granule)) // lim.granule) * lim.granule)
-    if new >= budget or (budget - new < policy.min_step and new != lim.floor):
-        return None
-    reason = f"at most {max(fills):.0%} full (peak {format_bytes(peak)}) for {len(window)} intervals"
-    return Change(tier, budget, new, reason)
-
-
-def decide(history: PodHistory, limits: Mapping[str, TierLimits], policy: TuningPolicy) -> Decision:
-    """The next budgets of one pod from its history (pure; the caller applies and records them)."""
-    if not history.scrapes or history.scrapes[-1].metrics is None:
-        return Decision(budgets={}, note="metrics missing: budgets left alone")
+def _concurrency(history: PodHistory, limits: RunningLimits, policy: TuningPolicy) -> Decision:
     latest = history.scrapes[-1].metrics
-    budgets = latest.budgets()
-    changes: list[Change] = []
-    for tier, budget in budgets.items():
-        lim = limits.get(tier)
-        if lim is None:
-            continue
-        if tier in history.ceilings:
-            lim = replace(lim, ceiling=max(lim.floor, min(lim.ceiling, history.ceilings[tier])))
-        if budget < lim.floor or budget > lim.ceiling:
-            new = min(max(budget, lim.floor), lim.ceiling)
-            changes.append(Change(tier, budget, new, f"outside the bounds [{format_bytes(lim.floor)}, "
-                                                      f"{format_bytes(lim.ceiling)}]"))
-            continue
-        grow_window = _recent_rates(history, policy.window)
-        grow_scrapes = _window_scrapes(history, policy.window)
-        if all(r is not None for r in grow_window) and grow_scrapes:
-            fills = [s.metrics.tiers[tier].fill for s in grow_scrapes if s.metrics and tier in s.metrics.tiers]
-            if len(fills) == policy.window:
-                change = _grow(tier, budget, lim, grow_window, fills, policy)  # type: ignore[arg-type]
-                if change is not None:
-                    changes.append(change)
-                    continue
-        idle_count = policy.window * policy.idle_windows
-        idle_window = _recent_rates(history, idle_count)
-        idle_scrapes = _window_scrapes(history, idle_count)
-        if all(r is not None for r in idle_window) and idle_scrapes:
-            states = [s.metrics.tiers[tier] for s in idle_scrapes if s.metrics and tier in s.metrics.tiers]
-            if len(states) == idle_count:
-                peak = max(state.held for state in states)
-                change = _shrink(tier, budget, lim, idle_window, [s.fill for s in states], peak,  # type: ignore[arg-type]
-                                 policy)
-                if change is not None:
-                    changes.append(change)
-    if not changes:
-        return Decision(budgets=budgets, note="no tier had a sustained reason to move")
-    new = dict(budgets)
-    for change in changes:
-        new[change.tier] = change.new
-    return Decision(budgets=new, changes=tuple(changes))
+    assert latest is not None
+    current = latest.max_running
+    if current is None:
+        return Decision(current=None, reason="the pod does not report max_running: concurrency left alone")
+    ceiling = limits.ceiling
+    for cap in (history.running_ceiling, latest.max_sequences):
+        if cap is not None:
+            ceiling = min(ceiling, cap)
+    ceiling = max(ceiling, limits.floor)
+    if not limits.floor <= current <= ceiling:
+        new = min(max(current, limits.floor), ceiling)
+        return Decision(current, new, f"outside the bounds [{limits.floor}, {ceiling}]")
+    found = _window(history, policy.window)
+    if found is None:
+        return Decision(current, reason="not enough intervals measured at this limit")
+    window, scrapes = found
+    queues = [r.queue_length if r.queue_length is not None else s.metrics.requests_waiting  # type: ignore[union-attr]
+              for r, s in zip(window, scrapes, strict=True)]
+    waits = [r.fetch_wait_fraction for r in window]
+    if any(w is None for w in waits):
+        return Decision(current, reason="the pod does not report fetch waits: concurrency left alone")
+    running = [s.metrics.requests_running for s in scrapes]  # type: ignore[union-attr]
+    ran, full = max(running), min(running) >= current  # full: the limit, not memory, held the queue back
+    hot = _hot_share(latest.page_reads, scrapes[0].metrics.page_reads)  # type: ignore[union-attr]
+    queued, waited = min(queues), [float(w) for w in waits]  # type: ignore[arg-type]
+    span = f"over {len(window)} intervals"
+    if queued >= policy.queue_min and full and max(waited) <= policy.wait_low:
+        new = min(ceiling, max(current + limits.min_step, math.ceil(ran + queued)))
+        if new > current:
+            return Decision(current, new, f"requests queued ({queued:.1f} on average at least) while decode waited "
+                                          f"at most {max(waited):.0%} of the time for lower tiers{hot}, {span}")
+        return Decision(current, reason=f"requests queue but the limit is at its ceiling {ceiling}")
+    if queued < policy.queue_min and min(waited) >= policy.wait_high and ran < current:
+        new = max(limits.floor, math.ceil(ran))
+        if current - new >= limits.min_step:
+            return Decision(current, new, f"decode waited at least {min(waited):.0%} of the time for lower-tier "
+                                          f"reads{hot} with no queue and at most {ran:.0f} of {current} sequences "
+                                          f"running, {span}: the unused slots go to the hot tier")
+    if queued >= policy.queue_min and min(waited) >= policy.wait_high:
+        return Decision(current, reason="requests queue and decode waits for reads: the split cannot serve both")
+    return Decision(current, reason="no sustained reason to move the split")
 
 
-def _window_scrapes(history: PodHistory, count: int) -> list[Scrape]:
-    """The scrapes ending each of the last ``count`` intervals after the last change."""
-    since = history.last_change_time
-    scrapes = [s for s in history.scrapes if since is None or s.time > since]
-    return scrapes[1:][-count:] if len(scrapes) > count else []
+def _hot_share(now: Mapping[str, float], before: Mapping[str, float]) -> str:
+    delta = {k: now.get(k, 0.0) - before.get(k, 0.0) for k in now}
+    total = sum(delta.values())
+    return f" (hot tier served {delta.get('gpu', 0.0) / total:.0%} of needed pages)" if total > 0 else ""
+
+
+def _recommend(history: PodHistory, policy: TuningPolicy, sizes: dict[str, int],
+               granules: dict[str, int]) -> tuple[Recommendation, ...]:
+    count = policy.window * policy.idle_windows
+    found = _window(history, count)
+    if found is None:
+        return history.recommendations  # missing data: keep what was said
+    _, scrapes = found
+    out = []
+    for tier, field in SIZED.items():
+        states = [s.metrics.tiers.get(tier) for s in scrapes]  # type: ignore[union-attr]
+        if tier not in sizes or any(state is None or state.room <= 0 for state in states):
+            continue
+        fills = [state.fill for state in states]  # type: ignore[union-attr]
+        if max(fills) > policy.idle_fill:
+            continue
+        peak = max(state.held for state in states)  # type: ignore[union-attr]
+        need = peak * policy.headroom
+        if tier == "ssd":  # the runtime gets a share of the claim
+            need = need * 100 / SSD_BUDGET_FRACTION_PERCENT
+        granule = granules.get(tier, MiB)
+        size = max(granule, -(-math.ceil(need) // granule) * granule)
+        if size < sizes[tier]:
+            reason = f"at most {max(fills):.0%} full (peak {format_bytes(peak)}) for {len(scrapes)} intervals"
+            out.append(Recommendation(tier, field, sizes[tier], size, reason))
+    return tuple(out)
+
+
+def decide(history: PodHistory, limits: RunningLimits, policy: TuningPolicy,
+           sizes: dict[str, int] | None = None, granules: dict[str, int] | None = None) -> Decision:
+    """The next concurrency limit of one pod and its tier-size recommendations (pure; the caller applies
+    and records them). ``sizes``: the CR's tier sizes (bytes) to recommend against; ``granules``: their
+    units (hugepages for DRAM)."""
+    if not history.scrapes or history.scrapes[-1].metrics is None:
+        return Decision(current=None, reason="metrics missing: nothing changed", recommendations=history.recommendations)
+    decision = _concurrency(history, limits, policy)
+    return replace(decision, recommendations=_recommend(history, policy, sizes or {}, granules or {}))

@@ -16,16 +16,17 @@ LABELS = {"app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance": "ch
 
 
 def live_cr(autoscaling: dict[str, Any] | None = None, **tuning: Any) -> dict[str, Any]:
-    """A demo-model CR with small tiers (as the test servers have) and a 1 s metrics interval."""
+    """A demo-model CR with small tiers (as the test servers have), concurrency 4 that the tuner may move
+    within [1, 8], and a 1 s metrics interval."""
     return {
         "apiVersion": "kvdrive.io/v1alpha1", "kind": "KVDriveDeployment", "metadata": {"name": "chat"},
         "spec": {
             "model": {"source": "demo"},
             "resources": {"gpus": 0},
             "tiers": {"gpu": {"budget": "8Mi"}, "dram": {"size": "64Mi"}, "ssd": {"size": "300Mi"}},
+            "concurrency": {"maxRunning": 4},
             "tuning": {"enabled": True, "intervalSeconds": 1, "scrapeTimeoutSeconds": 1, "stabilizationIntervals": 2,
-                       "minStep": "1Mi", "bounds": {"gpu": {"min": "4Mi", "max": "16Mi"},
-                                                    "dram": {"min": "8Mi", "max": "64Mi"}}, **tuning},
+                       "concurrency": {"min": 1, "max": 8, "minStep": 1}, **tuning},
             "autoscaling": autoscaling or {"mode": "operator", "minReplicas": 1, "maxReplicas": 4,
                                            "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 0,
                                            "maxStep": 1, "targets": {"queueDepth": 4}},

@@ -44,6 +44,20 @@ class Server:
         rsp.raise_for_status()
         return {t["tier"]: int(t["budget_bytes"]) for t in rsp.json()["tiers"]}
 
+    async def split(self) -> dict[str, int]:
+        """The device envelope's split as GET /admin/tiers reports it (max_running, hot_bytes, ...)."""
+        async with httpx.AsyncClient() as client:
+            rsp = await client.get(f"{self.url}/admin/tiers", headers=self.admin(), timeout=10)
+        rsp.raise_for_status()
+        return dict(rsp.json()["split"])
+
+    async def metric(self, name: str) -> float | None:
+        """One unlabelled sample of /metrics (None when the server does not export it)."""
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(f"{self.url}/metrics", timeout=10)).text
+        found = re.findall(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        return float(found[0]) if found else None
+
     async def metric_budgets(self) -> dict[str, int]:
         """Budgets per tier as /metrics reports them."""
         async with httpx.AsyncClient() as client:

@@ -1,31 +1,41 @@
 """A pod whose /metrics the test scripts (aiohttp, loopback): for the live loop's edge cases.
 
 The real end-to-end test uses real `kvdrive serve` processes; this one lets a test say exactly what a
-pod reports (pressure, queue, a scrape that hangs, a budget the pod refuses) and see what it was told.
+pod reports (tier fill, fetch waits, a queue, the split of its device envelope, a scrape that hangs, a
+change the pod refuses) and see what it was told. Like the runtime, it splits a fixed device envelope
+(the gpu budget) between the hot KV tier and ``per_sequence`` bytes per sequence it may run at once,
+and moves that split on ``PUT /admin/tiers {"max_running": N}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 MiB = 1 << 20
+KiB = 1 << 10
 
 
 @dataclass
 class ScriptedPod:
     budgets: dict[str, int] = field(default_factory=lambda: {"gpu": 8 * MiB, "dram": 16 * MiB, "ssd": 256 * MiB})
-    fill: dict[str, float] = field(default_factory=lambda: {"gpu": 0.5, "dram": 0.5, "ssd": 0.1})
+    fill: dict[str, float] = field(default_factory=lambda: {"gpu": 0.7, "dram": 0.7, "ssd": 0.7})
     running_fill: float = 0.0  # share of each tier that running sequences hold (the rest is cache)
-    read_rates: dict[str, float] = field(default_factory=dict)  # pages/s per source, accumulated per scrape
-    wait_per_scrape: float = 0.2  # seconds decode waited for reads, accumulated per scrape
+    read_rates: dict[str, float] = field(default_factory=dict)  # pages per scrape per source
+    wait_per_scrape: float = 0.0  # seconds decode waited for lower-tier reads, accumulated per scrape
     waited: float = 0.0
     waiting: int = 0
     running: int = 0
+    max_running: int | None = 4  # None: a runtime too old to report its split
+    max_sequences: int = 8
+    per_sequence: int = 256 * KiB  # what one more running sequence takes from the hot tier
+    fixed_reserve: int = 1 * MiB  # open pages of every row
+    queued_seconds: float = 0.0  # requests x seconds queued (kvdrive_queue_wait_seconds_total)
     hang: bool = False  # /metrics never answers (a timeout)
     refuse: str | None = None  # PUT /admin/tiers answers 422 with this reason
     token: str = ""
@@ -33,7 +43,16 @@ class ScriptedPod:
     scrapes: int = 0
     reads: dict[str, float] = field(default_factory=lambda: {"gpu": 0.0, "dram": 0.0, "ssd": 0.0, "miss": 0.0})
     port: int = 0
+    _tick: float = field(default_factory=time.monotonic)
     _runner: web.AppRunner | None = None
+
+    @property
+    def reserve_bytes(self) -> int:
+        return self.fixed_reserve + (self.max_running or 0) * self.per_sequence
+
+    @property
+    def hot_bytes(self) -> int:
+        return self.budgets["gpu"] - self.reserve_bytes
 
     def text(self) -> str:
         lines = []
@@ -49,6 +68,11 @@ class ScriptedPod:
             lines.append(f'kvdrive_page_reads_total{{tier="{source}"}} {count}')
         lines += [f"kvdrive_requests_waiting {self.waiting}", f"kvdrive_requests_running {self.running}",
                   "kvdrive_generated_tokens_total 0", f"kvdrive_fetch_wait_seconds_total {self.waited}"]
+        if self.max_running is not None:
+            lines += [f"kvdrive_max_running {self.max_running}", f"kvdrive_max_sequences {self.max_sequences}",
+                      f"kvdrive_gpu_hot_bytes {self.hot_bytes}", f"kvdrive_sequence_reserve_bytes {self.reserve_bytes}",
+                      f"kvdrive_sequence_reserve_per_sequence_bytes {self.per_sequence}",
+                      f"kvdrive_queue_wait_seconds_total {self.queued_seconds}"]
         return "\n".join(lines) + "\n"
 
     async def _metrics(self, _: web.Request) -> web.Response:
@@ -58,17 +82,27 @@ class ScriptedPod:
         for source, rate in self.read_rates.items():
             self.reads[source] += rate
         self.waited += self.wait_per_scrape
+        now = time.monotonic()
+        self.queued_seconds += self.waiting * (now - self._tick)  # as the runtime counts it: in real time
+        self._tick = now
         return web.Response(text=self.text(), content_type="text/plain")
 
     async def _put(self, request: web.Request) -> web.Response:
+        """The runtime's admin API: any subset of the tier budgets and max_running; 422 when impossible."""
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             return web.json_response({"error": {"message": "missing or invalid admin token"}}, status=401)
         body: dict[str, Any] = json.loads(await request.text())
         self.puts.append(body)
         if self.refuse:
             return web.json_response({"error": {"message": self.refuse}}, status=422)
-        self.budgets = {tier: int(body[f"{tier}_bytes"]) for tier in self.budgets}
-        return web.json_response({"tiers": []})
+        running = body.get("max_running", self.max_running)
+        if running is not None and not 1 <= int(running) <= self.max_sequences:
+            message = f"max_running must be in [1, {self.max_sequences}] (--max-sequences), not {running}"
+            return web.json_response({"error": {"message": message}}, status=422)
+        self.budgets = {tier: int(body.get(f"{tier}_bytes", budget)) for tier, budget in self.budgets.items()}
+        self.max_running = running
+        return web.json_response({"max_running": self.max_running, "gpu_hot_bytes": self.hot_bytes,
+                                  "sequence_reserve_bytes": self.reserve_bytes})
 
     async def start(self) -> str:
         app = web.Application()

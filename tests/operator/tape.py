@@ -1,46 +1,56 @@
-"""A pod's metrics as a tape, interval by interval, for the tuning and autoscaling scenarios."""
+"""A pod's metrics as a tape, interval by interval, for the tuning scenarios."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvdrive.operator.podmetrics import PodMetrics, Scrape, TierState
-from kvdrive.operator.tuning import PodHistory, TierLimits, TuningPolicy, decide
+from kvdrive.operator.tuning import Decision, PodHistory, RunningLimits, TuningPolicy, decide
 
 MiB = 1 << 20
+PER_SEQUENCE = 2 * MiB  # what one more running sequence takes from the hot tier
+ENVELOPE = 64 * MiB
 
 
 @dataclass
 class PodTape:
     """Accumulates the counters a pod's /metrics would show and records one scrape per interval.
 
-    ``step`` runs one interval at the pod's current budgets: pages/s read per source, fill per tier
-    (share of the budget in use), the share of time decode waited for reads, the queue.
+    ``step`` runs one interval at the pod's current ``max_running``: the share of time decode waited for
+    lower-tier reads, the mean queue, the sequences running at the scrape, pages/s by source, tier fills.
     """
 
-    budgets: dict[str, int]
+    max_running: int = 8
+    max_sequences: int = 16
     interval: float = 10.0
     now: float = 0.0
     history: PodHistory = field(default_factory=PodHistory)
-    counters: dict[str, float] = field(default_factory=lambda: {"gpu": 0.0, "dram": 0.0, "ssd": 0.0, "miss": 0.0})
-    late: float = 0.0
+    reads: dict[str, float] = field(default_factory=lambda: {"gpu": 0.0, "dram": 0.0, "ssd": 0.0, "miss": 0.0})
     waited: float = 0.0
+    queued: float = 0.0
     tokens: float = 0.0
     applied: list[str] = field(default_factory=list)
+    sizes: dict[str, int] = field(default_factory=lambda: {"dram": 64 * MiB, "ssd": 1024 * MiB})
 
-    def step(self, reads: dict[str, float], fill: dict[str, float], wait: float | None = 0.2, late: float = 0.0,
-             waiting: float = 0, running: float = 1, tokens_per_s: float = 20.0) -> None:
+    def step(self, wait: float | None = 0.0, queue: float = 0.0, running: float | None = None,
+             rates: dict[str, float] | None = None, fill: dict[str, float] | None = None) -> None:
         self.now += self.interval
-        for source, rate in reads.items():
-            self.counters[source] += rate * self.interval
-        self.late += late * self.interval
+        for source, rate in (rates or {"gpu": 50.0, "dram": 10.0}).items():
+            self.reads[source] += rate * self.interval
         self.waited += (wait or 0.0) * self.interval
-        self.tokens += tokens_per_s * self.interval
-        tiers = {t: TierState(budget=b, used=int(b * fill.get(t, 0.0)), capacity=b) for t, b in self.budgets.items()}
-        metrics = PodMetrics(tiers=tiers, page_reads=dict(self.counters),
-                             prefetch={"hit": 0.0, "late": self.late, "wasted": 0.0},
+        self.queued += queue * self.interval
+        self.tokens += 20.0 * self.interval
+        hot = ENVELOPE - self.max_running * PER_SEQUENCE
+        fills = {"gpu": 0.9, "dram": 0.9, "ssd": 0.9, **(fill or {})}
+        room = {"gpu": hot, "dram": self.sizes["dram"], "ssd": self.sizes["ssd"] * 9 // 10}
+        tiers = {t: TierState(budget=b, used=int(b * fills[t]), capacity=b) for t, b in room.items()}
+        metrics = PodMetrics(tiers=tiers, page_reads=dict(self.reads), prefetch={},
                              fetch_wait_seconds=None if wait is None else self.waited, decode_steps=None,
-                             generated_tokens=self.tokens, requests_running=running, requests_waiting=waiting)
+                             generated_tokens=self.tokens,
+                             requests_running=float(self.max_running if running is None else running),
+                             requests_waiting=queue, max_running=self.max_running, max_sequences=self.max_sequences,
+                             hot_bytes=hot, reserve_bytes=self.max_running * PER_SEQUENCE,
+                             per_sequence_bytes=PER_SEQUENCE, queue_wait_seconds=self.queued)
         self.history = self.history.add(Scrape(self.now, metrics), keep=64)
 
     def missing(self, why: str = "timeout") -> None:
@@ -49,14 +59,23 @@ class PodTape:
 
     def restart(self) -> None:
         """The pod's process restarted: its counters start again from zero."""
-        self.counters = dict.fromkeys(self.counters, 0.0)
-        self.late = self.waited = self.tokens = 0.0
+        self.reads = dict.fromkeys(self.reads, 0.0)
+        self.waited = self.queued = self.tokens = 0.0
 
-    def tune(self, limits: dict[str, TierLimits], policy: TuningPolicy) -> list[str]:
-        """What the operator does after a scrape: decide, and apply any change (the pod accepts it)."""
-        decision = decide(self.history, limits, policy)
-        if decision.changes:
-            self.budgets = {t: decision.budgets.get(t, b) for t, b in self.budgets.items()}
-            self.history = self.history.changed(self.now, decision.summary)
-            self.applied.append(decision.summary)
-        return [c.tier for c in decision.changes]
+    def decide(self, limits: RunningLimits, policy: TuningPolicy) -> Decision:
+        return decide(self.history, limits, policy, self.sizes, {"dram": 2 * MiB, "ssd": MiB})
+
+    def tune(self, limits: RunningLimits, policy: TuningPolicy, accept: bool = True) -> Decision:
+        """What the operator does after a scrape: decide, and apply a change (the pod accepts it, or
+        answers 422 when ``accept`` is False)."""
+        decision = self.decide(limits, policy)
+        if decision.changed:
+            assert decision.new_max_running is not None
+            if accept:
+                self.max_running = decision.new_max_running
+                self.history = self.history.changed(self.now, decision.summary)
+                self.applied.append(decision.summary)
+            else:
+                self.history = self.history.refused(decision, self.now, "422")
+        self.history = self.history.recommended(decision.recommendations)
+        return decision

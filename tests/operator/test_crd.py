@@ -12,9 +12,7 @@ from crdcheck import apply_defaults, crd_violations, load_crd, load_example, ver
 from kvdrive.operator.spec import SpecError, parse_cr
 
 # Spec fields that deliberately have no default (absence means something).
-NO_DEFAULT = {"model.source", "model.name", "replicas", "tuning.bounds.gpu.min", "tuning.bounds.gpu.max",
-              "tuning.bounds.dram.min", "tuning.bounds.dram.max", "tuning.bounds.ssd.min", "tuning.bounds.ssd.max",
-              "autoscaling.targets.tokensPerSecond"}
+NO_DEFAULT = {"model.source", "model.name", "replicas", "autoscaling.targets.tokensPerSecond"}
 NO_DEFAULT_PARENTS = {"model"}  # required objects
 
 
@@ -99,7 +97,12 @@ DELETE = object()
 # (base example, field, value): accepted by the CRD and by the pydantic model.
 GOOD_VARIANTS = [
     ("minimal.yaml", "spec.tiers.dram.size", 0),
-    ("minimal.yaml", "spec.tuning", {"intervalSeconds": 1, "minStep": "1Mi", "stabilizationIntervals": 1}),
+    ("minimal.yaml", "spec.tuning", {"intervalSeconds": 1, "stabilizationIntervals": 1,
+                                     "concurrency": {"min": 16, "max": 16, "minStep": 4}}),
+    ("minimal.yaml", "spec", {"model": {"source": "demo"}, "concurrency": {"maxRunning": 1024},
+                              "tuning": {"enabled": False}}),  # with tuning off no tuner bound applies
+    ("full.yaml", "spec.concurrency.maxRunning", 64),  # at the tuner's ceiling
+    ("full.yaml", "spec.concurrency.maxRunning", 4),  # at its floor
     ("full.yaml", "spec.autoscaling.targets.tokensPerSecond", 250.5),
     ("minimal.yaml", "spec.tiers.dram.size", "0"),
     ("minimal.yaml", "spec.resources.cpu", "500m"),
@@ -129,7 +132,11 @@ BAD_VARIANTS = [
     ("minimal.yaml", "spec.tuning.intervalSeconds", 0, "spec.tuning.intervalSeconds", "schema"),
     ("minimal.yaml", "spec.tuning.scrapeTimeoutSeconds", 0, "spec.tuning.scrapeTimeoutSeconds", "schema"),
     ("minimal.yaml", "spec.tuning.stabilizationIntervals", 0, "spec.tuning.stabilizationIntervals", "schema"),
-    ("minimal.yaml", "spec.tuning.minStep", "lots", "spec.tuning.minStep", "schema"),
+    ("minimal.yaml", "spec.tuning.minStep", "64Mi", "spec.tuning", "schema"),  # removed fields are unknown
+    ("minimal.yaml", "spec.tuning.bounds", {"gpu": {"max": "16Gi"}}, "spec.tuning", "schema"),
+    ("minimal.yaml", "spec.concurrency.maxRunning", 0, "spec.concurrency.maxRunning", "schema"),
+    ("minimal.yaml", "spec.tuning.concurrency.max", 1025, "spec.tuning.concurrency.max", "schema"),
+    ("minimal.yaml", "spec.tuning.concurrency.minStep", 0, "spec.tuning.concurrency.minStep", "schema"),
     ("minimal.yaml", "spec.autoscaling.maxStep", 0, "spec.autoscaling.maxStep", "schema"),
     ("minimal.yaml", "spec.autoscaling.targets.tokensPerSecond", 0, "spec.autoscaling.targets.tokensPerSecond",
      "schema"),
@@ -148,8 +155,12 @@ BAD_VARIANTS = [
     ("minimal.yaml", "spec.tiers.ssd.size", 0, "spec.tiers.ssd.size", "cel"),
     ("minimal.yaml", "spec.attention", {"tokenBudget": 100, "pageSize": 16}, "spec.attention.tokenBudget", "cel"),
     ("full.yaml", "spec.autoscaling.minReplicas", 9, "spec.autoscaling.minReplicas", "cel"),
-    ("full.yaml", "spec.tuning.bounds.gpu.min", "50Gi", "spec.tuning.bounds.gpu.min", "cel"),
-    ("minimal.yaml", "spec.tuning.minStep", "500m", "spec.tuning.minStep", "cel"),
+    # tuning off: only the bounds' own order is checked
+    ("minimal.yaml", "spec.tuning", {"enabled": False, "concurrency": {"min": 9, "max": 8}},
+     "spec.tuning.concurrency.min", "cel"),
+    ("full.yaml", "spec.concurrency.maxRunning", 65, "spec.concurrency.maxRunning", "cel"),
+    ("full.yaml", "spec.concurrency.maxRunning", 3, "spec.concurrency.maxRunning", "cel"),
+    ("minimal.yaml", "spec.tuning.concurrency", {"max": 8}, "spec.concurrency.maxRunning", "cel"),  # default 16
     ("minimal.yaml", "metadata.name", "a" * 53, "metadata.name", "cel"),
 ]
 
@@ -193,3 +204,5 @@ def test_defaults_fill_a_minimal_cr() -> None:
     spec = defaulted["spec"]
     assert spec["tiers"]["dram"] == {"size": "8Gi", "hugePageSize": "2Mi"}
     assert spec["autoscaling"]["mode"] == "none" and "replicas" not in spec
+    assert spec["concurrency"] == {"maxRunning": 16}
+    assert spec["tuning"]["concurrency"] == {"min": 1, "max": 32, "minStep": 1}

@@ -1,11 +1,12 @@
 """End to end: the real operator tunes and scales two real `kvdrive serve` processes.
 
-Two demo-model servers on loopback ports (CPU, small tiers) play the pods `chat-0` and `chat-1`;
-Pod objects on a real API server carry their addresses. The test drives a workload at `chat-0` (long
-prompts over a few shared prefixes, more concurrent requests than it runs), and checks that the
-operator, from the servers' own /metrics: changes `chat-0`'s budgets through PUT /admin/tiers (the
-server's GET /admin/tiers and /metrics show the new budgets, status.pods[] and an Event say why),
-and scales the StatefulSet up from the queue.
+Two demo-model servers on loopback ports (CPU, small DRAM and SSD tiers, a device envelope that holds
+the workload's pages) play the pods `chat-0` and `chat-1`; Pod objects on a real API server carry
+their addresses. The test drives a workload at `chat-0` (prompts over a few shared prefixes, more
+concurrent requests than it runs), and checks that the operator, from the servers' own /metrics:
+scales the StatefulSet up from the queue, and raises `chat-0`'s max_running through PUT /admin/tiers
+(requests queue while decode barely waits for lower tiers), the envelope staying the same size (the
+server's GET /admin/tiers and /metrics show the new split, status.pods[] and an Event say why).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from liveservers import Server, complete, prompt, start, wait_ready
 from kvdrive.operator.handlers import CHILDREN, CR, STATEFULSETS
 
 TOKEN = "e2e-admin-token"
-SERVER_FLAGS = ("--max-running", "2", "--max-waiting", "64", "--step-tokens", "64")
+# an envelope big enough that the hot tier serves decode (the tuner's signal for more concurrency), and
+# rows reserved for 8 running sequences of which 2 may run to start with
+SERVER_FLAGS = ("--gpu-budget", "64MiB", "--max-running", "2", "--max-sequences", "8", "--max-waiting", "64",
+                "--step-tokens", "64")
 MiB = 1 << 20
 
 pytestmark = pytest.mark.timeout(600)
@@ -59,8 +63,8 @@ async def workload(server: Server, stop: asyncio.Event, concurrency: int = 5) ->
 async def test_the_operator_tunes_and_scales_real_servers_from_their_metrics(
         operator: Cluster, servers: list[Server]) -> None:
     hot, idle = servers
-    start_budgets = await hot.tiers()
-    assert start_budgets == {"gpu": 8 * MiB, "dram": 16 * MiB, "ssd": 256 * MiB}
+    start = await hot.split()
+    assert (start["envelope_bytes"], start["max_running"], start["max_sequences"]) == (64 * MiB, 2, 8)
     await operator.storage_class()
     # the admin Secret exists before the CR: the operator adopts it and keeps its token (the servers' token)
     await operator.create(CHILDREN["Secret"], {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "chat-admin"},
@@ -68,7 +72,7 @@ async def test_the_operator_tunes_and_scales_real_servers_from_their_metrics(
     cr = live_cr(autoscaling={"mode": "operator", "minReplicas": 1, "maxReplicas": 4, "maxStep": 1,
                               "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 600,
                               "targets": {"queueDepth": 1}})
-    cr["spec"]["tuning"]["bounds"]["ssd"] = {"min": "128Mi"}
+    cr["spec"]["concurrency"] = {"maxRunning": 2}
     await operator.create(CR, cr)
     await eventually(lambda: operator.get(STATEFULSETS, "chat"), what="the StatefulSet")
     await scaled_earlier(operator, 2)  # the two pods below
@@ -84,35 +88,37 @@ async def test_the_operator_tunes_and_scales_real_servers_from_their_metrics(
         # (the first round may still see the StatefulSet at 1 before the test set it to 2: either way up by 1)
         assert any(re.match(r"replicas (\d) -> (\d): \d+ waiting on 2 pods \(target 1/pod\) -> \d", m) for m in ups), ups
 
-        # 2. the workload makes chat-0 read pages from below a full tier: the operator grows that tier
-        async def grown() -> dict[str, int] | None:
-            now = await hot.tiers()
-            return now if any(now[t] > start_budgets[t] for t in now) else None
+        # 2. requests queue on chat-0 while its hot tier serves decode: the operator raises its max_running
+        async def raised() -> dict[str, int] | None:
+            split = await hot.split()
+            return split if split["max_running"] > 2 else None
 
-        await eventually(grown, timeout=240, what="a budget of chat-0 grown through PUT /admin/tiers")
+        await eventually(raised, timeout=240, what="max_running of chat-0 raised through PUT /admin/tiers")
     finally:
         stop.set()
         load.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await load
-    assert await hot.metric_budgets() == await hot.tiers()  # /metrics agrees with the admin API
-    changes = await eventually(lambda: _changes_of(operator, "chat-0"), what="a TierBudgetsChanged Event for chat-0")
-    grew = [m for m in changes if "(+" in m]
-    assert grew and "reads" in grew[0] and "full" in grew[0], changes
+    split = await hot.split()
+    assert await hot.metric("kvdrive_max_running") == split["max_running"]  # /metrics agrees with the admin API
+    # the envelope is fixed: the running sequences' reserve grew out of the hot tier
+    assert split["hot_bytes"] + split["reserve_bytes"] == split["envelope_bytes"] == 64 * MiB
+    assert split["reserve_bytes"] > start["reserve_bytes"] and split["hot_bytes"] < start["hot_bytes"]
+    changes = await eventually(lambda: _changes_of(operator, "chat-0"), what="a ConcurrencyChanged Event for chat-0")
+    assert re.match(r"pod chat-0: max_running 2 -> \d+: requests queued", changes[0]), changes
 
     async def reported() -> dict | None:
         entry = pod_status(await status(operator), "chat-0")
-        now = await hot.tiers()
-        shown = entry and {"gpu": entry.get("gpuBytes"), "dram": entry.get("dramBytes"), "ssd": entry.get("ssdBytes")}
-        return entry if shown == now and entry.get("lastChange") else None
+        now = await hot.split()
+        return entry if entry and entry.get("maxRunning") == now["max_running"] and entry.get("lastChange") else None
 
-    entry = await eventually(reported, what="status.pods[] of chat-0 showing the server's budgets")
+    entry = await eventually(reported, what="status.pods[] of chat-0 showing the server's split")
     assert entry["metrics"] == "ok" and entry["lastChangeTime"]
-    # the idle server was read too, and whatever happened to it stayed within the spec's bounds
-    idle_now = await idle.tiers()
-    assert idle_now["gpu"] >= 4 * MiB and idle_now["dram"] >= 8 * MiB and idle_now["ssd"] >= 128 * MiB
+    assert entry["hotBytes"] + entry["reserveBytes"] == 64 * MiB
+    # the idle server was read too, and whatever happened to it stayed within tuning.concurrency
+    assert 1 <= (await idle.split())["max_running"] <= 8
     st = await status(operator)
-    assert st["autoscaling"]["desiredReplicas"] >= 3 and st["budgets"]["gpu"]
+    assert st["autoscaling"]["desiredReplicas"] >= 3 and st["budgets"]["gpu"] and st["maxRunning"]
 
 
 async def _replicas_at_least(cluster: Cluster, n: int) -> bool:
@@ -121,4 +127,4 @@ async def _replicas_at_least(cluster: Cluster, n: int) -> bool:
 
 
 async def _changes_of(cluster: Cluster, pod: str) -> list[str]:
-    return [e["message"] for e in await events(cluster, "TierBudgetsChanged") if e["message"].startswith(f"pod {pod}:")]
+    return [e["message"] for e in await events(cluster, "ConcurrencyChanged") if e["message"].startswith(f"pod {pod}:")]

@@ -1,7 +1,8 @@
 """The live loop of the real operator (Kopf on a real API server) against pods whose metrics the test scripts.
 
-Edge cases that real servers cannot be made to show on demand: a pod that does not answer, a pod
-that refuses a budget, a queue of a given depth, external autoscaling.
+Edge cases that real servers cannot be made to show on demand: a queue while the hot tier serves the
+steps, fetch waits with idle slots, a pod that does not answer, a pod that refuses a concurrency change,
+an idle tier, a queue of a given depth, external autoscaling.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from livekit import admin_token, create_pod, events, live_cr, pod_status, scaled
 from scriptedpod import MiB, ScriptedPod
 
 from kvdrive.operator.handlers import CR, STATEFULSETS
+from kvdrive.operator.spec import parse_cr
+from kvdrive.operator.tuning import tier_sizes
 
 
 @pytest.fixture()
@@ -42,43 +45,52 @@ async def set_replicas(cluster: Cluster, n: int) -> None:
     await eventually(lambda: _replicas_at_least(cluster, n), timeout=5, what=f"replicas {n}")
 
 
-async def test_a_pod_under_ssd_pressure_gets_more_dram_and_the_status_and_events_say_why(
+async def test_a_queue_while_the_hot_tier_serves_the_steps_raises_max_running_and_status_and_events_say_why(
         operator: Cluster, pods: list[ScriptedPod]) -> None:
-    hot, quiet = pods
-    hot.fill = {"gpu": 0.7, "dram": 0.97, "ssd": 0.7}
-    hot.read_rates = {"gpu": 20.0, "ssd": 60.0}  # pages per scrape (1 s): SSD reads dominate
-    quiet.fill = {"gpu": 0.7, "dram": 0.7, "ssd": 0.2}  # in the dead band: nothing to do
+    hot, old = pods
+    hot.running, hot.waiting = 4, 6  # all 4 slots busy, 6 requests queued for one
+    hot.read_rates = {"gpu": 50.0, "dram": 2.0}  # decode finds its pages in the hot tier ...
+    hot.wait_per_scrape = 0.0  # ... and never waits for lower tiers
+    old.max_running = None  # a runtime that does not report its split: left alone
+    old.running, old.waiting = 4, 6
     await deploy(operator, pods)
     await eventually(lambda: _true(hot.puts), timeout=15, what="a PUT /admin/tiers on the hot pod")
-    assert hot.puts[0] == {"gpu_bytes": 8 * MiB, "dram_bytes": 20 * MiB, "ssd_bytes": 256 * MiB}
-    assert quiet.puts == []
+    # the limit rises to what runs plus what waits, within tuning.concurrency.max (8)
+    assert hot.puts[0] == {"max_running": 8}
+    assert old.puts == []
 
     async def reported() -> dict | None:
         st = await status(operator)
         entry = pod_status(st, "chat-0")
-        return st if entry and entry.get("dramBytes") == 20 * MiB else None
+        return st if entry and entry.get("maxRunning") == 8 else None
 
-    st = await eventually(reported, timeout=10, what="status.pods[] with the new budget")
+    st = await eventually(reported, timeout=10, what="status.pods[] with the new limit")
     entry = pod_status(st, "chat-0")
+    # the envelope is fixed: 4 more running sequences took 4 x 256Ki from the hot tier
     assert entry["metrics"] == "ok" and entry["gpuBytes"] == 8 * MiB and entry["lastChangeTime"]
-    # the rate is per second of the operator's clock (rounds are about 1 s apart); the share is exact
-    assert re.match(r"dram 16Mi -> 20Mi \(\+4Mi\): ssd reads [0-9.]+/s = 75% of needed pages while dram was 97%\+ "
-                    r"full, decode waited [0-9]+% of the time, over 2 intervals$", entry["lastChange"])
-    assert "lastChange" not in pod_status(st, "chat-1")
-    assert st["budgets"]["dram"] == "16Mi-20Mi" and st["budgets"]["gpu"] == "8Mi"
-    changed = await eventually(lambda: events(operator, "TierBudgetsChanged"), what="an Event")
-    assert changed[0]["type"] == "Normal" and changed[0]["message"].startswith("pod chat-0: dram 16Mi -> 20Mi")
+    assert (entry["hotBytes"], entry["reserveBytes"]) == (5 * MiB, 3 * MiB)
+    # the queue is per second of the operator's clock (rounds are about 1 s apart); the share is exact
+    assert re.match(r"max_running 4 -> 8: requests queued \([0-9.]+ on average at least\) while decode waited at "
+                    r"most 0% of the time for lower tiers \(hot tier served 96% of needed pages\), over 2 "
+                    r"intervals$", entry["lastChange"])
+    assert set(pod_status(st, "chat-1")) == {"name", "metrics", "lastScrapeTime", "gpuBytes", "dramBytes", "ssdBytes"}
+    assert st["maxRunning"] == "8" and st["budgets"]["gpu"] == "8Mi"
+    changed = await eventually(lambda: events(operator, "ConcurrencyChanged"), what="an Event")
+    assert changed[0]["type"] == "Normal" and changed[0]["message"].startswith("pod chat-0: max_running 4 -> 8: ")
+    # at the ceiling (tuning.concurrency.max and the pod's --max-sequences): the queue asks for nothing more
+    await never(lambda: _true(len(hot.puts) > 1), 3.0, "a second change at the ceiling")
 
 
 async def _true(value: object) -> object:
     return value
 
 
-async def test_a_pod_that_cannot_be_read_keeps_its_budgets_and_blocks_scaling_down(
+async def test_a_pod_that_cannot_be_read_keeps_its_limit_and_blocks_scaling_down(
         operator: Cluster, pods: list[ScriptedPod]) -> None:
     busy, silent = pods
-    busy.fill = {"gpu": 0.7, "dram": 0.97, "ssd": 0.7}
-    busy.read_rates = {"gpu": 20.0, "ssd": 60.0}
+    busy.running = 1  # 1 of its 4 slots used, no queue ...
+    busy.read_rates = {"gpu": 10.0, "dram": 30.0}
+    busy.wait_per_scrape = 0.6  # ... while decode waits for lower-tier reads: the hot tier is too small
     silent.hang = True
     await deploy(operator, pods)
     await set_replicas(operator, 2)
@@ -90,6 +102,11 @@ async def test_a_pod_that_cannot_be_read_keeps_its_budgets_and_blocks_scaling_do
     entry = await eventually(missing, timeout=15, what="chat-1 reported missing")
     assert "no answer within 1s" in entry["scrapeError"]
     await eventually(lambda: _true(busy.puts), timeout=15, what="the readable pod tuned")
+    assert busy.puts[0] == {"max_running": 1}  # the unused slots go back to the hot tier
+    shrunk = await eventually(lambda: events(operator, "ConcurrencyChanged"), what="an Event")
+    assert re.match(r"pod chat-0: max_running 4 -> 1: decode waited at least [0-9]+% of the time for lower-tier reads "
+                    r"\(hot tier served 25% of needed pages\) with no queue and at most 1 of 4 sequences running, "
+                    r"over 2 intervals: the unused slots go to the hot tier$", shrunk[0]["message"])
     # an empty queue on chat-0 alone would call for 1 replica, but chat-1's load is unknown
     await never(lambda: _replicas_below(operator, 2), 3.0, "a scale-down on missing data")
     assert silent.puts == []
@@ -122,19 +139,61 @@ async def _replicas_below(cluster: Cluster, n: int) -> bool:
     return bool(sts) and sts["spec"]["replicas"] < n
 
 
-async def test_a_refused_budget_is_a_warning_and_is_not_retried(operator: Cluster, pods: list[ScriptedPod]) -> None:
+async def test_a_refused_change_is_a_warning_and_is_not_retried(operator: Cluster, pods: list[ScriptedPod]) -> None:
     pod, _ = pods
-    pod.fill = {"gpu": 0.99, "dram": 0.6, "ssd": 0.6}
-    pod.read_rates = {"gpu": 20.0, "dram": 40.0}  # DRAM reads dominate: the GPU tier should grow
-    pod.refuse = "gpu tier: 12582912 bytes exceed the device memory left after the model"
+    pod.running, pod.waiting = 4, 6
+    pod.read_rates = {"gpu": 50.0}
+    pod.refuse = "max_running 8: the hot tier would keep 1 page, running sequences need 12"
     await deploy(operator, pods)
-    warned = await eventually(lambda: events(operator, "TierBudgetsRefused"), timeout=15, what="a Warning Event")
+    warned = await eventually(lambda: events(operator, "ConcurrencyRefused"), timeout=15, what="a Warning Event")
     assert warned[0]["type"] == "Warning"
-    assert "gpu 8Mi -> 10Mi (+2Mi)" in warned[0]["message"] and "exceed the device memory" in warned[0]["message"]
-    tries = len(pod.puts)
-    await never(lambda: _true(len(pod.puts) > tries), 4.0, "a retry of a refused growth")
+    assert warned[0]["message"].startswith("pod chat-0: max_running 4 -> 8: requests queued")
+    assert "-- refused (422): max_running 8: the hot tier would keep 1 page" in warned[0]["message"]
+    assert pod.puts == [{"max_running": 8}]
+    # the limit is capped where it stood: a window later the queue still asks for more, and nothing is tried
+    await never(lambda: _true(len(pod.puts) > 1), 4.0, "a retry of a refused growth")
+    assert await events(operator, "ConcurrencyChanged") == []
     entry = pod_status(await status(operator), "chat-0")
-    assert entry["gpuBytes"] == 8 * MiB and "refused (422)" in entry["lastChange"]
+    assert entry["maxRunning"] == 4 and "refused (422)" in entry["lastChange"]
+
+
+async def test_an_idle_tier_is_recommended_smaller_once_in_status_and_one_event(
+        operator: Cluster, pods: list[ScriptedPod]) -> None:
+    pod, _ = pods
+    pod.fill = {"gpu": 0.7, "dram": 0.2, "ssd": 0.1}  # DRAM and SSD mostly empty, round after round
+    pod.running = 1
+    cr = live_cr()
+    await deploy(operator, pods[:1], cr)
+    found = await eventually(lambda: _at_least(operator, "TierRightSizing", 2), timeout=20, what="two Events")
+    messages = sorted(e["message"] for e in found)
+    sizes = tier_sizes(parse_cr(cr).spec)
+    assert sizes == {"dram": 64 * MiB, "ssd": 300 * MiB}  # the CR's sizes: what is recommended against
+    # peak use x 1.25, whole hugepages (2Mi) for DRAM; for SSD the runtime's 90% share of the claim, whole MiB
+    assert messages == [
+        "pod chat-0: tiers.dram.size: 64Mi -> recommend 4Mi (at most 20% full (peak 3.2Mi) for 4 intervals; "
+        "nothing changed on the pod)",
+        "pod chat-0: tiers.ssd.size: 300Mi -> recommend 36Mi (at most 10% full (peak 25.6Mi) for 4 intervals; "
+        "nothing changed on the pod)"]
+    assert all(e["type"] == "Normal" for e in found)
+
+    async def recommended() -> dict | None:
+        st = await status(operator)
+        return st if st.get("recommendations") else None
+
+    st = await eventually(recommended, what="status.recommendations")
+    shown = [(r["tier"], r["field"], r["current"], r["recommended"]) for r in pod_status(st, "chat-0")["recommendations"]]
+    assert shown == [("dram", "tiers.dram.size", "64Mi", "4Mi"), ("ssd", "tiers.ssd.size", "300Mi", "36Mi")]
+    # the only pod agrees with itself: the CR-level summary says the same
+    assert [(r["tier"], r["recommended"]) for r in st["recommendations"]] == [("dram", "4Mi"), ("ssd", "36Mi")]
+    assert st["recommendations"][0]["reason"].startswith("every pod (1) recommends it; the largest need, chat-0's: ")
+    # the same recommendation next round is not news: no second Event, and the pod was never told anything
+    await never(lambda: _at_least(operator, "TierRightSizing", 3), 3.0, "a re-posted recommendation")
+    assert pod.puts == []
+
+
+async def _at_least(cluster: Cluster, reason: str, count: int) -> list[dict] | None:
+    found = await events(cluster, reason)
+    return found if len(found) >= count else None
 
 
 async def test_a_queue_scales_the_statefulset_up_with_an_event(operator: Cluster, pods: list[ScriptedPod]) -> None:

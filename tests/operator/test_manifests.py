@@ -68,6 +68,8 @@ def test_statefulset_runs_kvdrive_serve_with_the_tiers_of_the_spec() -> None:
     assert flags["--dram-budget"] == str(64 << 30)
     assert int(flags["--ssd-budget"]) <= (1 << 40) * 9 // 10
     assert flags["--token-budget"] == "2048" and flags["--page-size"] == "16"
+    # the split of the envelope starts at concurrency.maxRunning; rows are reserved for the tuner's ceiling
+    assert flags["--max-running"] == "16" and flags["--max-sequences"] == "64"
     assert flags["--placement"] == "kvdrive"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert flags["--ssd-dir"] == mounts["kv-ssd"]
@@ -114,6 +116,30 @@ def test_no_dram_tier_and_no_gpu() -> None:
     assert "nvidia.com/gpu" not in container["resources"]["limits"]
     assert "--dram-hugepage-dir" not in container["args"]
     assert container["args"][container["args"].index("--model") + 1] == "demo"
+
+
+def test_concurrency_flags_follow_tuning_and_agree_with_the_configmap() -> None:
+    minimal = load_example("minimal.yaml")
+    cases = [
+        ({}, ("16", "32")),  # defaults: start at 16, the tuner may go up to 32
+        ({"concurrency": {"maxRunning": 4}, "tuning": {"concurrency": {"min": 2, "max": 12}}}, ("4", "12")),
+        # no tuning: nothing moves the limit, so no rows beyond it are reserved
+        ({"concurrency": {"maxRunning": 48}, "tuning": {"enabled": False}}, ("48", "48")),
+    ]
+    for spec, (running, sequences) in cases:
+        kinds = _by_kind(render(_cr(minimal, **spec), "t"))
+        args = kinds["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+        flags = dict(zip(args[1::2], args[2::2], strict=False))
+        assert (flags["--max-running"], flags["--max-sequences"]) == (running, sequences), spec
+        config = yaml.safe_load(kinds["ConfigMap"][0]["data"]["config.yaml"])
+        assert (config["max_running"], config["max_sequences"]) == (int(running), int(sequences)), spec
+
+
+def test_a_concurrency_change_rolls_the_pods() -> None:
+    base = load_example("minimal.yaml")
+    before = _sts(_cr(base))["spec"]["template"]
+    after = _sts(_cr(base, concurrency={"maxRunning": 8}))["spec"]["template"]
+    assert before["metadata"]["annotations"] != after["metadata"]["annotations"]
 
 
 def test_replicas_follow_the_autoscaling_mode() -> None:

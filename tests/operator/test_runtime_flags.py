@@ -23,3 +23,6 @@ def test_pod_command_line_is_accepted_by_kvdrive_serve(example: str) -> None:
     assert args.page_size == cr.spec.attention.page_size and args.token_budget == cr.spec.attention.token_budget
     assert args.served_model_name == cr.spec.model.name
     assert args.admin_token_file and args.ssd_dir
+    # the envelope's split: the starting limit and the rows reserved for the tuner's ceiling
+    assert args.max_running == cr.spec.concurrency.max_running
+    assert args.max_sequences == cr.spec.max_sequences() >= args.max_running

@@ -65,6 +65,8 @@ def test_status_fields_are_the_same() -> None:
     model = set(_model_fields(KVDriveStatus))
     assert crd == model
     assert {"pods[].gpuBytes", "pods[].lastChange", "budgets.dram", "autoscaling.desiredReplicas"} <= model
+    assert {"pods[].maxRunning", "pods[].hotBytes", "pods[].reserveBytes", "pods[].recommendations[].recommended",
+            "maxRunning", "recommendations[].field"} <= model
 
 
 def test_status_enums_are_the_same() -> None:
@@ -76,6 +78,7 @@ def test_status_enums_are_the_same() -> None:
     literals.pop("conditions[].type")
     assert enums == literals
     assert enums["pods[].metrics"] == ["ok", "missing"]
+    assert enums["pods[].recommendations[].tier"] == enums["recommendations[].tier"] == ["dram", "ssd"]
 
 
 def test_enums_are_the_same() -> None:
