@@ -114,18 +114,18 @@ class _LiveCollector(Collector):
 
 def _split_metrics(split: EnvelopeSplit) -> Iterator[GaugeMetricFamily]:
     """The device envelope's split: the hot tier and what running sequences reserve."""
-    for name, text, value in (
-        ("kvdrive_max_running", "sequences the engine may run at once now (PUT /admin/tiers max_running)",
-         split.max_running),
-        ("kvdrive_max_sequences", "the most max_running may be set to (--max-sequences)", split.max_sequences),
-        ("kvdrive_gpu_hot_bytes", "the device envelope's share for the hot KV tier (fetch waits are what it "
-         "explains)", split.hot_bytes),
-        ("kvdrive_sequence_reserve_bytes", "the device envelope's share kept for running sequences (open pages, "
-         "decode step buffers)", split.reserve_bytes),
-        ("kvdrive_sequence_reserve_per_sequence_bytes", "what one more running sequence takes from the hot tier",
-         split.per_sequence_bytes),
+    for family, value in (
+        (GaugeMetricFamily("kvdrive_max_running", "sequences the engine may run at once now (PUT /admin/tiers "
+                           "max_running)"), split.max_running),
+        (GaugeMetricFamily("kvdrive_max_sequences", "the most max_running may be set to (--max-sequences)"),
+         split.max_sequences),
+        (GaugeMetricFamily("kvdrive_gpu_hot_bytes", "the device envelope's share for the hot KV tier (fetch waits "
+                           "are what it explains)"), split.hot_bytes),
+        (GaugeMetricFamily("kvdrive_sequence_reserve_bytes", "the device envelope's share kept for running "
+                           "sequences (open pages, decode step buffers)"), split.reserve_bytes),
+        (GaugeMetricFamily("kvdrive_sequence_reserve_per_sequence_bytes", "what one more running sequence takes "
+                           "from the hot tier"), split.per_sequence_bytes),
     ):
-        family = GaugeMetricFamily(name, text)
         family.add_metric([], value)
         yield family
 
