@@ -7,8 +7,10 @@ tier. The tuner moves that split, and only that:
 
 - **more concurrency** when requests queue in every interval of a window while the running batch is
   at the limit (not held back by memory: a prompt that would not fit waits whatever the limit) and
-  decode steps barely waited for lower-tier reads (the hot tier serves them): the limit rises to what
-  runs plus what waits, so the queue can drain in one move;
+  either decode steps barely waited for lower-tier reads (the hot tier serves them) or the queue alone
+  would at least double the batch (a step's work grows with the batch far slower than its size, and
+  fetch waits are a share of the step): the limit rises to what runs plus what waits, so the queue can
+  drain in one move;
 - **a bigger hot tier** when decode steps waited for lower-tier reads in every interval of a window,
   nothing queued, and fewer sequences ran than the limit allows: the limit falls to the most that ran,
   and the slots nobody used go back to the hot tier;
@@ -185,11 +187,15 @@ def _concurrency(history: PodHistory, limits: RunningLimits, policy: TuningPolic
     hot = _hot_share(latest.page_reads, scrapes[0].metrics.page_reads)  # type: ignore[union-attr]
     queued, waited = min(queues), [float(w) for w in waits]  # type: ignore[arg-type]
     span = f"over {len(window)} intervals"
-    if queued >= policy.queue_min and full and max(waited) <= policy.wait_low:
+    served = max(waited) <= policy.wait_low  # the hot tier serves the steps: it can spare bytes
+    doubling = queued >= max(1.0, min(running))  # the queue alone would (at least) double the batch
+    if queued >= policy.queue_min and full and (served or doubling):
         new = min(ceiling, max(current + limits.min_step, math.ceil(ran + queued)))
         if new > current:
-            return Decision(current, new, f"requests queued ({queued:.1f} on average at least) while decode waited "
-                                          f"at most {max(waited):.0%} of the time for lower tiers{hot}, {span}")
+            why = (f"decode waited at most {max(waited):.0%} of the time for lower tiers{hot}" if served else
+                   f"the queue would at least double the batch of {min(running):.0f} although decode waited up to "
+                   f"{max(waited):.0%} of the time for lower tiers{hot}")
+            return Decision(current, new, f"requests queued ({queued:.1f} on average at least) while {why}, {span}")
         return Decision(current, reason=f"requests queue but the limit is at its ceiling {ceiling}")
     if queued < policy.queue_min and min(waited) >= policy.wait_high and ran < current:
         new = max(limits.floor, math.ceil(ran))

@@ -69,6 +69,17 @@ def test_when_the_queue_and_the_reads_both_argue_the_split_stays() -> None:
     assert "cannot serve both" in p.decide(LIMITS, POLICY).reason
 
 
+def test_a_queue_that_would_double_the_batch_wins_over_fetch_waits() -> None:
+    """Two long streams still decode (waiting on reads 30% of the time) when fourteen short requests
+    arrive under a limit of two: the queue is seven times the batch, so slots win."""
+    p = PodTape(max_running=2)
+    for _ in range(4):
+        p.step(wait=0.3, queue=14.0)
+        p.tune(LIMITS, POLICY)
+    assert p.max_running == 16
+    assert "the queue would at least double the batch of 2 although decode waited up to 30%" in p.applied[0]
+
+
 def test_the_dead_band_between_low_and_high_waits_moves_nothing() -> None:
     p = PodTape(max_running=8)
     for _ in range(6):
