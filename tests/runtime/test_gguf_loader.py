@@ -19,7 +19,7 @@ KVDRIVE = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvdrive")
 
 def _logits(path: Path, ids: list[int]) -> torch.Tensor:
     loaded = load_model(str(path), progress=False)
-    gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig(gpu_bytes=1 << 22)))
+    gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
     return gen.prefill(gen.new_sequence(), ids, all_logits=True)
 
 

@@ -72,7 +72,7 @@ def test_sliding_layers_match_attention_over_the_whole_kv_with_the_window_mask(h
     loaded = _hybrid(load_model(str(path), progress=False))
     prompts = [list(range(5, 45)), list(range(60, 83))]  # 40 and 23 tokens: several windows each
     gen = Generator(loaded, EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2,
-                                         tiers=TierConfig(gpu_bytes=1 << 22)))
+                                         tiers=TierConfig()))
     assert gen.cache.layout.num_layers == 1  # the tiers hold the one global layer
     assert gen.cache.windows is not None and gen.cache.windows.ring.shape[2] == WINDOW + 4  # the window and a page
     expected = [_reference_greedy(loaded, p, 12) for p in prompts]
@@ -113,7 +113,7 @@ def test_a_reused_prefix_restores_the_window_its_prompt_left(hf_model_factory, t
     loaded = _hybrid(load_model(str(path), progress=False))
     ssd = tmp_path / "ssd"
     config = EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2, tiers=TierConfig(
-        gpu_bytes=1 << 22, ssd_dir=str(ssd), ssd_bytes=16 << 20))
+        ssd_dir=str(ssd), ssd_bytes=16 << 20))
     gen = Generator(loaded, config)
     doc = list(range(5, 45))  # 40 tokens: 10 pages
     first, reused = gen.open_sequence(doc)
@@ -149,7 +149,7 @@ def test_without_write_through_the_disk_snapshots_are_read_and_none_added(
     left on disk, and adds nothing (new snapshots would only displace the ones it reads)."""
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
     loaded = _hybrid(load_model(str(path), progress=False))
-    tiers = TierConfig(gpu_bytes=1 << 22, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20)
+    tiers = TierConfig(ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20)
     doc = list(range(5, 45))
     gen = Generator(loaded, EngineConfig(page_size=4, max_sequences=2, tiers=tiers))
     seq, _ = gen.open_sequence(doc)
@@ -181,7 +181,7 @@ def test_a_ring_restored_at_one_boundary_is_never_kept_for_an_earlier_one(hf_mod
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
     loaded = _hybrid(load_model(str(path), progress=False))
     config = EngineConfig(page_size=4, max_sequences=2, tiers=TierConfig(
-        gpu_bytes=1 << 22, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20))
+        ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20))
     doc = list(range(5, 45))
     gen = Generator(loaded, config)
     seq, _ = gen.open_sequence(doc)
@@ -209,7 +209,7 @@ def test_a_long_prompt_leaves_checkpoints_that_a_prompt_sharing_its_beginning_re
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
     loaded = _hybrid(load_model(str(path), progress=False))
     config = EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2, window_checkpoint=12, tiers=TierConfig(
-        gpu_bytes=1 << 22, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20))
+        ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20))
     doc = list(range(5, 35))  # 30 tokens of document
     gen = Generator(loaded, config)
     seq, _ = gen.open_sequence(doc + [200, 201, 202, 203, 204, 205, 206, 207, 208, 209])
