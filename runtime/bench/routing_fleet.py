@@ -126,7 +126,7 @@ class Fleet:
             d = root / f"replica{i}"
             d.mkdir(exist_ok=True)
             port = _port()
-            self.replicas.append(Proc(["serve", "--model", "demo", "--port", str(port), "--gpu-budget", "32MiB",
+            self.replicas.append(Proc(["serve", "--model", "demo", "--port", str(port), "--gpu-budget", "56MiB",
                                        "--dram-budget", "64MiB", "--ssd-dir", str(d / "ssd"), "--ssd-budget",
                                        "512MiB", "--threads", str(threads)], port, d / "serve.log"))
         rport = _port()

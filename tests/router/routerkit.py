@@ -65,7 +65,7 @@ def start_replica(tmp: Path, name: str, port: int | None = None, wait_s: float =
     d.mkdir(exist_ok=True)
     port = port or free_port()
     return _start(["serve", "--model", "demo", "--port", str(port), "--api-key-file", str(key_file(tmp)),
-                   "--gpu-budget", "32MiB", "--dram-budget", "64MiB", "--ssd-dir", str(d / "ssd"),
+                   "--gpu-budget", "56MiB", "--dram-budget", "64MiB", "--ssd-dir", str(d / "ssd"),
                    "--ssd-budget", "512MiB", "--threads", "1"], port, d / "serve.log", wait_s)
 
 
