@@ -35,7 +35,7 @@ from kvdrive.runtime.bench import llama_cpp
 from kvdrive.runtime.bench.floor import floor_step_times
 from kvdrive.runtime.bench.texts import filler_tokens
 from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
-from kvdrive.runtime.engine.envelope import step_columns
+from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.model import LoadedModel, load_model
 
@@ -80,11 +80,11 @@ def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: in
             token_budget: int) -> EngineConfig:
     page_bytes = layout.page_bytes
     placement = "fullfetch" if mode == "full-gpu" else "kvdrive" if mode == "sparse-gpu" else mode
-    # what the envelope reserves per running sequence beside the hot tier: its open page (and a hybrid model's
-    # sliding window) and, under sparse attention, its decode step buffer (token_budget / page_size + 1 page
-    # columns of one layer)
-    probe = EngineConfig(placement=placement, token_budget=token_budget, page_size=layout.page_size)
-    tails = batch * (seq_reserve + step_columns(probe) * layout.block_bytes)
+    # what the envelope reserves for the running sequences beside the hot tier: each one's open page (and a
+    # hybrid model's sliding window) and, under sparse attention, its decode step buffer
+    shape = EngineConfig(placement=placement, token_budget=token_budget, page_size=layout.page_size,
+                         max_sequences=batch)
+    tails = reserve_bytes(layout, shape, window_bytes=seq_reserve - page_bytes)
     if mode in ("full-gpu", "sparse-gpu"):
         tiers = TierConfig(gpu_bytes=int(total * 1.1) + tails + 4 * page_bytes, ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
     else:

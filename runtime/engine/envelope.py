@@ -29,22 +29,22 @@ import torch
 from kvdrive.runtime.attention import SelectionConfig
 from kvdrive.runtime.engine.kv_state import EngineConfig, EnvelopeSplit
 from kvdrive.runtime.kvcache import BudgetError, KVLayout, TieredKVStore
+from kvdrive.runtime.placement import policy_for
 
 log = logging.getLogger(__name__)
 
 
 def step_columns(config: EngineConfig) -> int:
     """Page columns of one decode step buffer: the selected pages and the open one (0 under full attention)."""
-    sparse = config.placement != "fullfetch" and not config.full_attention
+    sparse = policy_for(config.placement, config.full_attention).sparse
     return SelectionConfig(config.token_budget, config.page_size).budget_pages + 1 if sparse else 0
 
 
 def reserve_bytes(layout: KVLayout, config: EngineConfig, window_bytes: int = 0) -> int:
     """What the envelope keeps for running sequences beside the hot tier, at the config's start limit:
     every row's open page (and sliding window, ``window_bytes`` each) and each running sequence's step buffer."""
-    running = config.max_running if config.max_running is not None else config.max_sequences
     return (config.max_sequences * (layout.page_bytes + window_bytes)
-            + running * step_columns(config) * layout.block_bytes)
+            + config.start_running * step_columns(config) * layout.block_bytes)
 
 
 class Envelope:
@@ -53,9 +53,8 @@ class Envelope:
         if not 1 <= max_running <= max_sequences:
             raise BudgetError(f"max_running {max_running} must be in [1, {max_sequences}] (--max-sequences)")
         self.fixed_reserve = fixed_reserve
-        self.columns = columns  # page columns of one decode step buffer (0: full attention, not reserved)
         self.block_bytes = block_bytes
-        self.per_sequence_bytes = columns * block_bytes
+        self.per_sequence_bytes = columns * block_bytes  # columns: of one step buffer (0: full attention)
         self.max_sequences = max_sequences
         self.max_running = max_running
         self.pending: int | None = None  # a smaller limit waiting for running sequences to finish

@@ -43,6 +43,11 @@ class EngineConfig:
     prefill_chunk: int = 512  # tokens per prefill forward in ``Generator.prefill`` (bounds activation memory)
     window_checkpoint: int = 2048  # hybrid models: a long prompt keeps its window every this many tokens (0: off)
 
+    @property
+    def start_running(self) -> int:
+        """The sequences that may run at once to start with."""
+        return self.max_running if self.max_running is not None else self.max_sequences
+
 
 @dataclass(frozen=True)
 class EnvelopeSplit:

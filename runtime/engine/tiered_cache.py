@@ -62,10 +62,8 @@ class TieredKVCache:
         # each running sequence's open page (all global layers) and, for a hybrid model, its sliding window
         self.seq_reserve = layout.page_bytes + (windows.bytes_per_sequence() if windows is not None else 0)
         self.tail_reserve = config.max_sequences * self.seq_reserve
-        cap = config.max_sequences
-        self.envelope = Envelope(self.tail_reserve, step_columns(config),
-                                 layout.block_bytes, cap, config.max_running if config.max_running is not None
-                                 else cap, device)
+        self.envelope = Envelope(self.tail_reserve, step_columns(config), layout.block_bytes, config.max_sequences,
+                                 config.start_running, device)
         gpu = tiers.gpu_bytes if tiers.gpu_bytes is not None else self.envelope.reserve() + layout.page_bytes
         self.envelope.envelope_bytes = gpu
         self.store = TieredKVStore(

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import uvicorn
 
@@ -74,10 +74,7 @@ def build_state(opts: ServeOptions) -> ServerState:
 
     def split() -> EnvelopeSplit:
         now = cache.envelope.split()
-        return EnvelopeSplit(envelope_bytes=now.envelope_bytes, hot_bytes=now.hot_bytes,
-                             reserve_bytes=now.reserve_bytes, fixed_reserve_bytes=now.fixed_reserve_bytes,
-                             per_sequence_bytes=now.per_sequence_bytes, max_running=now.max_running,
-                             max_sequences=now.max_sequences, pending_max_running=now.pending_max_running)
+        return EnvelopeSplit(**asdict(now), reserve_bytes=now.reserve_bytes)
 
     async def set_tiers(update: TiersUpdate) -> None:
         """Budgets, then the split: the memory tiers and the split between two engine steps, an SSD shrink
