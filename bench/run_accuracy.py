@@ -21,7 +21,7 @@ from kvdrive.runtime.bench.accuracy_bench import (
     CaseResult,
     as_dict,
     plot,
-    run_accuracy_bench,
+    run_accuracy_benches,
     table,
 )
 from kvdrive.runtime.sizes import parse_size
@@ -42,9 +42,11 @@ def provenance() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ssd-dir", default="/work/.kvbench-acc")
-    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"),
+                    help="with several --token-budget values it must contain {budget}")
     ap.add_argument("--model", default="demo")
-    ap.add_argument("--token-budget", type=int, default=1024)
+    ap.add_argument("--token-budget", type=int, nargs="+", default=[1024],
+                    help="one or more: each runs the sparse candidate against the same prefill and reference")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
     ap.add_argument("--depths", type=float, nargs="+", default=list(DEPTHS))
     ap.add_argument("--keys-per-depth", type=int, default=2)
@@ -61,14 +63,18 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads(Path(args.render).read_text())
         cmd = saved.get("command") or f"{RUN} --ssd-dir /work/.kvbench-acc"
         return write(load_result(saved), saved["provenance"], cmd, Path(args.out_dir))
+    if len(args.token_budget) > 1 and "{budget}" not in args.out_dir:
+        ap.error("several --token-budget values need an --out-dir with {budget} in it")
     before = provenance()
     cmd = f"{RUN} " + " ".join(argv or sys.argv[1:])
-    result = run_accuracy_bench(args.ssd_dir, model=args.model, contexts=tuple(args.contexts),
-                                depths=tuple(args.depths), keys_per_depth=args.keys_per_depth,
-                                chat_prompts=CHAT_PROMPTS[: args.prompts], token_budget=args.token_budget,
-                                doc_tokens=tuple(args.doc_tokens), chat_tokens=args.chat_tokens,
-                                ssd_budget=args.ssd_budget)
-    return write(result, before, cmd.strip(), Path(args.out_dir))
+    results = run_accuracy_benches(args.ssd_dir, model=args.model, contexts=tuple(args.contexts),
+                                   depths=tuple(args.depths), keys_per_depth=args.keys_per_depth,
+                                   chat_prompts=CHAT_PROMPTS[: args.prompts], token_budgets=tuple(args.token_budget),
+                                   doc_tokens=tuple(args.doc_tokens), chat_tokens=args.chat_tokens,
+                                   ssd_budget=args.ssd_budget)
+    for result in results:
+        write(result, before, cmd.strip(), Path(args.out_dir.format(budget=result.token_budget)))
+    return 0
 
 
 def load_result(saved: dict[str, Any]) -> AccuracyBenchResult:

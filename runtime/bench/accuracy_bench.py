@@ -11,7 +11,10 @@ Three phases, one ``Generator`` open at a time on one SSD directory:
    page, greedy-decodes and keeps its logits.
 3. candidate: a sparse Generator (the token budget) reuses the same pages and decodes free-running
    greedy; where its output diverges from the reference it is teacher-forced along the reference
-   tokens from there, so every KL term compares distributions given the same prefix.
+   tokens from there, so every KL term compares distributions given the same prefix. Several budgets
+   run phase 3 once each against one prefill and one reference.
+Phase 1 writes through to the SSD tier, so a run that dies in it resumes there when started again on
+the same directory: the stored pages (and window snapshots) are reused.
 Reference and candidate never write their decoded pages to the SSD tier: pages are content-addressed
 by tokens, not by attention mode, so a candidate decoding the reference's tokens would otherwise read
 the reference's KV for them. The first answer token comes from the prefill of the tail page, exact in
@@ -137,7 +140,10 @@ def _prefill_all(loaded: LoadedModel, cases: list[_Case], cfg: EngineConfig) -> 
     gen = Generator(loaded, cfg)
     computed = 0
     try:
-        for c in tqdm(cases, desc="prefill (shared prefixes once)"):
+        # Lexicographic order walks the prompts' prefix tree depth first: each prompt follows the one it
+        # shares the longest prefix with, so every shared prefix is computed once (the last window
+        # checkpoint before the fork is still there; a hybrid model resumes from it).
+        for c in tqdm(sorted(cases, key=lambda c: c.prompt), desc="prefill (shared prefixes once)"):
             seq, reused = gen.open_sequence(c.prompt)
             if reused < len(c.prompt) - cfg.page_size:
                 gen.prefill(seq, c.prompt[reused:])
@@ -239,15 +245,23 @@ def _candidate(loaded: LoadedModel, cases: list[_Case], cfg: EngineConfig, scrat
     return out
 
 
-def run_accuracy_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...] = (2048, 4096, 7168),
-                       depths: tuple[float, ...] = DEPTHS, keys_per_depth: int = 2,
-                       chat_prompts: tuple[str, ...] = CHAT_PROMPTS, token_budget: int = 1024,
-                       loaded: LoadedModel | None = None, doc_tokens: tuple[int, int] = (2048, 4096),
-                       passkey_tokens: int = 10, chat_tokens: int = 48, page_size: int = 16,
-                       candidate_full_attention: bool = False, ssd_budget: int | None = None,
-                       seed: int = 0) -> AccuracyBenchResult:
-    """Passkey retrieval, chat outputs and KL of sparse decoding (``token_budget``) against full attention.
-    ``candidate_full_attention`` runs the candidate with full attention too: a self-check (KL 0, equal outputs)."""
+def run_accuracy_bench(ssd_dir: str, model: str = "demo", token_budget: int = 1024,
+                       **kwargs: object) -> AccuracyBenchResult:
+    """Passkey retrieval, chat outputs and KL of sparse decoding (``token_budget``) against full attention;
+    the keywords are ``run_accuracy_benches``'."""
+    return run_accuracy_benches(ssd_dir, model, token_budgets=(token_budget,), **kwargs)[0]  # type: ignore[arg-type]
+
+
+def run_accuracy_benches(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...] = (2048, 4096, 7168),
+                         depths: tuple[float, ...] = DEPTHS, keys_per_depth: int = 2,
+                         chat_prompts: tuple[str, ...] = CHAT_PROMPTS, token_budgets: tuple[int, ...] = (1024,),
+                         loaded: LoadedModel | None = None, doc_tokens: tuple[int, int] = (2048, 4096),
+                         passkey_tokens: int = 10, chat_tokens: int = 48, page_size: int = 16,
+                         candidate_full_attention: bool = False, ssd_budget: int | None = None,
+                         seed: int = 0) -> list[AccuracyBenchResult]:
+    """One result per token budget, all from one prefill and one full-attention reference (neither depends
+    on the budget; at 32K the prefill is nearly all the time). ``candidate_full_attention`` runs the
+    candidate with full attention too: a self-check (KL 0, equal outputs)."""
     loaded = loaded or load_model(model)
     cases = _cases(loaded, contexts, depths, keys_per_depth, chat_prompts, doc_tokens, passkey_tokens,
                    chat_tokens, seed)
@@ -257,28 +271,32 @@ def run_accuracy_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, .
     decoded_pages = sum(c.max_tokens // page_size + 2 for c in cases)  # demoted decode pages land on SSD too
     need = _distinct_pages([c.prompt for c in cases], page_size) + 3 * decoded_pages
     tiers = TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget or int(need * 1.3) * page_bytes + (64 << 20))
-    base = EngineConfig(tiers=tiers, page_size=page_size, max_sequences=1, token_budget=token_budget,
+    base = EngineConfig(tiers=tiers, page_size=page_size, max_sequences=1, token_budget=token_budgets[0],
                         full_attention=True)
     transient = replace(base, tiers=replace(tiers, persist=False))
-    seconds: dict[str, float] = {}
+    shared: dict[str, float] = {}
+    out: list[AccuracyBenchResult] = []
     # Inference mode on this thread too: the SSD tier's staging buffers may be created inside the model's
     # forward (inference tensors) and written again by evictions this thread triggers outside it.
     with torch.inference_mode():
         t = time.perf_counter()
         computed = _prefill_all(loaded, cases, base)
-        seconds["prefill"] = time.perf_counter() - t
+        shared["prefill"] = time.perf_counter() - t
         with tempfile.TemporaryDirectory(prefix="logits-", dir=ssd_dir) as scratch:
             t = time.perf_counter()
             ref = _reference(loaded, cases, transient, scratch)
-            seconds["reference"] = time.perf_counter() - t
-            t = time.perf_counter()
-            results = _candidate(loaded, cases, replace(transient, full_attention=candidate_full_attention),
-                                 scratch, ref)
-            seconds["candidate"] = time.perf_counter() - t
-    return AccuracyBenchResult(
-        model=loaded.model_id, token_budget=token_budget, page_size=page_size,
-        candidate="full" if candidate_full_attention else "sparse", threads=torch.get_num_threads(),
-        prefill_tokens_computed=computed, seconds={k: round(v, 1) for k, v in seconds.items()}, cases=tuple(results))
+            shared["reference"] = time.perf_counter() - t
+            for budget in token_budgets:
+                t = time.perf_counter()
+                cfg = replace(transient, full_attention=candidate_full_attention, token_budget=budget)
+                results = _candidate(loaded, cases, cfg, scratch, ref)
+                seconds = {**shared, "candidate": time.perf_counter() - t}
+                out.append(AccuracyBenchResult(
+                    model=loaded.model_id, token_budget=budget, page_size=page_size,
+                    candidate="full" if candidate_full_attention else "sparse", threads=torch.get_num_threads(),
+                    prefill_tokens_computed=computed, seconds={k: round(v, 1) for k, v in seconds.items()},
+                    cases=tuple(results)))
+    return out
 
 
 def _kl_mean(cases: list[CaseResult]) -> float:

@@ -15,6 +15,7 @@ from kvdrive.runtime.bench.accuracy_bench import (
     kl_divergence,
     plot,
     run_accuracy_bench,
+    run_accuracy_benches,
     table,
 )
 from kvdrive.runtime.model import LoadedModel, load_model
@@ -64,7 +65,14 @@ def test_full_candidate_matches_reference_exactly(tiny: LoadedModel, tmp_path: P
 
 
 def test_sparse_candidate_is_exact_within_budget_and_approximate_beyond(tiny: LoadedModel, tmp_path: Path) -> None:
-    r = run_accuracy_bench(str(tmp_path / "kv"), loaded=tiny, **TINY)  # type: ignore[arg-type]
+    # two budgets against one prefill and one reference: 64 (selection active) and 512, which covers every
+    # prompt here (at most 448 tokens + 6 generated), so that candidate must be exact everywhere
+    kwargs = {k: v for k, v in TINY.items() if k != "token_budget"}
+    r, wide = run_accuracy_benches(str(tmp_path / "kv"), loaded=tiny, token_budgets=(64, 512), **kwargs)  # type: ignore[arg-type]
+    assert (r.token_budget, wide.token_budget) == (64, 512)
+    assert r.prefill_tokens_computed == wide.prefill_tokens_computed
+    assert [c.reference_text for c in r.cases] == [c.reference_text for c in wide.cases]
+    assert all(c.identical and all(x == 0.0 for x in c.kl) for c in wide.cases)
     _check_structure(r)
     assert r.candidate == "sparse"
     for c in r.cases:
