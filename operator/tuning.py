@@ -7,15 +7,17 @@ tier. The tuner moves that split, and only that:
 
 - **more concurrency** when requests queue in every interval of a window while the running batch is
   at the limit (not held back by memory: a prompt that would not fit waits whatever the limit) and
-  either decode steps barely waited for lower-tier reads (the hot tier serves them) or the queue alone
-  would at least double the batch (a step's work grows with the batch far slower than its size, and
-  fetch waits are a share of the step): the limit rises to what runs plus what waits, so the queue can
-  drain in one move;
+  either decode steps barely waited for lower-tier reads (the hot tier serves them) or the queue would
+  grow the batch by a larger share than decode spent waiting for reads (a step's work grows with the
+  batch far slower than its size, so even if the smaller hot tier doubled the waits the step would
+  carry more tokens): the limit rises to what ran plus the longest queue of the window, so the queue
+  drains in one move;
 - **a bigger hot tier** when decode steps waited for lower-tier reads in every interval of a window,
   nothing queued, and fewer sequences ran than the limit allows: the limit falls to the most that ran,
   and the slots nobody used go back to the hot tier;
-- nothing when both argue at once (the queue wants slots, the reads want the bytes), or in the dead
-  band between ``wait_low`` and ``wait_high``.
+- nothing when both argue at once (the queue is a smaller share of the batch than the waits are of the
+  step), or in the dead band: waits between ``wait_low`` and ``wait_high`` with no queue, or a queue
+  too short for the waits.
 
 Against flapping: every interval of the window must agree, all measured at the current limit (a change
 restarts the evidence); a move must be at least ``min_step`` sequences; missing data (a failed scrape,
@@ -188,13 +190,13 @@ def _concurrency(history: PodHistory, limits: RunningLimits, policy: TuningPolic
     queued, waited = min(queues), [float(w) for w in waits]  # type: ignore[arg-type]
     span = f"over {len(window)} intervals"
     served = max(waited) <= policy.wait_low  # the hot tier serves the steps: it can spare bytes
-    doubling = queued >= max(1.0, min(running))  # the queue alone would (at least) double the batch
-    if queued >= policy.queue_min and full and (served or doubling):
-        new = min(ceiling, max(current + limits.min_step, math.ceil(ran + queued)))
+    gain = queued / max(1.0, min(running))  # the share by which the queue would grow the batch
+    if queued >= policy.queue_min and full and (served or gain > max(waited)):
+        new = min(ceiling, max(current + limits.min_step, math.ceil(ran + max(queues))))  # type: ignore[type-var]
         if new > current:
             why = (f"decode waited at most {max(waited):.0%} of the time for lower tiers{hot}" if served else
-                   f"the queue would at least double the batch of {min(running):.0f} although decode waited up to "
-                   f"{max(waited):.0%} of the time for lower tiers{hot}")
+                   f"the queue would grow the batch of {min(running):.0f} by {gain:.0%}, more than the "
+                   f"{max(waited):.0%} of the time decode waited for lower tiers{hot}")
             return Decision(current, new, f"requests queued ({queued:.1f} on average at least) while {why}, {span}")
         return Decision(current, reason=f"requests queue but the limit is at its ceiling {ceiling}")
     if queued < policy.queue_min and min(waited) >= policy.wait_high and ran < current:
@@ -203,8 +205,9 @@ def _concurrency(history: PodHistory, limits: RunningLimits, policy: TuningPolic
             return Decision(current, new, f"decode waited at least {min(waited):.0%} of the time for lower-tier "
                                           f"reads{hot} with no queue and at most {ran:.0f} of {current} sequences "
                                           f"running, {span}: the unused slots go to the hot tier")
-    if queued >= policy.queue_min and min(waited) >= policy.wait_high:
-        return Decision(current, reason="requests queue and decode waits for reads: the split cannot serve both")
+    if queued >= policy.queue_min and max(waited) >= gain:
+        return Decision(current, reason=f"requests queue (growing the batch by {gain:.0%}) and decode waits up to "
+                                        f"{max(waited):.0%} of the time for reads: the split cannot serve both")
     return Decision(current, reason="no sustained reason to move the split")
 
 

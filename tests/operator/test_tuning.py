@@ -61,9 +61,10 @@ def test_a_queue_held_back_by_memory_not_by_the_limit_does_not_raise_it() -> Non
 
 
 def test_when_the_queue_and_the_reads_both_argue_the_split_stays() -> None:
+    """Two queued requests would grow a batch of eight by 25%; decode waits on reads 40% of the time."""
     p = PodTape(max_running=8)
     for _ in range(6):
-        p.step(wait=0.4, queue=5.0)
+        p.step(wait=0.4, queue=2.0)
         p.tune(LIMITS, POLICY)
     assert p.applied == []
     assert "cannot serve both" in p.decide(LIMITS, POLICY).reason
@@ -77,15 +78,27 @@ def test_a_queue_that_would_double_the_batch_wins_over_fetch_waits() -> None:
         p.step(wait=0.3, queue=14.0)
         p.tune(LIMITS, POLICY)
     assert p.max_running == 16
-    assert "the queue would at least double the batch of 2 although decode waited up to 30%" in p.applied[0]
+    assert "the queue would grow the batch of 2 by 700%, more than the 30% of the time" in p.applied[0]
+
+
+def test_a_queue_in_the_dead_band_grows_the_batch_when_it_outweighs_the_waits() -> None:
+    """Eleven short requests run and three to five more wait while decode waits on reads 6-8% of the
+    time (above wait_low): a batch 27% larger outweighs the waits; the limit takes the longest queue."""
+    p = PodTape(max_running=11)
+    for i in range(4):
+        p.step(wait=(0.06, 0.08, 0.07, 0.06)[i], queue=(4.0, 3.0, 5.0, 3.0)[i])
+        p.tune(LIMITS, POLICY)
+    assert p.max_running == 16  # 11 running + the window's longest queue (5)
+    assert "by 27%, more than the 8% of the time decode waited" in p.applied[0]
 
 
 def test_the_dead_band_between_low_and_high_waits_moves_nothing() -> None:
     p = PodTape(max_running=8)
-    for _ in range(6):
-        p.step(wait=0.10, queue=3.0)  # too many waits to add slots
+    for _ in range(6):  # too many waits (10%) for a queue that grows the batch by 8%
+        p.step(wait=0.10, queue=0.6)
         p.tune(LIMITS, POLICY)
-        p.step(wait=0.10, queue=0.0, running=2)  # too few to take them away
+    for _ in range(6):  # too few waits to take the six unused slots away
+        p.step(wait=0.10, queue=0.0, running=2)
         p.tune(LIMITS, POLICY)
     assert p.applied == []
 
