@@ -20,8 +20,10 @@ from kvdrive.runtime.engine.sampling import SamplingParams, make_generator, samp
 from kvdrive.runtime.engine.sliding import SlidingWindows
 from kvdrive.runtime.engine.tiered_backend import TieredAttentionBackend
 from kvdrive.runtime.engine.tiered_cache import TieredKVCache
-from kvdrive.runtime.kvcache import KVLayout
+from kvdrive.runtime.kvcache import CacheFullError, KVLayout
 from kvdrive.runtime.model import LoadedModel
+
+MAX_UNDONE_STEPS = 3  # steps in a row the tiers could not take before generate() gives up
 
 
 class PromptTooLongError(ValueError):
@@ -135,20 +137,53 @@ class Generator:
 
     # --- convenience -------------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        """Yield generated token ids until EOS (unless ignored), max_tokens or context end."""
+        """Yield generated token ids until EOS (unless ignored), max_tokens or context end.
+
+        A step the tiers could not take (``CacheFullError``: a live budget change can leave every slot of a
+        tier pinned or needed for a moment) is undone as the serving engine undoes it: the sequence is
+        released and reopened with the tokens so far, which come back through prefix reuse, and decoding
+        goes on from the same logits. After MAX_UNDONE_STEPS undone steps in a row the error is raised."""
         self.check_prompt(len(prompt))
         eos = set(self.loaded.tokenizer.eos_token_ids)
         gen = make_generator(params)
-        seq_id, reused = self.open_sequence(prompt)
+        tokens = list(prompt)
+        seq_id: int | None = None
         try:
-            logits = self.prefill(seq_id, prompt[reused:])
-            for i in range(params.max_tokens):
+            seq_id, logits, undone = self._open(tokens, 0)
+            while len(tokens) - len(prompt) < params.max_tokens:
                 token = sample(logits, params, gen)
                 if token in eos and not params.ignore_eos:
                     return
                 yield token
-                if i + 1 == params.max_tokens or self.cache.length(seq_id) + 1 >= self.max_context:
+                tokens.append(token)
+                if len(tokens) - len(prompt) == params.max_tokens or len(tokens) >= self.max_context:
                     return
-                logits = self.decode([(seq_id, token)])[0]
+                try:
+                    logits = self.decode([(seq_id, token)])[0]
+                    undone = 0
+                except CacheFullError:
+                    failed, seq_id = seq_id, None
+                    undone = self._undo(failed, undone)
+                    seq_id, logits, undone = self._open(tokens, undone)
         finally:
+            if seq_id is not None:
+                self.release(seq_id)
+
+    def _open(self, tokens: list[int], undone: int) -> tuple[int, torch.Tensor, int]:
+        """Open a sequence over ``tokens`` and prefill what prefix reuse does not cover: (seq_id, logits [V]
+        of the last token, undone steps in a row)."""
+        while True:
+            seq_id = None
+            try:
+                seq_id, reused = self.open_sequence(tokens)
+                return seq_id, self.prefill(seq_id, tokens[reused:]), undone
+            except CacheFullError:
+                undone = self._undo(seq_id, undone)
+
+    def _undo(self, seq_id: int | None, undone: int) -> int:
+        """Release a sequence whose step the tiers could not take; the count of undone steps in a row."""
+        if seq_id is not None:
             self.release(seq_id)
+        if undone + 1 > MAX_UNDONE_STEPS:
+            raise CacheFullError(f"the KV tiers had no room for this sequence's pages {undone + 1} steps in a row")
+        return undone + 1
