@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--policy", choices=("prefix", "round-robin"), default="prefix")
     p.add_argument("--load-tokens", type=int, default=128,
                    help="prompt tokens each running or queued request costs besides its own prefill")
+    p.add_argument("--recompute-weight", type=float, default=3.0,
+                   help="a prompt token a replica would compute costs this many tokens already queued there")
     p.add_argument("--max-imbalance", type=int, default=8,
                    help="never route to a replica this many requests above the least loaded")
     p.add_argument("--api-key-file", type=Path, help="the replicas' API key, for the router's own polls")
@@ -43,7 +45,9 @@ def run(args: argparse.Namespace) -> None:
     discovery: Discovery = StaticDiscovery(tuple(args.backend)) if args.backend else EndpointSliceDiscovery(
         args.service, args.namespace, args.backend_port, args.backend_port_name, args.kubeconfig)
     api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
-    config = RouterConfig(policy=Policy(args.policy, args.load_tokens, args.max_imbalance), api_key=api_key,
+    config = RouterConfig(policy=Policy(mode=args.policy, load_tokens=args.load_tokens,
+                                                 recompute_weight=args.recompute_weight,
+                                                 max_imbalance=args.max_imbalance), api_key=api_key,
                           max_body_bytes=args.max_body_bytes, poll_seconds=args.poll_seconds)
     logging.getLogger("kvdrive.router").info("routing (%s) on http://%s:%d", args.policy, args.host, args.port)
     uvicorn.run(create_app(Router(config, discovery)), host=args.host, port=args.port, log_level="warning")

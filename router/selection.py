@@ -2,8 +2,12 @@
 
 Costs are in prompt tokens, an estimate of the work ahead of this request's first token on each replica:
 the prompt tokens it would compute there (those past the longest run of its leading pages the replica
-holds), plus the prompt tokens still to compute of the requests already routed there (``pending``), plus
-``load_tokens`` for every request it runs or queues (decode and overhead). The cheapest replica wins.
+holds) times ``recompute_weight``, plus the prompt tokens still to compute of the requests already routed
+there (``pending``), plus ``load_tokens`` for every request it runs or queues (decode and overhead). The
+cheapest replica wins. The weight is there because a prompt token computed again is not only this
+request's wait: under load the fleet's prefill is the bottleneck, and every request queued behind it on
+that replica waits for it too (a weight of 1 measured 1.02x round-robin's prefill on a saturated fleet:
+queue differences of a few thousand tokens outbid every document hit).
 Replicas more than ``max_imbalance`` requests above the least loaded are never picked, so one hot document
 spills over to other replicas instead of queueing on one. Exact ties (idle replicas, no prefix anywhere)
 are broken by the first page's digest (rendezvous hashing), so repeats of a new document converge.
@@ -34,6 +38,7 @@ class Candidate:
 class Policy:
     mode: str = "prefix"  # prefix | round-robin
     load_tokens: int = 128  # a request already running or queued costs this many prompt tokens, besides its prefill
+    recompute_weight: float = 3.0  # a prompt token this replica would compute costs this many queued ones
     max_imbalance: int = 8  # never more than this many requests above the least loaded replica
 
 
@@ -67,8 +72,9 @@ def choose(candidates: Sequence[Candidate], policy: Policy, page_size: int, firs
         c = idle[turn % len(idle)]
         return Decision(c.name, "fallback", 0)
 
-    def cost(c: Candidate) -> int:
-        return max(0, prompt_tokens - c.matched_pages * page_size) + c.pending_tokens + policy.load_tokens * c.load
+    def cost(c: Candidate) -> float:
+        computed = max(0, prompt_tokens - c.matched_pages * page_size)
+        return policy.recompute_weight * computed + c.pending_tokens + policy.load_tokens * c.load
 
     best = min(cost(c) for c in eligible)
     tied = [c for c in eligible if cost(c) == best]

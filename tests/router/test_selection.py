@@ -29,6 +29,16 @@ def test_the_prefill_already_queued_on_the_holder_counts_against_it() -> None:
     assert (d.name, d.reason) == ("a", "load")
 
 
+def test_on_a_busy_fleet_the_holder_keeps_its_document_while_its_queue_is_not_far_longer() -> None:
+    # every replica has prefill queued: b, which holds the document, 3,000 tokens more than a. Computing the
+    # 2,000 tokens again on a would delay everything queued there and redo work the fleet has done: b wins
+    cands = [Candidate("a", 0, 2, pending_tokens=2000), Candidate("b", 125, 3, pending_tokens=5000)]
+    d = choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
+    assert (d.name, d.reason) == ("b", "prefix")
+    # counting only this request's own wait (weight 1), a would have won
+    assert choose(cands, Policy(recompute_weight=1.0), PAGE, first_page=b"doc", prompt_tokens=DOC).name == "a"
+
+
 def test_a_short_match_does_not_outweigh_a_queue() -> None:
     # b holds 4 pages (64 tokens) but runs 3 requests (384 tokens of cost): a computes 64 more and waits less
     cands = [Candidate("a", 0, 0), Candidate("b", 4, 3)]
