@@ -54,6 +54,7 @@ class RoutingBenchResult:
     workload: dict[str, object]
     runs: list[RunResult] = field(default_factory=list)
     host: str = ""
+    replica_ssd: str = "2GiB"  # each replica's --ssd-budget
 
 
 def _summary(policy: str, samples: list[Sample], fleet: Fleet, counters: Counters) -> RunResult:
@@ -115,7 +116,7 @@ async def _fault_script(fleet: Fleet, seconds: float, log: dict[str, object]) ->
 
 
 def _run(root: Path, policy: str, args: RunArgs, seconds: float, with_faults: bool) -> RunResult:
-    fleet = Fleet(root, args.replicas, policy, args.threads)
+    fleet = Fleet(root, args.replicas, policy, args.threads, args.ssd_budget)
     try:
         fleet.start()
         bar = tqdm(desc=f"{policy}{' + faults' if with_faults else ''}: requests", unit="req")
@@ -165,14 +166,16 @@ class RunArgs:
     clients: int
     threads: int
     workload: Workload
+    ssd_budget: str = "2GiB"
 
 
 def run_routing_bench(work_dir: str, replicas: int = 3, clients: int = 16, seconds: float = 120.0,
                       threads: int = 1, faults: bool = True, seed: int = 0,
-                      fault_seconds: float = 120.0) -> RoutingBenchResult:
-    args = RunArgs(replicas, clients, threads, Workload(seed=seed))
+                      fault_seconds: float = 120.0, ssd_budget: str = "2GiB") -> RoutingBenchResult:
+    args = RunArgs(replicas, clients, threads, Workload(seed=seed), ssd_budget)
     root = Path(work_dir) / f"run-{int(time.time())}"
-    out = RoutingBenchResult(replicas, clients, seconds, asdict(args.workload), host=os.uname().nodename)
+    out = RoutingBenchResult(replicas, clients, seconds, asdict(args.workload), host=os.uname().nodename,
+                             replica_ssd=ssd_budget)
     for policy in ("round-robin", "prefix"):
         out.runs.append(_run(root / policy, policy, args, seconds, with_faults=False))
     if faults:

@@ -25,6 +25,8 @@ def _kvdrive() -> str:
     return str(Path(sys.executable).with_name("kvdrive"))
 
 
+GPU_BUDGET, DRAM_BUDGET = "56MiB", "64MiB"  # every replica: a small device envelope and DRAM tier
+
 class Proc:
     def __init__(self, args: list[str], port: int, log: Path) -> None:
         self.args, self.port, self.log = args, port, log
@@ -119,16 +121,16 @@ class Counters:
 
 
 class Fleet:
-    def __init__(self, root: Path, replicas: int, policy: str, threads: int) -> None:
+    def __init__(self, root: Path, replicas: int, policy: str, threads: int, ssd_budget: str = "2GiB") -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.replicas = []
         for i in range(replicas):
             d = root / f"replica{i}"
             d.mkdir(exist_ok=True)
             port = _port()
-            self.replicas.append(Proc(["serve", "--model", "demo", "--port", str(port), "--gpu-budget", "56MiB",
-                                       "--dram-budget", "64MiB", "--ssd-dir", str(d / "ssd"), "--ssd-budget",
-                                       "512MiB", "--threads", str(threads)], port, d / "serve.log"))
+            self.replicas.append(Proc(["serve", "--model", "demo", "--port", str(port), "--gpu-budget", GPU_BUDGET,
+                                       "--dram-budget", DRAM_BUDGET, "--ssd-dir", str(d / "ssd"), "--ssd-budget",
+                                       ssd_budget, "--threads", str(threads)], port, d / "serve.log"))
         rport = _port()
         self.router = Proc(["route", "--port", str(rport), "--policy", policy, "--poll-seconds", "0.5",
                             *[a for r in self.replicas for a in ("--backend", r.url)]], rport, root / "router.log")

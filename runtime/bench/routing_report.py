@@ -4,6 +4,7 @@ round-robin's, TTFT p50 at least 2x better), the fault run's timeline, and a PNG
 from __future__ import annotations
 
 from kvdrive.runtime.bench.routing_bench import RoutingBenchResult, RunResult
+from kvdrive.runtime.bench.routing_fleet import DRAM_BUDGET, GPU_BUDGET
 
 
 def _p(d: dict[str, float], k: str) -> str:
@@ -57,8 +58,9 @@ def faults(result: RoutingBenchResult) -> str:
 def markdown(result: RoutingBenchResult, command: str) -> str:
     return "\n\n".join([
         "# Routing benchmark: prefix-aware vs round-robin",
-        f"{result.replicas} replicas of the demo model (`kvdrive serve`, 1 compute thread each, GPU-tier budget "
-        f"32 MiB, DRAM 64 MiB, SSD 512 MiB, fresh directories per run) behind `kvdrive route`; {result.clients} "
+        f"{result.replicas} replicas of the demo model (`kvdrive serve`, 1 compute thread each, GPU envelope "
+        f"{GPU_BUDGET}, DRAM {DRAM_BUDGET}, SSD {result.replica_ssd}, fresh directories per run) behind "
+        f"`kvdrive route`; {result.clients} "
         f"streaming clients starting requests for {result.seconds:.0f} s per comparison run (the fault run: its own "
         f"length; every run then waits for its answers in flight); "
         f"{int(100 * float(result.workload['shared_share']))}% of requests ask about one of "
