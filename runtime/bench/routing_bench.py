@@ -54,7 +54,7 @@ class RoutingBenchResult:
     workload: dict[str, object]
     runs: list[RunResult] = field(default_factory=list)
     host: str = ""
-    replica_ssd: str = "2GiB"  # each replica's --ssd-budget
+    replica_ssd: str = "512MiB"  # each replica's --ssd-budget
 
 
 def _summary(policy: str, samples: list[Sample], fleet: Fleet, counters: Counters) -> RunResult:
@@ -166,12 +166,12 @@ class RunArgs:
     clients: int
     threads: int
     workload: Workload
-    ssd_budget: str = "2GiB"
+    ssd_budget: str = "512MiB"
 
 
 def run_routing_bench(work_dir: str, replicas: int = 3, clients: int = 16, seconds: float = 120.0,
                       threads: int = 1, faults: bool = True, seed: int = 0,
-                      fault_seconds: float = 120.0, ssd_budget: str = "2GiB") -> RoutingBenchResult:
+                      fault_seconds: float = 120.0, ssd_budget: str = "512MiB") -> RoutingBenchResult:
     args = RunArgs(replicas, clients, threads, Workload(seed=seed), ssd_budget)
     root = Path(work_dir) / f"run-{int(time.time())}"
     out = RoutingBenchResult(replicas, clients, seconds, asdict(args.workload), host=os.uname().nodename,
