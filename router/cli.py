@@ -45,9 +45,9 @@ def run(args: argparse.Namespace) -> None:
     discovery: Discovery = StaticDiscovery(tuple(args.backend)) if args.backend else EndpointSliceDiscovery(
         args.service, args.namespace, args.backend_port, args.backend_port_name, args.kubeconfig)
     api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
-    config = RouterConfig(policy=Policy(mode=args.policy, load_tokens=args.load_tokens,
-                                                 recompute_weight=args.recompute_weight,
-                                                 max_imbalance=args.max_imbalance), api_key=api_key,
-                          max_body_bytes=args.max_body_bytes, poll_seconds=args.poll_seconds)
+    policy = Policy(mode=args.policy, load_tokens=args.load_tokens, recompute_weight=args.recompute_weight,
+                    max_imbalance=args.max_imbalance)
+    config = RouterConfig(policy=policy, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                          poll_seconds=args.poll_seconds)
     logging.getLogger("kvdrive.router").info("routing (%s) on http://%s:%d", args.policy, args.host, args.port)
     uvicorn.run(create_app(Router(config, discovery)), host=args.host, port=args.port, log_level="warning")

@@ -245,13 +245,6 @@ def _candidate(loaded: LoadedModel, cases: list[_Case], cfg: EngineConfig, scrat
     return out
 
 
-def run_accuracy_bench(ssd_dir: str, model: str = "demo", token_budget: int = 1024,
-                       **kwargs: object) -> AccuracyBenchResult:
-    """Passkey retrieval, chat outputs and KL of sparse decoding (``token_budget``) against full attention;
-    the keywords are ``run_accuracy_benches``'."""
-    return run_accuracy_benches(ssd_dir, model, token_budgets=(token_budget,), **kwargs)[0]  # type: ignore[arg-type]
-
-
 def run_accuracy_benches(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...] = (2048, 4096, 7168),
                          depths: tuple[float, ...] = DEPTHS, keys_per_depth: int = 2,
                          chat_prompts: tuple[str, ...] = CHAT_PROMPTS, token_budgets: tuple[int, ...] = (1024,),

@@ -14,14 +14,13 @@ from kvdrive.runtime.bench.accuracy_bench import (
     as_dict,
     kl_divergence,
     plot,
-    run_accuracy_bench,
     run_accuracy_benches,
     table,
 )
 from kvdrive.runtime.model import LoadedModel, load_model
 
 TINY = dict(contexts=(320, 448), depths=(0.25, 0.75), keys_per_depth=1, chat_prompts=("Hi?", "Why?", "Who?"),
-            doc_tokens=(160, 240), passkey_tokens=6, chat_tokens=8, token_budget=64, page_size=16)
+            doc_tokens=(160, 240), passkey_tokens=6, chat_tokens=8, page_size=16)
 
 
 @pytest.fixture
@@ -49,7 +48,8 @@ def _check_structure(r: AccuracyBenchResult) -> None:
 
 
 def test_full_candidate_matches_reference_exactly(tiny: LoadedModel, tmp_path: Path) -> None:
-    r = run_accuracy_bench(str(tmp_path / "kv"), loaded=tiny, candidate_full_attention=True, **TINY)  # type: ignore[arg-type]
+    (r,) = run_accuracy_benches(str(tmp_path / "kv"), loaded=tiny, token_budgets=(64,), candidate_full_attention=True,
+                                **TINY)  # type: ignore[arg-type]
     _check_structure(r)
     assert r.candidate == "full"
     assert all(c.identical and c.candidate_text == c.reference_text for c in r.cases)
@@ -67,8 +67,7 @@ def test_full_candidate_matches_reference_exactly(tiny: LoadedModel, tmp_path: P
 def test_sparse_candidate_is_exact_within_budget_and_approximate_beyond(tiny: LoadedModel, tmp_path: Path) -> None:
     # two budgets against one prefill and one reference: 64 (selection active) and 512, which covers every
     # prompt here (at most 448 tokens + 6 generated), so that candidate must be exact everywhere
-    kwargs = {k: v for k, v in TINY.items() if k != "token_budget"}
-    r, wide = run_accuracy_benches(str(tmp_path / "kv"), loaded=tiny, token_budgets=(64, 512), **kwargs)  # type: ignore[arg-type]
+    r, wide = run_accuracy_benches(str(tmp_path / "kv"), loaded=tiny, token_budgets=(64, 512), **TINY)  # type: ignore[arg-type]
     assert (r.token_budget, wide.token_budget) == (64, 512)
     assert r.prefill_tokens_computed == wide.prefill_tokens_computed
     assert [c.reference_text for c in r.cases] == [c.reference_text for c in wide.cases]
