@@ -19,11 +19,9 @@ from kvdrive.runtime.bench.accuracy_bench import (
     DEPTHS,
     AccuracyBenchResult,
     CaseResult,
-    as_dict,
-    plot,
     run_accuracy_benches,
-    table,
 )
+from kvdrive.runtime.bench.accuracy_report import as_dict, plot, table
 from kvdrive.runtime.sizes import parse_size
 
 REPO = Path(__file__).resolve().parent.parent

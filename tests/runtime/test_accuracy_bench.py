@@ -11,12 +11,10 @@ import torch
 
 from kvdrive.runtime.bench.accuracy_bench import (
     AccuracyBenchResult,
-    as_dict,
     kl_divergence,
-    plot,
     run_accuracy_benches,
-    table,
 )
+from kvdrive.runtime.bench.accuracy_report import as_dict, plot, table
 from kvdrive.runtime.model import LoadedModel, load_model
 
 TINY = dict(contexts=(320, 448), depths=(0.25, 0.75), keys_per_depth=1, chat_prompts=("Hi?", "Why?", "Who?"),
