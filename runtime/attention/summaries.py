@@ -9,6 +9,13 @@ the page's keys) and stay on the compute device.
 Layout ``[L, rows, Hkv, Pcap, 2D]`` float32, last dim center then radius: one layer's summaries of a batch
 of consecutive rows are a strided view whose (row, head) batch folds into one ``bmm`` without a copy. Rows
 and page capacity grow by doubling, between steps.
+
+Beside each box the table keeps the attention mass the page drew at its layer's last decode step (``mass``,
+``[L, rows, Pcap]``, summed over query heads; zero for pages that step did not select). Selection adds it
+to the bound's estimate: a bound is loose (a box over 16 keys in D dimensions), so among ~2,000 pages at
+32K a page that really holds what the query looks for can rank below looser boxes; the mass it drew one
+step earlier is exact evidence, and it keeps the page while it still draws attention
+(``docs/attention.md``, measured on Gemma 3 at 32K).
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ class SummaryTable:
                  rows: int = 1, pages: int = 64) -> None:
         self.shape = (num_layers, num_kv_heads, 2 * head_dim)
         self.device = device
-        self.table = self._zeros(max(1, rows), max(1, pages))
+        self.table, self.mass = self._zeros(max(1, rows), max(1, pages))
 
-    def _zeros(self, rows: int, pages: int) -> torch.Tensor:
+    def _zeros(self, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         L, H, D2 = self.shape
         with torch.inference_mode(False):  # long-lived: written from the model's forward and outside it
-            return torch.zeros((L, rows, H, pages, D2), dtype=torch.float32, device=self.device)
+            return (torch.zeros((L, rows, H, pages, D2), dtype=torch.float32, device=self.device),
+                    torch.zeros((L, rows, pages), dtype=torch.float32, device=self.device))
 
     @property
     def rows(self) -> int:
@@ -53,15 +61,23 @@ class SummaryTable:
             r *= 2
         while p < pages:
             p *= 2
-        new = self._zeros(r, p)
-        new[:, : self.rows, :, : self.pages] = self.table
-        self.table = new
+        table, mass = self._zeros(r, p)
+        table[:, : self.rows, :, : self.pages] = self.table
+        mass[:, : self.rows, : self.pages] = self.mass
+        self.table, self.mass = table, mass
 
     def set(self, layer: int, row: int, first_page: int, k: torch.Tensor) -> None:
-        """Summarise full pages k [n, Hkv, S, D] of ``layer`` as pages first_page.. of ``row``."""
+        """Summarise full pages k [n, Hkv, S, D] of ``layer`` as pages first_page.. of ``row`` (a page written
+        has drawn no attention yet: a row reused by another sequence starts without the old one's)."""
         n = k.shape[0]
         if n:
             self.table[layer, row, :, first_page : first_page + n] = key_bounds(k).transpose(0, 1)
+            self.mass[layer, row, first_page : first_page + n] = 0.0
+
+    def set_all_layers(self, row: int, page: int, k: torch.Tensor) -> None:
+        """Summarise page ``page`` of ``row`` in every layer at once: k [L, Hkv, S, D] (a decode page that filled)."""
+        self.table[:, row, :, page] = key_bounds(k)
+        self.mass[:, row, page] = 0.0
 
     def batch(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
         """[B, Hkv, pages, 2D] of ``rows``: a view when they are consecutive (``first_row`` given)."""
@@ -69,6 +85,20 @@ class SummaryTable:
         if first_row is not None:
             return t[first_row : first_row + rows.shape[0], :, :pages]
         return t.index_select(0, rows)[:, :, :pages]
+
+    def drawn(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
+        """[B, pages]: the attention mass each page of ``rows`` drew at ``layer``'s last decode step."""
+        m = self.mass[layer]
+        if first_row is not None:
+            return m[first_row : first_row + rows.shape[0], :pages]
+        return m.index_select(0, rows)[:, :pages]
+
+    def record_drawn(self, layer: int, rows: torch.Tensor, pages: torch.Tensor, mass: torch.Tensor) -> None:
+        """This step's decode attention at ``layer``: ``rows`` [B] attended page indices ``pages`` [B, K] (distinct
+        per row), drawing ``mass`` [B, K] (summed over query heads); every other page of those rows drew none."""
+        m = self.mass[layer]
+        m.index_fill_(0, rows, 0.0)
+        m.index_put_((rows[:, None].expand_as(pages), pages), mass.float())
 
     def clear_row(self, row: int) -> None:
         """A row is reused by a new sequence (nothing to do: pages are written before they are read)."""

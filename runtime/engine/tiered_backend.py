@@ -3,12 +3,14 @@
 Decode (one generated token per sequence), per layer, for the whole batch at once::
 
     q, k, v ──► write k, v into each sequence's open page (one index_put into the device pool's tail rows)
-            ──► select: Quest bounds from the row summaries, softmax over pages, topk    [B, K] page indices
+            ──► select: Quest bounds from the row summaries, softmax over pages,
+                 + the mass each page drew at this layer's last step, topk              [B, K] page indices
             ──► page ids = page_table[rows].gather(idx)                                    [B, K]
             ──► read (PageReader): device-tier pages + open page, one index_select          [2, B, Hkv, K+1, S*D]
                  misses only: DRAM rows by tensor gather, the rest through the store (host code)
             ──► attend: one masked matmul / softmax / matmul                               [B, Hq, D]
-            ──► placement.record: the attention mass of each page, one index_add_
+            ──► placement.record: the attention mass of each page, one index_add_ (and kept per row
+                 for the next step's selection)
 
 Everything that does not change between layers (rows, page-table view, masks, the open pages' rows) is
 computed once per step. Prompt chunks attend exactly to every earlier page (read the same way) plus
@@ -159,7 +161,8 @@ class TieredAttentionBackend:
         if dec.sparse:
             assert dec.masks is not None
             summ = cache.summaries.batch(layer, dec.rows, dec.first_row, dec.pmax)
-            idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up)
+            drawn = cache.summaries.drawn(layer, dec.rows, dec.first_row, dec.pmax)
+            idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up, drawn)
         else:
             idx = dec.idx
         pids = dec.table.gather(1, idx)
@@ -176,8 +179,12 @@ class TieredAttentionBackend:
         out, probs = decode_attention(q, kk, vv, dec.mask)
         t0 = self._mark("attention", t0)
         b, kk_ = pids.shape
-        mass = probs.view(b, -1, kk_ + 1, cache.layout.page_size).sum(dim=(1, 3))[:, :kk_] if dec.mass else None
-        cache.placer.record(layer, pids.view(-1), mass.reshape(-1) if mass is not None else None)
+        mass = probs.view(b, -1, kk_ + 1, cache.layout.page_size).sum(dim=(1, 3))[:, :kk_] \
+            if dec.mass or dec.sparse else None  # [B, K]: each attended page's mass, summed over heads
+        if dec.sparse:
+            assert mass is not None
+            cache.summaries.record_drawn(layer, dec.rows, idx, mass)  # the next step's selection adds it
+        cache.placer.record(layer, pids.view(-1), mass.reshape(-1) if mass is not None and dec.mass else None)
         if dec.prefetch:
             dec.chosen[layer, :, :kk_] = pids
             if near is not None and near.shape[1]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvdrive.runtime.attention import SelectionConfig, SummaryTable, key_bounds
+from kvdrive.runtime.attention import SelectionConfig, SummaryTable
 from kvdrive.runtime.engine.envelope import Envelope, step_columns
 from kvdrive.runtime.engine.kv_state import EngineConfig, PageLostError, SeqKV, StepSeq
 from kvdrive.runtime.engine.promotions import PromotionQueue
@@ -312,7 +312,7 @@ class TieredKVCache:
         is None (k [L, Hkv, S, D], blocks [L, block_bytes])."""
         if layer is None:
             keys = self._keys(seq.digests[first])
-            self.summaries.table[:, seq.row, :, first] = key_bounds(k)
+            self.summaries.set_all_layers(seq.row, first, k)
             pids = seq.pids[first : first + 1]
         else:
             n = k.shape[0]
