@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvdrive.runtime.attention import (
     SelectionConfig,
+    SummaryTable,
     decode_attention,
     key_bounds,
     page_scores,
@@ -97,3 +98,47 @@ def test_decode_attention_with_masks_equals_dense_attention_per_sequence() -> No
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
         assert torch.allclose(probs[i].sum(-1), torch.ones(HKV, G), atol=1e-5)
         assert float(probs[i, :, :, n:].abs().sum()) == 0.0
+
+
+def test_a_page_that_drew_attention_last_step_keeps_its_place_when_its_bound_ranks_low() -> None:
+    """The pass-key case at 32K in miniature: one page's box is tight around a key that matches the query a
+    little, while looser boxes elsewhere have bounds above it, so the bounds alone leave it out. Given the
+    mass it drew at the previous step it is selected; the carried mass only adds to the estimate, so the
+    pages the bounds favour most are still selected."""
+    n, needle = 40, 17
+    k = _pages(n, seed=7) * 4.0  # loose boxes: spread keys
+    k[needle] = 0.0
+    k[needle, 0, :, :] = 0.4  # a tight box whose keys align with the query
+    q = torch.zeros((1, HKV * G, D))
+    q[0, :G, :] = 1.0  # the query heads of KV head 0 look along the all-ones direction
+    summ, npages = _summaries(k)
+    cfg = SelectionConfig(token_budget=10 * S, page_size=S, sink_pages=1, recent_pages=4)
+    masks = selection_masks(npages, n, cfg)
+    alone, _, bounds_only = select_pages(q, summ, masks, cfg)
+    assert needle not in alone[0].tolist()  # the bounds rank it below the budget
+    drawn = torch.zeros((1, n))
+    drawn[0, needle] = 1.5  # it drew half of three heads' attention at the previous step
+    idx, _, scores = select_pages(q, summ, masks, cfg, drawn=drawn)
+    assert needle in idx[0].tolist()
+    assert torch.equal(scores[0, needle], bounds_only[0, needle] + 1.5)
+    free = [p for p in range(1, n - 4) if p != needle]  # pages neither forced nor carried
+    best = max(free, key=lambda p: float(bounds_only[0, p]))
+    assert best in idx[0].tolist()
+
+
+def test_the_summary_table_keeps_the_last_steps_mass_per_row_and_forgets_it_when_a_page_is_rewritten() -> None:
+    """``record_drawn`` replaces a row's mass (only the last step counts); writing a page's summary zeroes
+    its mass, so a row reused by another sequence starts clean; growing the table keeps both."""
+    t = SummaryTable(num_layers=2, num_kv_heads=HKV, head_dim=D, device=torch.device("cpu"), rows=2, pages=8)
+    rows = torch.tensor([0, 1])
+    t.record_drawn(1, rows, torch.tensor([[1, 3], [2, 5]]), torch.tensor([[0.5, 2.0], [1.0, 0.25]]))
+    assert t.drawn(1, rows, 0, 8)[0, [1, 3]].tolist() == [0.5, 2.0] and float(t.drawn(0, rows, 0, 8).abs().sum()) == 0
+    t.record_drawn(1, torch.tensor([0]), torch.tensor([[4, 6]]), torch.tensor([[0.75, 0.125]]))
+    assert t.drawn(1, torch.tensor([0]), None, 8)[0].tolist() == [0, 0, 0, 0, 0.75, 0, 0.125, 0]
+    assert t.drawn(1, torch.tensor([1]), None, 8)[0, [2, 5]].tolist() == [1.0, 0.25]  # the other row is kept
+    t.ensure(rows=4, pages=16)
+    assert t.drawn(1, torch.tensor([1]), None, 16)[0, [2, 5]].tolist() == [1.0, 0.25]
+    t.set(1, 1, 2, _pages(1))  # row 1's page 2 is written again (a new sequence in the row)
+    assert t.drawn(1, torch.tensor([1]), None, 16)[0, [2, 5]].tolist() == [0.0, 0.25]
+    t.set_all_layers(1, 5, _pages(2))  # a decode page that filled, every layer at once
+    assert float(t.drawn(1, torch.tensor([1]), None, 16)[0, 5]) == 0.0

@@ -75,6 +75,25 @@ def test_a_decode_step_whose_pages_are_all_on_the_device_tier_asks_the_store_not
     assert calls == dict.fromkeys(STORE_LOOKUPS, 0)
 
 
+def test_each_sparse_step_leaves_the_mass_its_pages_drew_for_the_next_steps_selection(tiny: LoadedModel) -> None:
+    """After a sparse decode step, every layer's row holds the attention mass (summed over query heads) that
+    the step's selected pages drew, nothing on the others; the next step replaces it."""
+    gen = Generator(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
+    seq, last = _opened(gen, 300)
+    cache, hq = gen.cache, tiny.config.num_heads
+    row = torch.tensor([cache.seq(seq).row])
+    npages = cache.length(seq) // PAGE
+    for _ in range(2):
+        last = int(gen.decode([(seq, last)])[0].argmax())
+        for layer in range(cache.layout.num_layers):
+            drawn = cache.summaries.drawn(layer, row, None, cache.summaries.pages)[0]
+            attended = int((drawn > 0).sum())
+            assert 0 < attended <= cache.selection.budget_pages
+            assert 0.0 < float(drawn.sum()) <= hq + 1e-4  # the open page's share is not a sealed page's
+            assert float(drawn[npages + 1 :].abs().sum()) == 0.0
+    gen.close()
+
+
 def _python_calls(gen: Generator, seq: int, last: int) -> int:
     prof = cProfile.Profile()
     prof.enable()
