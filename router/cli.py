@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="a prompt token a replica would compute costs this many tokens already queued there")
     p.add_argument("--max-imbalance", type=int, default=8,
                    help="never route to a replica this many requests above the least loaded")
+    p.add_argument("--affinity-share", type=float, default=0.5,
+                   help="a replica holding this share of a prompt's pages keeps it unless an idle replica is faster")
     p.add_argument("--api-key-file", type=Path, help="the replicas' API key, for the router's own polls")
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20)
     p.add_argument("--poll-seconds", type=float, default=1.0)
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> None:
         args.service, args.namespace, args.backend_port, args.backend_port_name, args.kubeconfig)
     api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
     policy = Policy(mode=args.policy, load_tokens=args.load_tokens, recompute_weight=args.recompute_weight,
-                    max_imbalance=args.max_imbalance)
+                    max_imbalance=args.max_imbalance, affinity_share=args.affinity_share)
     config = RouterConfig(policy=policy, api_key=api_key, max_body_bytes=args.max_body_bytes,
                           poll_seconds=args.poll_seconds)
     logging.getLogger("kvdrive.router").info("routing (%s) on http://%s:%d", args.policy, args.host, args.port)

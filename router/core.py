@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvdrive.router.backends import Backend, BackendPool, Health, RoutingInfo
 from kvdrive.router.discovery import Discovery
 from kvdrive.router.index import PrefixIndex
-from kvdrive.router.selection import Candidate, Decision, Policy, choose
+from kvdrive.router.selection import Candidate, Decision, Policy, affinity_key, choose
 from kvdrive.runtime.prompt import DIGEST_BYTES, Tokenizer, TokenizerError, page_digests
 
 log = logging.getLogger("kvdrive.router")
@@ -161,7 +161,7 @@ class Router:
             ds = (digests or {}).get((b.info.root, b.info.page_size), [])
             mine[b.url] = ds
             if ds and first is None:
-                first, page_size = ds[0], b.info.page_size
+                first, page_size = affinity_key(ds), b.info.page_size
             cands.append(Candidate(b.url, self.index.matched(b.url, ds), b.load, b.pending_tokens))
         self.turn += 1
         decision = choose(cands, self.config.policy, page_size, first, self.turn, readable=digests is not None,

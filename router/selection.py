@@ -1,16 +1,25 @@
 """Which replica gets a request: a pure function of what each replica holds of the prompt and its load.
 
-Costs are in prompt tokens, an estimate of the work ahead of this request's first token on each replica:
-the prompt tokens it would compute there (those past the longest run of its leading pages the replica
-holds) times ``recompute_weight``, plus the prompt tokens still to compute of the requests already routed
-there (``pending``), plus ``load_tokens`` for every request it runs or queues (decode and overhead). The
-cheapest replica wins. The weight is there because a prompt token computed again is not only this
-request's wait: under load the fleet's prefill is the bottleneck, and every request queued behind it on
-that replica waits for it too (a weight of 1 measured 1.02x round-robin's prefill on a saturated fleet:
-queue differences of a few thousand tokens outbid every document hit).
+Two rules, in this order:
+
+1. **Affinity.** A replica that holds at least ``affinity_share`` of the prompt (its leading pages, beyond
+   those every replica holds, such as a common system prompt) is a *holder*. When there is one, the
+   request goes to the cheapest holder (cost below), unless a replica with nothing running or queued would
+   answer sooner by computing the prompt itself: spilling to idle capacity delays nobody, while sending a
+   repeat to a busy non-holder recomputes work the fleet has already done, delays every request queued
+   there, and stores the document twice in caches that then hold less. On a saturated fleet that cost is
+   what decides throughput: with a cost rule alone (weights 1 and 3 below) a 3-replica fleet measured
+   1.01-1.02x round-robin's prefill, its holders' queues outbidding their hits.
+2. **Cost.** Otherwise (no holder, or an idle replica wins) the cheapest replica: its cost, in prompt
+   tokens, estimates the work ahead of this request's first token there: the prompt tokens it would
+   compute (those past the longest run of its leading pages the replica holds) times ``recompute_weight``,
+   plus the prompt tokens still to compute of the requests already routed there (``pending``), plus
+   ``load_tokens`` for every request it runs or queues (decode and overhead).
+
 Replicas more than ``max_imbalance`` requests above the least loaded are never picked, so one hot document
-spills over to other replicas instead of queueing on one. Exact ties (idle replicas, no prefix anywhere)
-are broken by the first page's digest (rendezvous hashing), so repeats of a new document converge.
+spills over to other replicas (which then hold it too) instead of queueing on one. Exact ties (idle
+replicas, no prefix anywhere) are broken by rendezvous hashing of a digest that names the prompt's start
+(``affinity_key``), so repeats of a new document converge.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ class Policy:
     load_tokens: int = 128  # a request already running or queued costs this many prompt tokens, besides its prefill
     recompute_weight: float = 3.0  # a prompt token this replica would compute costs this many queued ones
     max_imbalance: int = 8  # never more than this many requests above the least loaded replica
+    affinity_share: float = 0.5  # a replica holding this share of the prompt keeps it unless an idle one is faster
 
 
 @dataclass(frozen=True)
@@ -55,8 +65,8 @@ def _rendezvous(key: bytes, name: str) -> bytes:
 
 def choose(candidates: Sequence[Candidate], policy: Policy, page_size: int, first_page: bytes | None = None,
            turn: int = 0, readable: bool = True, prompt_tokens: int = 0) -> Decision:
-    """The replica for one request of ``prompt_tokens``. ``first_page``: the digest of the prompt's first
-    page (None for a prompt shorter than a page); ``readable`` False when the router could not read the
+    """The replica for one request of ``prompt_tokens``. ``first_page``: the prompt's ``affinity_key`` (None
+    for a prompt shorter than a page); ``readable`` False when the router could not read the
     prompt (an invalid body, which the replica will refuse; no tokenizer yet): only load decides, reason
     ``fallback``; ``turn``: a counter that round-robin and ties without a first page rotate on."""
     if not candidates:
@@ -76,10 +86,28 @@ def choose(candidates: Sequence[Candidate], policy: Policy, page_size: int, firs
         computed = max(0, prompt_tokens - c.matched_pages * page_size)
         return policy.recompute_weight * computed + c.pending_tokens + policy.load_tokens * c.load
 
-    best = min(cost(c) for c in eligible)
-    tied = [c for c in eligible if cost(c) == best]
-    c = tied[0] if len(tied) == 1 else max(tied, key=lambda c: _rendezvous(first_page or b"", c.name)) \
-        if first_page is not None else tied[turn % len(tied)]
+    def cheapest(cs: list[Candidate]) -> Candidate:
+        best = min(cost(c) for c in cs)
+        tied = [c for c in cs if cost(c) == best]
+        if len(tied) == 1:
+            return tied[0]
+        if first_page is not None:
+            return max(tied, key=lambda c: _rendezvous(first_page, c.name))
+        return tied[turn % len(tied)]
+
     shared = min(x.matched_pages for x in eligible)  # pages every replica holds (a common system prompt)
+    prompt_pages = max(1, prompt_tokens // page_size)
+    holders = [c for c in eligible if c.matched_pages > shared
+               and c.matched_pages - shared >= policy.affinity_share * (prompt_pages - shared)]
+    best = cheapest(eligible)
+    idle_spill = best not in holders and best.load == 0 and best.pending_tokens == 0
+    c = cheapest(holders) if holders and not idle_spill else best
     reason = "prefix" if c.matched_pages > shared else "load"
     return Decision(c.name, reason, c.matched_pages * page_size)
+
+
+def affinity_key(digests: Sequence[bytes], depth: int = 16) -> bytes | None:
+    """The digest of the prompt's first ``depth`` pages (or of all, when shorter): it names the prompt's
+    start, past a short common system prompt, so new prompts that open alike (one document, other
+    questions) hash to the same replica on ties; None for a prompt shorter than a page."""
+    return digests[min(len(digests), depth) - 1] if digests else None

@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--replica-threads", type=int, default=1, help="compute threads of each replica")
     rt.add_argument("--replica-ssd", default="512MiB",
                     help="each replica's --ssd-budget (512MiB holds about 5 of the 12 documents)")
+    rt.add_argument("--affinity-share", type=float, default=0.5,
+                    help="the prefix router's --affinity-share (above 1: route by cost alone, the previous rule)")
     rt.add_argument("--no-faults", action="store_true", help="skip the run with a replica and the router killed")
     rt.add_argument("--fault-seconds", type=float, default=120.0, help="length of that run")
     rt.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
@@ -308,7 +310,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         res = routing_bench.run_routing_bench(args.work_dir, args.replicas, args.clients, args.seconds,
                                               args.replica_threads, not args.no_faults,
-                                              fault_seconds=args.fault_seconds, ssd_budget=args.replica_ssd)
+                                              fault_seconds=args.fault_seconds, ssd_budget=args.replica_ssd,
+                                              affinity_share=args.affinity_share)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(asdict(res), indent=2) + "\n")
         report = routing_report.markdown(res, "kvdrive bench routing " + " ".join(sys.argv[3:]))

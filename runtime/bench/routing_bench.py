@@ -55,6 +55,7 @@ class RoutingBenchResult:
     runs: list[RunResult] = field(default_factory=list)
     host: str = ""
     replica_ssd: str = "512MiB"  # each replica's --ssd-budget
+    affinity_share: float = 0.5  # the prefix router's --affinity-share
 
 
 def _summary(policy: str, samples: list[Sample], fleet: Fleet, counters: Counters) -> RunResult:
@@ -116,7 +117,8 @@ async def _fault_script(fleet: Fleet, seconds: float, log: dict[str, object]) ->
 
 
 def _run(root: Path, policy: str, args: RunArgs, seconds: float, with_faults: bool) -> RunResult:
-    fleet = Fleet(root, args.replicas, policy, args.threads, args.ssd_budget)
+    fleet = Fleet(root, args.replicas, policy, args.threads, args.ssd_budget,
+                  ("--affinity-share", str(args.affinity_share)))
     try:
         fleet.start()
         bar = tqdm(desc=f"{policy}{' + faults' if with_faults else ''}: requests", unit="req")
@@ -167,15 +169,17 @@ class RunArgs:
     threads: int
     workload: Workload
     ssd_budget: str = "512MiB"
+    affinity_share: float = 0.5  # the prefix router's --affinity-share (above 1: by cost alone)
 
 
 def run_routing_bench(work_dir: str, replicas: int = 3, clients: int = 16, seconds: float = 120.0,
                       threads: int = 1, faults: bool = True, seed: int = 0,
-                      fault_seconds: float = 120.0, ssd_budget: str = "512MiB") -> RoutingBenchResult:
-    args = RunArgs(replicas, clients, threads, Workload(seed=seed), ssd_budget)
+                      fault_seconds: float = 120.0, ssd_budget: str = "512MiB",
+                      affinity_share: float = 0.5) -> RoutingBenchResult:
+    args = RunArgs(replicas, clients, threads, Workload(seed=seed), ssd_budget, affinity_share)
     root = Path(work_dir) / f"run-{int(time.time())}"
     out = RoutingBenchResult(replicas, clients, seconds, asdict(args.workload), host=os.uname().nodename,
-                             replica_ssd=ssd_budget)
+                             replica_ssd=ssd_budget, affinity_share=affinity_share)
     for policy in ("round-robin", "prefix"):
         out.runs.append(_run(root / policy, policy, args, seconds, with_faults=False))
     if faults:

@@ -121,7 +121,8 @@ class Counters:
 
 
 class Fleet:
-    def __init__(self, root: Path, replicas: int, policy: str, threads: int, ssd_budget: str = "512MiB") -> None:
+    def __init__(self, root: Path, replicas: int, policy: str, threads: int, ssd_budget: str = "512MiB",
+                 router_args: tuple[str, ...] = ()) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.replicas = []
         for i in range(replicas):
@@ -132,7 +133,7 @@ class Fleet:
                                        "--dram-budget", DRAM_BUDGET, "--ssd-dir", str(d / "ssd"), "--ssd-budget",
                                        ssd_budget, "--threads", str(threads)], port, d / "serve.log"))
         rport = _port()
-        self.router = Proc(["route", "--port", str(rport), "--policy", policy, "--poll-seconds", "0.5",
+        self.router = Proc(["route", "--port", str(rport), "--policy", policy, "--poll-seconds", "0.5", *router_args,
                             *[a for r in self.replicas for a in ("--backend", r.url)]], rport, root / "router.log")
 
     def start(self) -> None:

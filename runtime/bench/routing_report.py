@@ -60,7 +60,8 @@ def markdown(result: RoutingBenchResult, command: str) -> str:
         "# Routing benchmark: prefix-aware vs round-robin",
         f"{result.replicas} replicas of the demo model (`kvdrive serve`, 1 compute thread each, GPU envelope "
         f"{GPU_BUDGET}, DRAM {DRAM_BUDGET}, SSD {result.replica_ssd}, fresh directories per run) behind "
-        f"`kvdrive route`; {result.clients} "
+        f"`kvdrive route` (prefix runs: affinity share {result.affinity_share:g}"
+        f"{', above 1: by cost alone' if result.affinity_share > 1 else ''}); {result.clients} "
         f"streaming clients starting requests for {result.seconds:.0f} s per comparison run (the fault run: its own "
         f"length; every run then waits for its answers in flight); "
         f"{int(100 * float(result.workload['shared_share']))}% of requests ask about one of "

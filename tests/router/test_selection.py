@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from kvdrive.router.selection import Candidate, NoReplicaError, Policy, choose
+from kvdrive.router.selection import Candidate, NoReplicaError, Policy, affinity_key, choose
 
 PAGE = 16
 POLICY = Policy(load_tokens=128, max_imbalance=8)
@@ -35,8 +35,9 @@ def test_on_a_busy_fleet_the_holder_keeps_its_document_while_its_queue_is_not_fa
     cands = [Candidate("a", 0, 2, pending_tokens=2000), Candidate("b", 125, 3, pending_tokens=5000)]
     d = choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
     assert (d.name, d.reason) == ("b", "prefix")
-    # counting only this request's own wait (weight 1), a would have won
-    assert choose(cands, Policy(recompute_weight=1.0), PAGE, first_page=b"doc", prompt_tokens=DOC).name == "a"
+    # affinity, not the weight, decides here: even counting only this request's own wait (weight 1, by which
+    # a's cost is lower) b keeps it, since a is not idle
+    assert choose(cands, Policy(recompute_weight=1.0), PAGE, first_page=b"doc", prompt_tokens=DOC).name == "b"
 
 
 def test_a_short_match_does_not_outweigh_a_queue() -> None:
@@ -105,3 +106,42 @@ def test_round_robin_ignores_what_replicas_hold() -> None:
 def test_no_replica_is_an_error_not_a_guess() -> None:
     with pytest.raises(NoReplicaError):
         choose([], POLICY, PAGE, b"x")
+
+
+def test_on_a_saturated_fleet_a_holder_keeps_its_document_even_behind_a_long_queue() -> None:
+    # no replica is idle; b holds the document but has 9,000 prompt tokens more queued than a. By cost alone
+    # (weight 3) a would compute the 2,000 tokens again; but a is busy too: computing them there delays
+    # everything queued on a, redoes work the fleet has done and caches the document twice
+    cands = [Candidate("a", 0, 2, pending_tokens=1000), Candidate("b", 125, 4, pending_tokens=10000)]
+    d = choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
+    assert (d.name, d.reason) == ("b", "prefix")
+    # the same queues, with a idle: idle capacity delays nobody, so it takes the request
+    idle = [Candidate("a", 0, 0), Candidate("b", 125, 4, pending_tokens=10000)]
+    assert choose(idle, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC).name == "a"
+
+
+def test_among_several_holders_the_cheapest_wins() -> None:
+    # a hot document spilled over earlier and now sits on a and c: the less loaded holder gets the repeat,
+    # never b, which would compute it a third time
+    cands = [Candidate("a", 125, 5), Candidate("b", 0, 1, pending_tokens=500), Candidate("c", 125, 2)]
+    d = choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
+    assert (d.name, d.reason) == ("c", "prefix")
+
+
+def test_a_holder_of_less_than_the_affinity_share_competes_on_cost() -> None:
+    # b holds the first 40% of the prompt (a shared preamble, another document after it): it is not a
+    # holder, so a busy b loses to a less busy a even though nobody is idle
+    cands = [Candidate("a", 0, 1, pending_tokens=500), Candidate("b", 50, 3, pending_tokens=9000)]
+    assert choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC).name == "a"
+    assert choose(cands, Policy(affinity_share=0.3), PAGE, first_page=b"doc", prompt_tokens=DOC).name == "b"
+
+
+def test_the_affinity_key_names_the_prompt_past_a_common_first_page() -> None:
+    # a chat template puts the same system prompt in every prompt's first page: the key is deeper, so two
+    # new documents hash apart while two questions about one document (same first 16 pages) hash together
+    system = [b"sys"]
+    doc_a = system + [f"a{i}".encode() for i in range(1, 140)]
+    doc_b = system + [f"b{i}".encode() for i in range(1, 140)]
+    assert affinity_key(doc_a) != affinity_key(doc_b)
+    assert affinity_key(doc_a + [b"question 1"]) == affinity_key(doc_a + [b"question 2"])
+    assert affinity_key([b"p0", b"p1"]) == b"p1" and affinity_key([]) is None
