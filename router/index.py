@@ -4,9 +4,12 @@ Two sources, both hints (a replica checks every page it reuses, so a wrong entry
 wrong token):
 - each replica's own list of the pages its tiers hold (``GET /v1/kvdrive/prefixes``), polled: it replaces
   what the router knew of that replica, so pages it evicted are forgotten at the next poll;
-- the pages of each prompt the router sent to a replica that accepted it, learned at once: a repeat that
-  arrives before the next poll still finds them. An entry learned this way lasts ``recent_seconds`` unless
-  a poll that started after it confirms it.
+- the pages of each prompt the router sent to a replica that accepted it, counted at once: a repeat that
+  arrives before the replica has computed them still finds them. They are *pinned* while the request is in
+  flight (queued or computing on the replica, whose polls cannot list pages it has not computed yet: a poll
+  dropping them made repeats of a document arriving in that window, 25-60 s for a cold 2-3K-token document
+  on the benchmark's fleet, go to other replicas and compute it again). When the request ends they count
+  as learned then, and last ``recent_seconds`` unless a poll that started after that confirms them.
 A replica that restarted (a new instance id), left or failed is forgotten.
 """
 
@@ -20,6 +23,7 @@ class PrefixIndex:
         self.recent_seconds = recent_seconds
         self._polled: dict[str, frozenset[bytes]] = {}
         self._recent: dict[str, dict[bytes, float]] = {}  # replica -> digest -> when it was learned
+        self._pinned: dict[str, dict[bytes, int]] = {}  # replica -> digest -> requests in flight with it
 
     def replace(self, replica: str, digests: Iterable[bytes], polled_at: float) -> None:
         """What a poll that started at ``polled_at`` found on ``replica``."""
@@ -30,9 +34,31 @@ class PrefixIndex:
     def learn(self, replica: str, digests: Sequence[bytes], now: float) -> None:
         self._recent.setdefault(replica, {}).update(dict.fromkeys(digests, now))
 
+    def pin(self, replica: str, digests: Sequence[bytes]) -> None:
+        """A request with these pages is in flight on ``replica``: they count until ``unpin``."""
+        pinned = self._pinned.setdefault(replica, {})
+        for d in digests:
+            pinned[d] = pinned.get(d, 0) + 1
+
+    def unpin(self, replica: str, digests: Sequence[bytes], now: float, learned: bool = True) -> None:
+        """That request ended: ``learned`` (the replica took it, so it holds its pages) they count as
+        learned ``now``; otherwise (refused, failed before answering) only the pin goes."""
+        pinned = self._pinned.get(replica)
+        if pinned is None:  # the replica was forgotten meanwhile
+            return
+        for d in digests:
+            left = pinned.get(d, 0) - 1
+            if left > 0:
+                pinned[d] = left
+            else:
+                pinned.pop(d, None)
+        if learned:
+            self.learn(replica, digests, now)
+
     def forget(self, replica: str) -> None:
         self._polled.pop(replica, None)
         self._recent.pop(replica, None)
+        self._pinned.pop(replica, None)
 
     def expire(self, now: float) -> None:
         for replica, recent in self._recent.items():
@@ -41,12 +67,14 @@ class PrefixIndex:
     def matched(self, replica: str, digests: Sequence[bytes]) -> int:
         """How many of the prompt's leading pages ``replica`` holds (stops at the first it lacks)."""
         polled, recent = self._polled.get(replica, frozenset()), self._recent.get(replica, {})
+        pinned = self._pinned.get(replica, {})
         n = 0
         for d in digests:
-            if d not in polled and d not in recent:
+            if d not in polled and d not in recent and d not in pinned:
                 break
             n += 1
         return n
 
     def pages(self, replica: str) -> int:
-        return len(self._polled.get(replica, frozenset()) | self._recent.get(replica, {}).keys())
+        return len(self._polled.get(replica, frozenset()) | self._recent.get(replica, {}).keys()
+                   | self._pinned.get(replica, {}).keys())

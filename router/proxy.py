@@ -57,26 +57,22 @@ async def forward(router: Router, metrics: RouterMetrics, method: str, path_qs: 
         if tried:
             metrics.retries += 1
         tried.add(b.url)
-        work = max(0, prompt_tokens - decision.matched_tokens)
-        b.in_flight += 1
-        b.pending_tokens += work
+        sent = Sent(b, max(0, prompt_tokens - decision.matched_tokens), mine)
+        sent.claim(router)  # its pages count on that replica from now, while it queues and computes them
         try:
             resp = await _until_gone(router.session.request(method, b.url + path_qs, headers=_headers(headers),
                                                             data=body), gone)
         except ClientGone:
-            b.in_flight -= 1
-            b.pending_tokens -= work
+            sent.release(router, learned=False)
             return Response(status_code=499)  # nobody is listening; nginx's code for it, for the access log
         except (TimeoutError, aiohttp.ClientError) as exc:
-            b.in_flight -= 1
-            b.pending_tokens -= work
+            sent.release(router, learned=False)
             b.failed(time.monotonic(), f"{type(exc).__name__}: {exc}", health)
             continue
         if resp.status >= 500 or resp.status == 429:
             payload = await resp.read()
             resp.release()
-            b.in_flight -= 1
-            b.pending_tokens -= work
+            sent.release(router, learned=False)
             if resp.status >= 500:
                 b.failed(time.monotonic(), f"HTTP {resp.status}", health)
             last = Response(payload, status_code=resp.status, headers=_headers(resp.headers))
@@ -84,9 +80,7 @@ async def forward(router: Router, metrics: RouterMetrics, method: str, path_qs: 
         b.succeeded()
         if routed:
             metrics.decided(decision.reason, decision.matched_tokens, prompt_tokens)
-        if resp.status == 200 and mine:
-            router.index.learn(b.url, mine, time.monotonic())  # its pages once the prompt is in
-        relay = Relay(resp, b, router, work)
+        relay = Relay(resp, sent, router)
         return StreamingResponse(relay.chunks(), status_code=resp.status, headers=_headers(resp.headers),
                                  background=BackgroundTask(relay.close))
     if last is not None:
@@ -114,12 +108,32 @@ async def _until_gone(work: Awaitable[T], gone: Callable[[], Awaitable[bool]], e
             task.cancel()
 
 
+class Sent:
+    """One attempt's claims on a replica while it is in flight: a request in its load, the prompt tokens it
+    will compute in its pending prefill, and the prompt's pages pinned in the index (the replica cannot list
+    them before it has computed them; a repeat meanwhile should still find them there)."""
+
+    def __init__(self, backend: Backend, work: int, pages: list[bytes]) -> None:
+        self.backend, self.work, self.pages = backend, work, pages
+
+    def claim(self, router: Router) -> None:
+        self.backend.in_flight += 1
+        self.backend.pending_tokens += self.work
+        router.index.pin(self.backend.url, self.pages)
+
+    def release(self, router: Router, learned: bool) -> None:
+        """``learned``: the replica took the prompt (its pages count as learned now); else they are dropped."""
+        self.backend.in_flight -= 1
+        self.backend.pending_tokens -= self.work
+        router.index.unpin(self.backend.url, self.pages, time.monotonic(), learned)
+
+
 class Relay:
     """One replica's answer passed through chunk by chunk. ``close`` is idempotent and runs both when the
     stream ends and after the response (a client that left before the first chunk never starts it)."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, backend: Backend, router: Router, work: int) -> None:
-        self.resp, self.backend, self.router, self.work = resp, backend, router, work
+    def __init__(self, resp: aiohttp.ClientResponse, sent: Sent, router: Router) -> None:
+        self.resp, self.sent, self.router = resp, sent, router
         self.complete = self.closed = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -128,8 +142,8 @@ class Relay:
                 yield chunk
             self.complete = True
         except (TimeoutError, aiohttp.ClientError) as exc:
-            self.backend.failed(time.monotonic(), f"mid-stream: {type(exc).__name__}: {exc}",
-                                self.router.pool.health)
+            self.sent.backend.failed(time.monotonic(), f"mid-stream: {type(exc).__name__}: {exc}",
+                                     self.router.pool.health)
             raise
         finally:
             self.close()
@@ -142,5 +156,4 @@ class Relay:
             self.resp.release()
         else:
             self.resp.close()  # the replica sees its client gone and stops the request
-        self.backend.in_flight -= 1
-        self.backend.pending_tokens -= self.work
+        self.sent.release(self.router, learned=self.resp.status == 200)

@@ -47,3 +47,40 @@ def test_a_replica_that_restarts_or_leaves_is_forgotten() -> None:
     index.learn("a", DOC, now=1.0)
     index.forget("a")
     assert index.matched("a", DOC) == 0 and index.pages("a") == 0
+
+
+def test_a_prompt_in_flight_stays_on_its_replica_through_polls_until_it_ends() -> None:
+    """The router sent a document to a; for the minute a's queue and prefill take, a's polls cannot list
+    pages it has not computed. A repeat meanwhile must still find them on a, or it is sent elsewhere and
+    computed twice. Once the request ends they are learned then: a poll that started later decides."""
+    index = PrefixIndex(recent_seconds=10.0)
+    index.pin("a", DOC)
+    for t in (2.0, 30.0, 55.0):  # polls (each started after the request was sent) and expiry
+        index.replace("a", [], polled_at=t)
+        index.expire(now=t)
+        assert index.matched("a", DOC) == 10
+    index.unpin("a", DOC, now=60.0)
+    index.replace("a", [], polled_at=59.0)  # started before the request ended: not the last word
+    assert index.matched("a", DOC) == 10
+    index.replace("a", DOC[:6], polled_at=61.0)  # a evicted some since: the replica's word wins
+    assert index.matched("a", DOC) == 6
+
+
+def test_two_requests_pin_a_page_twice_and_a_refused_one_teaches_nothing() -> None:
+    index = PrefixIndex()
+    index.pin("a", DOC)
+    index.pin("a", DOC[:5])  # a second question about the same document start
+    index.unpin("a", DOC[:5], now=1.0, learned=False)  # refused (429): a did not take it
+    index.replace("a", [], polled_at=2.0)
+    assert index.matched("a", DOC) == 10  # the first request still pins all ten
+    index.unpin("a", DOC, now=3.0, learned=False)  # it failed before answering
+    assert index.matched("a", DOC) == 0 and index.pages("a") == 0
+
+
+def test_a_forgotten_replica_drops_its_pins_and_a_late_unpin_is_harmless() -> None:
+    index = PrefixIndex()
+    index.pin("a", DOC)
+    index.forget("a")  # restarted: what it was computing is gone with it
+    assert index.matched("a", DOC) == 0
+    index.unpin("a", DOC, now=1.0)  # the request through it ends afterwards
+    assert index.matched("a", DOC) == 0
