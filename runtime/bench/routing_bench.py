@@ -44,6 +44,9 @@ class RunResult:
     decisions: dict[str, float]
     per_replica_prompt_tokens: list[int]
     faults: dict[str, object] = field(default_factory=dict)
+    # per answered request ("c{client}-{n}", the same prompt in every run): prompt tokens it computed
+    # (its prompt minus usage.prompt_tokens_details.cached_tokens), to compare runs on the same requests
+    computed_by_request: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -69,7 +72,8 @@ def _summary(policy: str, samples: list[Sample], fleet: Fleet, counters: Counter
         sum(s.tokens for s in ok) / seconds, percentiles([s.ttft for s in ok if s.ttft is not None]),
         {k: percentiles([s.ttft for s in ok if s.kind == k and s.ttft is not None]) for k in kinds},
         sum(prompt), sum(hits), sum(prompt) - PAGE * sum(hits),
-        counters.labelled(fleet.router, "kvdrive_router_decisions_total", "reason"), prompt)
+        counters.labelled(fleet.router, "kvdrive_router_decisions_total", "reason"), prompt,
+        computed_by_request={s.request: s.prompt_tokens - s.cached_tokens for s in ok if s.cached_tokens is not None})
 
 
 def _decisions(router_url: str) -> dict[str, float]:

@@ -37,9 +37,19 @@ def goals(result: RoutingBenchResult) -> str:
     prefill = px.prefill_tokens_computed / max(1, rr.prefill_tokens_computed)
     ttft = rr.ttft_ms.get("p50", 0) / max(1e-9, px.ttft_ms.get("p50", 0))
     tput = px.tokens_per_s / max(1e-9, rr.tokens_per_s)
+    same = sorted(set(px.computed_by_request) & set(rr.computed_by_request))
+    lines = []
+    if same:
+        a, b = sum(px.computed_by_request[k] for k in same), sum(rr.computed_by_request[k] for k in same)
+        ratio = a / max(1, b)
+        lines.append(f"- Prefill computed on the same requests (the {len(same)} prompts both runs answered, "
+                     f"from each answer's `usage.prompt_tokens_details.cached_tokens`), prefix / round-robin: "
+                     f"**{ratio:.2f}** ({a} vs {b} tokens; goal <= 0.5: {'met' if ratio <= 0.5 else 'NOT met'}).")
     return "\n".join([
-        f"- Prefill computed, prefix / round-robin: **{prefill:.2f}** (goal <= 0.5: "
-        f"{'met' if prefill <= 0.5 else 'NOT met'}); per request "
+        *lines,
+        f"- Prefill computed over each whole run (the replicas' counters; the prefix run answered "
+        f"{px.requests - px.errors} requests, round-robin {rr.requests - rr.errors}), prefix / round-robin: "
+        f"**{prefill:.2f}**; per request "
         f"{px.prefill_tokens_computed / max(1, px.requests - px.errors):.0f} vs "
         f"{rr.prefill_tokens_computed / max(1, rr.requests - rr.errors):.0f} tokens.",
         f"- TTFT p50, round-robin / prefix: **{ttft:.2f}x** (goal >= 2: {'met' if ttft >= 2 else 'NOT met'}).",

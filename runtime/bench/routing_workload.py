@@ -56,29 +56,42 @@ class Sample:
     tokens: int
     end: float = 0.0  # seconds since the run began
     error: str | None = None
+    request: str = ""  # "c{client}-{n}": the same key names the same prompt in every run
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: served from stored pages
+
+
+@dataclass(frozen=True)
+class Answer:
+    ttft: float | None
+    tokens: int
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 async def _one(http: httpx.AsyncClient, url: str, model: str, message: str, max_tokens: int,
-               headers: dict[str, str]) -> tuple[float | None, int, str | None]:
+               headers: dict[str, str]) -> Answer:
     body = {"model": model, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, usage = None, {}
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
-                return None, 0, f"HTTP {r.status_code}: {(await r.aread())[:120]!r}"
+                return Answer(None, 0, f"HTTP {r.status_code}: {(await r.aread())[:120]!r}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = int(chunk["usage"]["completion_tokens"])
+                usage = chunk.get("usage") or usage
                 if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     ttft = time.perf_counter() - t0
-        return ttft, tokens, None
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return Answer(ttft, int(usage.get("completion_tokens", 0)), None, int(usage.get("prompt_tokens", 0)),
+                      None if cached is None else int(cached))
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        return ttft, tokens, f"{type(exc).__name__}: {exc}"
+        return Answer(ttft, int(usage.get("completion_tokens", 0)), f"{type(exc).__name__}: {exc}")
 
 
 async def run_clients(url: str, model: str, workload: Workload, clients: int, seconds: float,
@@ -91,13 +104,15 @@ async def run_clients(url: str, model: str, workload: Workload, clients: int, se
         async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5)) as http:
             n = 0
             while time.perf_counter() - began < seconds:
-                kind, message = workload.request(rng, f"c{c}-{n}")
+                key = f"c{c}-{n}"
+                kind, message = workload.request(rng, key)
                 start = time.perf_counter() - began
-                ttft, tokens, err = await _one(http, url, model, message, workload.max_tokens, headers)
-                out.append(Sample(kind, start, ttft, tokens, time.perf_counter() - began, err))
+                a = await _one(http, url, model, message, workload.max_tokens, headers)
+                out.append(Sample(kind, start, a.ttft, a.tokens, time.perf_counter() - began, a.error, key,
+                                  a.prompt_tokens, a.cached_tokens))
                 tick(len(out))
                 n += 1
-                if err:
+                if a.error:
                     await asyncio.sleep(0.5)  # as a client would back off
 
     await asyncio.gather(*(client(c) for c in range(clients)))

@@ -117,6 +117,8 @@ class LLMEngine:
         if seq.seq_id is None:  # first chunk: open the sequence; stored prefix pages need no compute
             seq.seq_id, reused = self.gen.open_sequence(seq.tokens)
             seq.num_computed += reused
+            if seq.cached_tokens is None:  # what the client is told: its first admission (not a recompute's)
+                seq.cached_tokens = min(reused, len(seq.request.prompt_ids))
         n = min(n, seq.prefill_left or 1)  # a recomputed request's generated tokens: one per step (decode)
         self._reserved += self.gen.cache.pages_needed(seq.seq_id, n)
         return n
@@ -236,9 +238,8 @@ class LLMEngine:
             newest = max(live, key=lambda q: q.request.arrival)
             live.remove(newest)
             out = self._finish(newest, "error", new_tokens=(), delta="")
-            outputs.append(RequestOutput(out.request_id, (), "", out.prompt_tokens, out.completion_tokens,
-                                         finished=True, finish_reason="error",
-                                         error=f"the KV tiers had no room for this request's pages ({exc})"))
+            outputs.append(dataclasses.replace(
+                out, error=f"the KV tiers had no room for this request's pages ({exc})"))
             self._cache_full_steps = 0
         for seq in live:
             self._preempt(seq)
@@ -247,10 +248,8 @@ class LLMEngine:
         n = seq.lost_page_restarts - 1
         log.error("%s: KV pages unreadable again after %d recomputations; ending it", seq.request.request_id, n)
         out = self._finish(seq, "error", new_tokens=(), delta="")
-        return RequestOutput(out.request_id, (), "", out.prompt_tokens, out.completion_tokens, finished=True,
-                             finish_reason="error",
-                             error=f"KV pages of this request could not be read after {n} recomputations "
-                                   "(the SSD tier is failing: see kvdrive_tier_faults_total)")
+        return dataclasses.replace(out, error=f"KV pages of this request could not be read after {n} recomputations "
+                                              "(the SSD tier is failing: see kvdrive_tier_faults_total)")
 
     def _postprocess(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[RequestOutput]:
         ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1  # last row of each chunk
@@ -266,8 +265,7 @@ class LLMEngine:
             except Exception as exc:  # one request's failure (e.g. sampling) never ends the others
                 log.exception("request %s failed", chunks[i].seq.request.request_id)
                 out = self._finish(chunks[i].seq, "error", new_tokens=(), delta="")
-                outputs.append(RequestOutput(out.request_id, (), "", out.prompt_tokens, out.completion_tokens,
-                                             finished=True, finish_reason="error", error=f"sampling failed: {exc}"))
+                outputs.append(dataclasses.replace(out, error=f"sampling failed: {exc}"))
         return outputs
 
     def _fail_unservable(self) -> list[RequestOutput]:
@@ -287,8 +285,7 @@ class LLMEngine:
         outs = []
         for seq in list(self._seqs.values()):
             out = self._finish(seq, "error", new_tokens=(), delta="")
-            outs.append(RequestOutput(out.request_id, (), "", out.prompt_tokens, out.completion_tokens,
-                                      finished=True, finish_reason="error", error=message))
+            outs.append(dataclasses.replace(out, error=message))
         return outs
 
     def _emit(self, chunk: ScheduledChunk, logits: torch.Tensor) -> RequestOutput:
@@ -309,12 +306,13 @@ class LLMEngine:
         if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.gen.max_context:
             return self._finish(seq, "length", new_tokens=(token,), delta=delta + seq.stream.flush())
         return RequestOutput(seq.request.request_id, (token,), delta, len(seq.request.prompt_ids),
-                             seq.num_generated)
+                             seq.num_generated, cached_tokens=seq.cached_tokens or 0)
 
     def _finish(self, seq: SequenceState, reason: str, new_tokens: tuple[int, ...], delta: str) -> RequestOutput:
         self._release_pages(seq)
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request.request_id, None)
         return RequestOutput(seq.request.request_id, new_tokens, delta, len(seq.request.prompt_ids),
-                             seq.num_generated, finished=True, finish_reason=reason)
+                             seq.num_generated, finished=True, finish_reason=reason,
+                             cached_tokens=seq.cached_tokens or 0)
 

@@ -28,6 +28,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the tiers (stored pages) when it was admitted
 
 
 @dataclass
@@ -46,6 +47,7 @@ class SequenceState:
     bypassed: int = 0  # later requests admitted ahead of this one while it waited (fair scheduling)
     lost_page_restarts: int = 0  # recomputations this request needed because a page of its was unreadable
     undone_steps: int = 0  # steps of this request undone because a tier had no slot for their pages
+    cached_tokens: int | None = None  # prompt tokens reused from stored pages at its first admission
 
     @property
     def prefill_left(self) -> int:

@@ -307,14 +307,14 @@ def _finish_reason(reason: str | None) -> str | None:
 
 
 async def _collect(outputs: AsyncIterator[object]) -> tuple[str, str | None, s.Usage]:
-    parts, reason, prompt, completion = [], None, 0, 0
+    parts, reason, prompt, completion, cached = [], None, 0, 0, 0
     async for out in outputs:
         parts.append(out.text_delta)  # type: ignore[attr-defined]
         prompt, completion = out.prompt_tokens, out.completion_tokens  # type: ignore[attr-defined]
+        cached = out.cached_tokens  # type: ignore[attr-defined]
         if out.finished:  # type: ignore[attr-defined]
             reason = _finish_reason(out.finish_reason)  # type: ignore[attr-defined]
-    return "".join(parts), reason, s.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                                           total_tokens=prompt + completion)
+    return "".join(parts), reason, s.Usage.of(prompt, completion, cached)
 
 
 async def _stream(rid: str, outputs: AsyncIterator[object], chat: bool, model: str, include_usage: bool,
@@ -342,7 +342,7 @@ async def _stream(rid: str, outputs: AsyncIterator[object], chat: bool, model: s
         try:
             while True:
                 for out in items:
-                    usage = (out.prompt_tokens, out.completion_tokens)  # type: ignore[attr-defined]
+                    usage = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)  # type: ignore[attr-defined]
                     reason = _finish_reason(out.finish_reason) if out.finished else None  # type: ignore[attr-defined]
                     if out.text_delta or reason:  # type: ignore[attr-defined]
                         yield chunk(out.text_delta, reason)  # type: ignore[attr-defined]
@@ -359,7 +359,7 @@ async def _stream(rid: str, outputs: AsyncIterator[object], chat: bool, model: s
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]  # client gone: aborts the request
         if include_usage and usage is not None:
-            u = s.Usage(prompt_tokens=usage[0], completion_tokens=usage[1], total_tokens=sum(usage))
+            u = s.Usage.of(*usage)
             body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
                     "created": int(time.time()), "choices": [], "usage": u.model_dump()}
             yield f"data: {json.dumps(body)}\n\n"

@@ -7,6 +7,8 @@ tokenizer rebuilt from the spec encodes exactly as the replica's own.
 
 from __future__ import annotations
 
+import json
+
 from fastapi.testclient import TestClient
 
 from kvdrive.runtime.prompt import ChatMessage, Tokenizer, page_digests
@@ -52,3 +54,20 @@ def test_the_routing_endpoints_need_the_api_key_like_the_rest_of_v1(tiny_state: 
     for path in ("/v1/kvdrive/routing", "/v1/kvdrive/tokenizer", "/v1/kvdrive/prefixes"):
         assert client.get(path).status_code == 401
         assert client.get(path, headers={"Authorization": "Bearer k-123"}).status_code == 200
+
+
+def test_usage_reports_the_prompt_tokens_served_from_stored_pages(tiny_state: ServerState) -> None:
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field): none for a prompt never seen, the
+    stored full pages for a repeat, streamed or not; a client (and the routing benchmark) sees what a
+    request cost in prefill."""
+    client = TestClient(create_app(tiny_state))
+    prompt = list(range(120, 210))  # 90 tokens: 5 full pages and 10 tokens
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = client.post("/v1/completions", json=body).json()["usage"]
+    assert first["prompt_tokens"] == 90 and first["prompt_tokens_details"] == {"cached_tokens": 0}
+    again = client.post("/v1/completions", json=body).json()["usage"]
+    assert again["prompt_tokens_details"] == {"cached_tokens": 80}
+    streamed = client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 80}
