@@ -169,10 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--clients", type=int, default=16)
     rt.add_argument("--seconds", type=float, default=120.0)
     rt.add_argument("--replica-threads", type=int, default=1, help="compute threads of each replica")
-    rt.add_argument("--replica-ssd", default="512MiB",
-                    help="each replica's --ssd-budget (512MiB holds about 5 of the 12 documents)")
+    rt.add_argument("--replica-ssd", default="1GiB",
+                    help="each replica's --ssd-budget (1GiB holds ~23K tokens: ~10 of the 12 documents, all of them "
+                         "only across the fleet; 512MiB about 5)")
     rt.add_argument("--affinity-share", type=float, default=0.5,
-                    help="the prefix router's --affinity-share (above 1: route by cost alone, the previous rule)")
+                    help="the prefix router's --affinity-share (above 1: route by cost alone)")
     rt.add_argument("--no-faults", action="store_true", help="skip the run with a replica and the router killed")
     rt.add_argument("--fault-seconds", type=float, default=120.0, help="length of that run")
     rt.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))

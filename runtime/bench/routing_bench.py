@@ -57,7 +57,7 @@ class RoutingBenchResult:
     workload: dict[str, object]
     runs: list[RunResult] = field(default_factory=list)
     host: str = ""
-    replica_ssd: str = "512MiB"  # each replica's --ssd-budget
+    replica_ssd: str = "1GiB"  # each replica's --ssd-budget
     affinity_share: float = 0.5  # the prefix router's --affinity-share
 
 
@@ -172,13 +172,13 @@ class RunArgs:
     clients: int
     threads: int
     workload: Workload
-    ssd_budget: str = "512MiB"
+    ssd_budget: str = "1GiB"
     affinity_share: float = 0.5  # the prefix router's --affinity-share (above 1: by cost alone)
 
 
 def run_routing_bench(work_dir: str, replicas: int = 3, clients: int = 16, seconds: float = 120.0,
                       threads: int = 1, faults: bool = True, seed: int = 0,
-                      fault_seconds: float = 120.0, ssd_budget: str = "512MiB",
+                      fault_seconds: float = 120.0, ssd_budget: str = "1GiB",
                       affinity_share: float = 0.5) -> RoutingBenchResult:
     args = RunArgs(replicas, clients, threads, Workload(seed=seed), ssd_budget, affinity_share)
     root = Path(work_dir) / f"run-{int(time.time())}"

@@ -121,7 +121,7 @@ class Counters:
 
 
 class Fleet:
-    def __init__(self, root: Path, replicas: int, policy: str, threads: int, ssd_budget: str = "512MiB",
+    def __init__(self, root: Path, replicas: int, policy: str, threads: int, ssd_budget: str = "1GiB",
                  router_args: tuple[str, ...] = ()) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.replicas = []
