@@ -10,8 +10,9 @@ at the layer's previous decode step (``drawn``, exact for the pages that step se
 a bound over a 16-key box is loose, and at 32K tokens (~2,000 pages) the page holding a pass key ranked
 below the 63 a 1,024-token budget keeps in 5 of 27 (step, layer) cases of one prompt although it drew
 over half of a layer's attention one step before; carried over, it stays while it still draws attention
-(docs/attention.md). The open (partial) tail page is always attended and not counted here. One layer's selection for the whole decode batch is one ``bmm``, one softmax and one
-``topk``; sequences shorter than the budget take all their pages, in order.
+(docs/attention.md). The open (partial) tail page is always attended and not counted here. One layer's
+selection for the whole decode batch is one ``bmm``, one softmax and one ``topk``; sequences shorter than
+the budget take all their pages, in order.
 """
 
 from __future__ import annotations
