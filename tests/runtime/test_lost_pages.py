@@ -1,7 +1,8 @@
 """Unreadable KV pages never loop a request forever, and never serve bad data.
 
-A tiny model decodes with a device tier far smaller than its context and an SSD tier below it, so that
-every step reads pages from the SSD. When the SSD tier turns unreadable (every read fails, as a dying
+A tiny model decodes with a device tier of 4 pages (a step selects up to 8 per layer, of a 100-page
+context) and an SSD tier below it, so that every step reads pages from the SSD (a larger device tier
+would keep the pages a step keeps selecting, and a dead disk would then go unnoticed). When the SSD tier turns unreadable (every read fails, as a dying
 disk would), each lost page preempts the request and it is recomputed; after MAX_LOST_PAGE_RESTARTS
 recomputations it ends with a clear error instead of looping (before: preempted again and again, never
 finishing, everything queued behind it). A healthy request in the same engine is unaffected.
@@ -34,7 +35,7 @@ def _engine(loaded: LoadedModel, ssd: Path) -> LLMEngine:
     layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=8 * PAGE)
     gen = Generator(loaded, replace(shape, tiers=TierConfig(
-        gpu_bytes=24 * layout.page_bytes + reserve_bytes(layout, shape), dram_bytes=0, ssd_dir=str(ssd),
+        gpu_bytes=4 * layout.page_bytes + reserve_bytes(layout, shape), dram_bytes=0, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2))
 
@@ -47,8 +48,18 @@ def test_a_request_whose_pages_stay_unreadable_ends_with_an_error(hf_model_facto
     g = torch.Generator().manual_seed(0)
     prompt = tuple(torch.randint(3, 250, (400,), generator=g).tolist())  # 100 pages: most of them on the ssd
     engine.add_request(Request("doomed", prompt, SamplingParams(max_tokens=40, ignore_eos=True), 0.0))
-    for _ in range(30):  # prefill (pages written through to the ssd) and a few decode steps
+    reads: list[int] = []
+
+    def counted_read(slots, out):  # type: ignore[no-untyped-def]
+        reads.append(len(slots))
+        return healthy_read(slots, out)
+
+    ssd.read = counted_read  # type: ignore[method-assign]
+    for i in range(30):  # prefill (pages written through to the ssd) and a few decode steps
         engine.step()
+        if i == 19:
+            reads.clear()
+    assert sum(reads) >= 10, f"the scenario needs decode steps that read the ssd, read {reads}"
     ssd.read = lambda slots, out: [False] * len(slots)  # type: ignore[method-assign]  # the disk dies
     outputs = []
     for _ in range(2000):
