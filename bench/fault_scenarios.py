@@ -34,20 +34,15 @@ import asyncio
 import json
 import os
 import random
-import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-
-import httpx
-from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))  # the live tests' server launcher
@@ -56,7 +51,9 @@ from liveservers import Server, start, wait_ready  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "bench"))
 from diskkit import extents_beyond, fill, free_bytes, loop_fs, sh  # noqa: E402
+from faultclient import load, probe, sequential, summarize  # noqa: E402
 from faultlog import log_report, parse_log  # noqa: E402
+from faultreport import markdown  # noqa: E402
 
 from kvdrive.runtime.bench.texts import haystack_words  # noqa: E402
 
@@ -77,150 +74,6 @@ def mid_prompt(i: int) -> str:
 
 def prompt_set(n_long: int, n_mid: int) -> dict[str, str]:
     return {**{f"long{i}": long_prompt(i) for i in range(n_long)}, **{f"mid{i}": mid_prompt(i) for i in range(n_mid)}}
-
-
-# --- requests ----------------------------------------------------------------------------------------
-@dataclass
-class Result:
-    name: str
-    status: str  # HTTP status, or the exception's name when no answer came
-    seconds: float
-    text: str = ""
-    finish: str = ""
-    identical: bool | None = None
-
-
-async def greedy(client: httpx.AsyncClient, server: Server, name: str, prompt: str, max_tokens: int) -> Result:
-    t0 = time.perf_counter()
-    try:
-        r = await client.post(f"{server.url}/v1/completions", timeout=600, json={
-            "model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
-    except httpx.HTTPError as exc:
-        return Result(name, type(exc).__name__, time.perf_counter() - t0)
-    seconds = time.perf_counter() - t0
-    if r.status_code != 200:
-        return Result(name, str(r.status_code), seconds, r.text[:2000])
-    choice = r.json()["choices"][0]
-    return Result(name, "200", seconds, choice["text"], str(choice.get("finish_reason")))
-
-
-def judge(results: list[Result], ref: dict[str, str]) -> None:
-    for r in results:
-        r.identical = r.status == "200" and r.text == ref.get(r.name)
-
-
-def pct(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    return {"p50": round(statistics.median(values), 2), "max": round(max(values), 2), "n": len(values)}
-
-
-def summarize(results: list[Result], ref: dict[str, str]) -> dict[str, Any]:
-    judge(results, ref)
-    status: dict[str, int] = {}
-    finish: dict[str, int] = {}
-    for r in results:
-        status[r.status] = status.get(r.status, 0) + 1
-        if r.finish:
-            finish[r.finish] = finish.get(r.finish, 0) + 1
-    return {
-        "requests": len(results), "status": status, "http_5xx": sum(n for s, n in status.items() if s.startswith("5")),
-        "no_answer": sum(n for s, n in status.items() if not s.isdigit()), "finish_reasons": finish,
-        "identical": sum(bool(r.identical) for r in results),
-        "different": [{"prompt": r.name, "status": r.status, "got": r.text[:120], "want": ref.get(r.name, "")[:120]}
-                      for r in results if not r.identical][:10],
-        "latency_s": pct([r.seconds for r in results if r.status == "200"]),
-        "errors": error_messages(results),
-    }
-
-
-def error_messages(results: list[Result]) -> dict[str, int]:
-    """Distinct error messages of the answers that were not 200 (numbers and hashes blanked), with counts."""
-    out: dict[str, int] = {}
-    for r in results:
-        if r.status == "200":
-            continue
-        try:
-            message = json.loads(r.text)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = r.text or r.status
-        key = f"{r.status}: " + re.sub(r"BlockKey\([^)]*\)", "BlockKey(..)", message)[:140]
-        out[key] = out.get(key, 0) + 1
-    return out
-
-
-async def sequential(server: Server, named: list[tuple[str, str]], max_tokens: int, desc: str) -> list[Result]:
-    async with httpx.AsyncClient() as client:
-        return [await greedy(client, server, n, p, max_tokens) for n, p in tqdm(named, desc=desc)]
-
-
-async def load(server: Server, named: list[tuple[str, str]], seconds: float, clients: int, max_tokens: int,
-               desc: str, halfway: Any = None) -> list[Result]:
-    """``clients`` greedy clients cycling through ``named`` for ``seconds``; ``halfway()`` runs at half time."""
-    results: list[Result] = []
-    deadline = time.monotonic() + seconds
-
-    async def client_loop(client: httpx.AsyncClient, w: int) -> None:
-        n = w * max(1, len(named) // clients)
-        while time.monotonic() < deadline:
-            name, p = named[n % len(named)]
-            results.append(await greedy(client, server, name, p, max_tokens))
-            n += 1
-
-    async def clock() -> None:
-        with tqdm(total=int(seconds), desc=desc) as bar:
-            done_half = False
-            while (left := deadline - time.monotonic()) > 0:
-                await asyncio.sleep(min(1.0, left))
-                bar.n = int(seconds - max(0.0, deadline - time.monotonic()))
-                bar.refresh()
-                if halfway is not None and not done_half and time.monotonic() > deadline - seconds / 2:
-                    done_half = True
-                    halfway()
-
-    async with httpx.AsyncClient() as client:
-        await asyncio.gather(clock(), *(client_loop(client, w) for w in range(clients)))
-    return results
-
-
-# --- the server's view ---------------------------------------------------------------------------------
-def metrics_of(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for name, labels, value in re.findall(r"^(kvdrive_[a-z_]+)(\{[^}]*\})? (\S+)$", text, re.M):
-        out[name + labels] = float(value)
-    return out
-
-
-def labeled(m: dict[str, float], metric: str) -> dict[str, float]:
-    """{"tier/kind" or "tier": value} of one labeled metric."""
-    out: dict[str, float] = {}
-    for key, value in m.items():
-        if key.startswith(metric + "{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', key))
-            out["/".join(labels[k] for k in ("tier", "kind", "outcome") if k in labels)] = value
-    return out
-
-
-async def probe(server: Server) -> dict[str, Any]:
-    """/readyz, the fault metrics and the SSD tier as /admin/tiers reports it."""
-    async with httpx.AsyncClient(timeout=30) as client:
-        rz = await client.get(f"{server.url}/readyz")
-        m = metrics_of((await client.get(f"{server.url}/metrics")).text)
-        tiers = (await client.get(f"{server.url}/admin/tiers", headers=server.admin())).json()["tiers"]
-        models = (await client.get(f"{server.url}/v1/models")).json()["data"]
-    ssd = next((t for t in tiers if t["tier"] == "ssd"), {})
-    try:
-        body: Any = rz.json()
-    except ValueError:
-        body = rz.text
-    return {
-        "readyz": {"status": rz.status_code, "body": body},
-        "faults": labeled(m, "kvdrive_tier_faults_total"), "degraded": labeled(m, "kvdrive_tier_degraded"),
-        "ssd_blocks": ssd.get("pages"), "ssd_capacity_bytes": ssd.get("capacity_bytes"),
-        "ssd_errors": ssd.get("errors"), "page_misses": m.get("kvdrive_page_misses_total"),
-        "prefix_hit_pages": m.get("kvdrive_prefix_hit_pages_total"),
-        "page_reads": labeled(m, "kvdrive_page_reads_total"), "max_model_len": models[0].get("max_model_len"),
-    }
 
 
 # --- server processes ----------------------------------------------------------------------------------
@@ -382,71 +235,6 @@ async def eio(args: argparse.Namespace, work: Path, ref: dict[str, str]) -> dict
         "ready_s": ready, "warm": summarize(warm, ref), "probe_before_fault": before, "probe_end": end,
         "stop": stopped, "load": summarize(results, ref), "log": log_report(server.log, t0, t1),
     }
-
-
-# --- output --------------------------------------------------------------------------------------------------
-def faults_cell(p: dict[str, Any]) -> str:
-    f = ", ".join(f"{k} {int(v)}" for k, v in p["faults"].items()) or "none"
-    d = ", ".join(k for k, v in p["degraded"].items() if v) or "none"
-    return f"{f}; degraded: {d}"
-
-
-def readyz_cell(p: dict[str, Any]) -> str:
-    b = p["readyz"]["body"]
-    if isinstance(b, dict):
-        why = "; ".join(f"{k}: {v}" for k, v in b.get("degraded", {}).items())
-        return f"{p['readyz']['status']} {b.get('status')}" + (f" ({why})" if why else "")
-    return f"{p['readyz']['status']} {str(b)[:80]}"
-
-
-def logs_cell(lg: dict[str, Any]) -> str:
-    parts = [f"{k}: {v['lines']} lines, {v['per_10s_window']}/10 s, max {v['max_in_any_10s']} in 10 s"
-             for k, v in lg["fault_lines"].items()]
-    return ("; ".join(parts) or "no fault lines") + f" ({lg['duration_s']} s; {lg['warning_error_lines']} warn/error)"
-
-
-def served_cell(s: dict[str, Any]) -> str:
-    status = ", ".join(f"{k}: {v}" for k, v in sorted(s["status"].items()))
-    return f"{s['identical']}/{s['requests']} identical; status {status}; 5xx {s['http_5xx']}"
-
-
-def scenario_row(title: str, s: dict[str, Any], served: str, extra: str) -> tuple[str, ...]:
-    """One scenario's table row: its answers (``s[served]``), then what /metrics, /readyz and the log said."""
-    return (title, served_cell(s[served]), faults_cell(s["probe_end"]), readyz_cell(s["probe_end"]),
-            logs_cell(s["log"]), extra)
-
-
-def markdown(res: dict[str, Any]) -> str:
-    rows = []
-    s1 = res.get("deleted_slabs")
-    if isinstance(s1, dict) and "after_restart" in s1:
-        extra = (f"index blocks {s1['index_blocks_before_stop']} -> {s1['index_blocks_after_restart']}; ready "
-                 f"{s1['ready_s']['first_start']} s / restart {s1['ready_s']['restart']} s; latency after restart "
-                 f"p50 {s1['after_restart']['latency_s'].get('p50')} s, max {s1['after_restart']['latency_s'].get('max')} s "
-                 f"(first run max {s1['first_run']['latency_s'].get('max')} s)")
-        rows.append(scenario_row("1 deleted slabs + restart", s1, "after_restart", extra))
-    s2 = res.get("disk_full")
-    if isinstance(s2, dict) and "load" in s2:
-        extra = (f"{s2['disk']['free_at_server_start'] // MiB} MiB free at start; ssd capacity "
-                 f"{(s2['probe_start']['ssd_capacity_bytes'] or 0) // MiB} MiB; latency p50 "
-                 f"{s2['load']['latency_s'].get('p50')} s max {s2['load']['latency_s'].get('max')} s")
-        rows.append(scenario_row("2 disk full", s2, "load", extra))
-    s3 = res.get("eio")
-    if isinstance(s3, dict) and "load" in s3:
-        extra = (f"{s3['device']['fraction_past_cut']} of slab bytes past the cut; latency p50 "
-                 f"{s3['load']['latency_s'].get('p50')} s max {s3['load']['latency_s'].get('max')} s; "
-                 f"stop exit {s3['stop'].get('exit')} in {s3['stop'].get('seconds')} s")
-        rows.append(scenario_row("3 EIO (loop device shrunk)", s3, "load", extra))
-    head = "| scenario | served | faults in /metrics | /readyz | fault log lines | other |\n| --- | --- | --- | --- | --- | --- |\n"
-    body = "".join("| " + " | ".join(c.replace("|", "/") for c in r) + " |\n" for r in rows)
-    errors = [f"- {name}: {n} x `{msg}`\n" for name in ("deleted_slabs", "disk_full", "eio")
-              for part in ("after_restart", "load") if isinstance(res.get(name), dict) and part in res[name]
-              for msg, n in res[name][part]["errors"].items()]
-    if errors:
-        body += "\nNon-200 answers:\n" + "".join(errors)
-    failed = {k: v for k, v in res.items() if isinstance(v, dict) and "error" in v}
-    tail = "".join(f"\n**{k} failed**: {v['error']}\n" for k, v in failed.items())
-    return f"# Fault scenarios\n\n`{res['command']}`\n\n{head}{body}{tail}"
 
 
 async def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
