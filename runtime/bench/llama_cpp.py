@@ -4,7 +4,8 @@ Runs through ``llama-cpp-python``'s low-level API (the ``bench`` extra; it compi
 about 10-15 minutes on 2 cores), so that a batch of B sequences decodes as one ``llama_decode`` of B tokens
 (one KV stream per sequence). Every sequence is prefilled once at the longest context; shorter contexts
 are measured by cutting each sequence's KV back (``llama_memory_seq_rm``), so the long prefill is paid
-once. Flash attention is off: on this CPU it made decode 2.5x slower (measured 82 vs 32 ms a token at 3K).
+once; sliding-window layers (Gemma 3) keep their full history (``swa_full``) so that the cut is exact, as
+it would not be with only the last window kept. Flash attention is off: on this CPU it made decode 2.5x slower (measured 82 vs 32 ms a token at 3K).
 Token ids are the demo tokenizer's: the vocabulary is the GGUF's own. When the package is missing the
 benchmark says so and goes on without this row.
 """
@@ -60,6 +61,7 @@ class LlamaCppDecoder:
         cp.n_threads = cp.n_threads_batch = threads
         cp.kv_unified = False  # one KV stream per sequence: decode attends to its own tokens only
         cp.flash_attn_type = 0
+        cp.swa_full = True  # sliding-window layers keep every position, so cutting back to a context is exact
         cp.no_perf = True
         self.ctx = lc.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -95,7 +97,8 @@ class LlamaCppDecoder:
         """Decode ``warmup + steps`` tokens for sequences 0..batch-1 cut back to ``context`` tokens."""
         lc = self.lc
         for s in range(len(self.prompts)):  # drop what earlier runs decoded and what lies past the context
-            lc.llama_memory_seq_rm(self.memory, s, context, -1)
+            if not lc.llama_memory_seq_rm(self.memory, s, context, -1):
+                raise RuntimeError(f"llama.cpp could not cut sequence {s} back to {context} tokens")
         # the token at position ``context``: the prompt's next one, or the greedy one after a whole prompt
         last = [p[context] if len(p) > context else self.last[s] for s, p in enumerate(self.prompts[:batch])]
         times = []
