@@ -5,7 +5,8 @@ about 10-15 minutes on 2 cores), so that a batch of B sequences decodes as one `
 (one KV stream per sequence). Every sequence is prefilled once at the longest context; shorter contexts
 are measured by cutting each sequence's KV back (``llama_memory_seq_rm``), so the long prefill is paid
 once; sliding-window layers (Gemma 3) keep their full history (``swa_full``) so that the cut is exact, as
-it would not be with only the last window kept. Flash attention is off: on this CPU it made decode 2.5x slower (measured 82 vs 32 ms a token at 3K).
+it would not be with only the last window kept. Flash attention is off: on this CPU it made decode 2.5x
+slower (measured 82 vs 32 ms a token at 3K).
 Token ids are the demo tokenizer's: the vocabulary is the GGUF's own. When the package is missing the
 benchmark says so and goes on without this row.
 """

@@ -237,9 +237,7 @@ class LLMEngine:
         if (self._cache_full_steps > MAX_CACHE_FULL_STEPS or again) and live:
             newest = max(live, key=lambda q: q.request.arrival)
             live.remove(newest)
-            out = self._finish(newest, "error", new_tokens=(), delta="")
-            outputs.append(dataclasses.replace(
-                out, error=f"the KV tiers had no room for this request's pages ({exc})"))
+            outputs.append(self._fail(newest, f"the KV tiers had no room for this request's pages ({exc})"))
             self._cache_full_steps = 0
         for seq in live:
             self._preempt(seq)
@@ -247,9 +245,8 @@ class LLMEngine:
     def _give_up(self, seq: SequenceState) -> RequestOutput:
         n = seq.lost_page_restarts - 1
         log.error("%s: KV pages unreadable again after %d recomputations; ending it", seq.request.request_id, n)
-        out = self._finish(seq, "error", new_tokens=(), delta="")
-        return dataclasses.replace(out, error=f"KV pages of this request could not be read after {n} recomputations "
-                                              "(the SSD tier is failing: see kvdrive_tier_faults_total)")
+        return self._fail(seq, f"KV pages of this request could not be read after {n} recomputations "
+                               "(the SSD tier is failing: see kvdrive_tier_faults_total)")
 
     def _postprocess(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[RequestOutput]:
         ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1  # last row of each chunk
@@ -264,8 +261,7 @@ class LLMEngine:
                 outputs.append(self._emit(chunks[i], logits[row]))
             except Exception as exc:  # one request's failure (e.g. sampling) never ends the others
                 log.exception("request %s failed", chunks[i].seq.request.request_id)
-                out = self._finish(chunks[i].seq, "error", new_tokens=(), delta="")
-                outputs.append(dataclasses.replace(out, error=f"sampling failed: {exc}"))
+                outputs.append(self._fail(chunks[i].seq, f"sampling failed: {exc}"))
         return outputs
 
     def _fail_unservable(self) -> list[RequestOutput]:
@@ -284,8 +280,7 @@ class LLMEngine:
         """End every request with an error (after an unexpected failure in a step)."""
         outs = []
         for seq in list(self._seqs.values()):
-            out = self._finish(seq, "error", new_tokens=(), delta="")
-            outs.append(dataclasses.replace(out, error=message))
+            outs.append(self._fail(seq, message))
         return outs
 
     def _emit(self, chunk: ScheduledChunk, logits: torch.Tensor) -> RequestOutput:
@@ -308,11 +303,16 @@ class LLMEngine:
         return RequestOutput(seq.request.request_id, (token,), delta, len(seq.request.prompt_ids),
                              seq.num_generated, cached_tokens=seq.cached_tokens or 0)
 
-    def _finish(self, seq: SequenceState, reason: str, new_tokens: tuple[int, ...], delta: str) -> RequestOutput:
+    def _finish(self, seq: SequenceState, reason: str, new_tokens: tuple[int, ...], delta: str,
+                error: str | None = None) -> RequestOutput:
         self._release_pages(seq)
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request.request_id, None)
         return RequestOutput(seq.request.request_id, new_tokens, delta, len(seq.request.prompt_ids),
-                             seq.num_generated, finished=True, finish_reason=reason,
+                             seq.num_generated, finished=True, finish_reason=reason, error=error,
                              cached_tokens=seq.cached_tokens or 0)
+
+    def _fail(self, seq: SequenceState, error: str) -> RequestOutput:
+        """End ``seq`` with finish reason "error" and ``error`` for its client."""
+        return self._finish(seq, "error", new_tokens=(), delta="", error=error)
 

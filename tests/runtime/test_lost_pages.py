@@ -2,10 +2,11 @@
 
 A tiny model decodes with a device tier of 4 pages (a step selects up to 8 per layer, of a 100-page
 context) and an SSD tier below it, so that every step reads pages from the SSD (a larger device tier
-would keep the pages a step keeps selecting, and a dead disk would then go unnoticed). When the SSD tier turns unreadable (every read fails, as a dying
-disk would), each lost page preempts the request and it is recomputed; after MAX_LOST_PAGE_RESTARTS
-recomputations it ends with a clear error instead of looping (before: preempted again and again, never
-finishing, everything queued behind it). A healthy request in the same engine is unaffected.
+would keep the pages a step keeps selecting, and a dead disk would then go unnoticed). When the SSD tier
+turns unreadable (every read fails, as a dying disk would), each lost page preempts the request and it is
+recomputed; after MAX_LOST_PAGE_RESTARTS recomputations it ends with a clear error instead of looping
+(before: preempted again and again, never finishing, everything queued behind it). A healthy request in
+the same engine is unaffected.
 """
 
 from __future__ import annotations
