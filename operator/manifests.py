@@ -58,6 +58,8 @@ def runtime_settings(spec: KVDriveSpec) -> dict[str, Any]:
     return {
         "model": model,
         "served_model_name": spec.model.name,
+        # a pod that reserves GPUs computes on them; one that reserves none on its CPU
+        "device": "cuda" if spec.resources.gpus else "cpu",
         "host": "0.0.0.0",
         "port": CONTAINER_PORT,
         "gpu_budget": to_bytes(spec.tiers.gpu.budget),
@@ -77,7 +79,7 @@ def runtime_settings(spec: KVDriveSpec) -> dict[str, Any]:
 def serve_args(spec: KVDriveSpec) -> list[str]:
     """``kvdrive serve`` flags (ARCHITECTURE.md §4)."""
     s = runtime_settings(spec)
-    args = ["serve", "--model", s["model"], "--host", s["host"], "--port", str(s["port"])]
+    args = ["serve", "--model", s["model"], "--device", s["device"], "--host", s["host"], "--port", str(s["port"])]
     args += ["--gpu-budget", str(s["gpu_budget"]), "--dram-budget", str(s["dram_budget"])]
     if s["dram_budget"]:
         args += ["--dram-hugepage-dir", s["dram_hugepage_dir"]]
@@ -220,6 +222,10 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
         "securityContext": container_security(),
     }
+    if not spec.resources.gpus:
+        # the runtime image sets NVIDIA_VISIBLE_DEVICES=all: where the NVIDIA runtime is the node's
+        # default, a container without a GPU limit would otherwise be handed every GPU of the node
+        container["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": DRAIN_SECONDS,
         "securityContext": pod_security(fs_group=True),

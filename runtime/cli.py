@@ -58,7 +58,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_threads_arg(p)
     p.add_argument("--model", default="demo", help="'demo' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M base, "
                         "hybrid sliding/global attention, 32K context), a .gguf file or a Hugging Face model directory")
-    p.add_argument("--device", default="cpu", help="torch device for compute and the device KV tier (cpu, cuda)")
+    p.add_argument("--device", default="auto",
+                   help="torch device for compute and the device KV tier: auto (CUDA when torch sees a device, "
+                        "else the CPU; logged at start), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
                    help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = bsub.add_parser("model", help="load time, prefill and decode throughput of a model")
     _add_threads_arg(m)
     m.add_argument("--model", default="demo")
-    m.add_argument("--device", default="cpu")
+    m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as serve)")
     m.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
     m.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths")
     m.add_argument("--decode-context", type=int, nargs="+", default=[128, 2048], help="contexts for decode")
@@ -376,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if hasattr(args, "device"):  # auto -> cuda or cpu, once, before any model is loaded
+            from kvdrive.runtime.model.device import resolve_device
+
+            choice = resolve_device(args.device)
+            args.device = choice.device
+            log.info("device: %s (%s)", choice.device, choice.reason)
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":

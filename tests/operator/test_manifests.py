@@ -209,3 +209,22 @@ def test_operator_rbac_covers_every_child_kind() -> None:
     assert {"get", "list", "watch"} <= allowed["discovery.k8s.io", "endpointslices"]
     assert {"get", "patch"} <= allowed["kvdrive.io", "kvdrivedeployments/status"]
     assert "delete" not in allowed["", "secrets"]
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 4])
+def test_a_pod_computes_on_the_gpus_it_reserves(gpus: int) -> None:
+    """A pod that reserves GPUs runs `kvdrive serve --device cuda`; one that reserves none runs on
+    its CPU and is not handed the node's GPUs by an image-wide NVIDIA_VISIBLE_DEVICES=all."""
+    cr = _cr(load_example("minimal.yaml"), resources={"gpus": gpus})
+    kinds = _by_kind(render(cr, "t"))
+    container = kinds["StatefulSet"][0]["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    expected = "cuda" if gpus else "cpu"
+    assert args[args.index("--device") + 1] == expected
+    assert yaml.safe_load(kinds["ConfigMap"][0]["data"]["config.yaml"])["device"] == expected
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    if gpus:
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+        assert "NVIDIA_VISIBLE_DEVICES" not in env  # the device plugin says which GPUs
+    else:
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "void"

@@ -26,3 +26,13 @@ def test_pod_command_line_is_accepted_by_kvdrive_serve(example: str) -> None:
     # the envelope's split: the starting limit and the rows reserved for the tuner's ceiling
     assert args.max_running == cr.spec.concurrency.max_running
     assert args.max_sequences == cr.spec.max_sequences() >= args.max_running
+
+
+@pytest.mark.parametrize(("gpus", "device"), [(0, "cpu"), (2, "cuda")])
+def test_the_pod_device_flag_is_one_kvdrive_serve_accepts(gpus: int, device: str) -> None:
+    doc = load_example("minimal.yaml")
+    doc["metadata"] = {**doc["metadata"], "uid": "0b0c8e2e-1111-2222-3333-444455556666"}
+    doc["spec"] = {**doc["spec"], "resources": {"gpus": gpus}}
+    sts = next(c for c in render(parse_cr(doc), "t0ken") if c["kind"] == "StatefulSet")
+    args = build_parser().parse_args(sts["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args.device == device
