@@ -105,7 +105,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from kvdrive.operator.handlers import build_registry, login
+    from kvdrive.operator.handlers import build_registry
+    from kvdrive.operator.login import login
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
     registry = build_registry(connect=login, resync_seconds=args.resync_seconds)

@@ -41,6 +41,7 @@ from kvdrive.operator.conditions import (
 )
 from kvdrive.operator.kubeclient import ApiError, Conflict, KubeApi, owns_field
 from kvdrive.operator.live import LiveController
+from kvdrive.operator.login import login
 from kvdrive.operator.manifests import admin_token_of, render
 from kvdrive.operator.objects import (
     AUTOSCALER,
@@ -305,11 +306,6 @@ class Reconciler:
 
 
 Connect = Callable[..., "kopf.ConnectionInfo | None | Any"]
-
-
-def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """Production login: the pod's service account, else the local kubeconfig."""
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
 def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> kopf.OperatorRegistry:

@@ -34,6 +34,7 @@ from kvdrive.runtime.kvcache.block_index import MEMORY_TIERS, BlockIndex
 from kvdrive.runtime.kvcache.budgets import TIER_ORDER, BudgetError, TierBudgets, TierName
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.tiers.base import Tier, TierIOError
+from kvdrive.runtime.kvcache.tiers.dram import DramTier
 from kvdrive.runtime.kvcache.tiers.ssd import SsdTier
 
 log = logging.getLogger(__name__)
@@ -313,7 +314,11 @@ class Residency:
     # --- live budgets ----------------------------------------------------------------------------
     def _slots_for(self, tier: TierName, budget: int) -> int:
         t = self.tiers[tier]
-        return t.slots_for_budget(budget) if isinstance(t, SsdTier) else budget // t.slot_bytes
+        if isinstance(t, SsdTier):
+            return t.slots_for_budget(budget)
+        if isinstance(t, DramTier):
+            return DramTier.slots_for_budget(budget, t.slot_bytes, t.hugetlbfs_dir is not None)
+        return budget // t.slot_bytes
 
     def set_budgets(self, gpu_bytes: int | None = None, dram_bytes: int | None = None,
                     ssd_bytes: int | None = None, defer: frozenset[TierName] = frozenset()) -> TierBudgets:

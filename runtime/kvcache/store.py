@@ -52,13 +52,14 @@ class TieredKVStore(BlockReads):
         bb = self.block_bytes
         self.tiers: dict[TierName, Tier] = {
             "gpu": DeviceTier(bb, budgets.gpu_bytes // bb, device, extra_rows=device_extra_rows),
-            "dram": DramTier(bb, budgets.dram_bytes // bb, hugetlbfs_dir),
+            "dram": DramTier(bb, DramTier.slots_for_budget(budgets.dram_bytes, bb, bool(hugetlbfs_dir)), hugetlbfs_dir),
         }
         self.device = self.tiers["gpu"].device  # type: ignore[attr-defined]
         super().__init__(victim_order, BlockIndex(layout.num_layers, self.device))
-        # on a CPU host both memory tiers are host memory: one mapping, so one gather reads either
+        # on a CPU host both memory tiers are host memory: one mapping, so one gather reads either;
+        # not on hugetlbfs, whose pages are reserved for the DRAM budget alone (a pod's hugepages)
         self.arena = HostArena(self.tiers["gpu"], self.tiers["dram"], self._rebased) \
-            if self.device.type == "cpu" else None  # type: ignore[arg-type]
+            if self.device.type == "cpu" and not hugetlbfs_dir else None  # type: ignore[arg-type]
         if ssd_tier is None and ssd_dir is not None:
             codec = Int8Codec(layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype) \
                 if ssd_codec == "int8" else None

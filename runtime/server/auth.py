@@ -5,6 +5,7 @@ The checks themselves are the gate's (``gate.py``)."""
 from __future__ import annotations
 
 import logging
+import os
 import stat
 from pathlib import Path
 
@@ -16,11 +17,23 @@ def read_secret(path: str | Path | None) -> str | None:
     that group or others may read is used, with a warning that says how to fix it."""
     if path is None:
         return None
-    mode = Path(path).stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("secret file %s is readable by group or others (mode %o): chmod 600 it", path,
-                    stat.S_IMODE(mode))
+    st = Path(path).stat()
+    problem = secret_mode_problem(st.st_mode, st.st_uid, st.st_gid, os.geteuid(), (os.getegid(), *os.getgroups()))
+    if problem:
+        log.warning("secret file %s %s", path, problem)
     text = Path(path).read_text().strip()
     if not text:
         raise ValueError(f"secret file {path} is empty")
     return text.splitlines()[0].strip()
+
+
+def secret_mode_problem(mode: int, uid: int, gid: int, euid: int, groups: tuple[int, ...]) -> str | None:
+    """What is wrong with a secret file's permissions, or None. Group access is fine when it is the
+    only way this process reads the file: another user's file in one of our groups, as a Kubernetes
+    Secret volume with fsGroup is (root, the pod's group, mode 0440)."""
+    bits = stat.S_IMODE(mode)
+    others = mode & stat.S_IRWXO
+    through_group = uid != euid and gid in groups
+    if others or (mode & stat.S_IRWXG and not through_group):
+        return f"is readable by group or others (mode {bits:o}): chmod 600 it"
+    return None

@@ -138,6 +138,61 @@ def test_dram_tier_on_hugetlbfs(hugetlbfs: Path) -> None:
     del out
 
 
+@pytest.fixture
+def pod_hugepages(tmp_path: Path) -> Iterator[Path]:
+    """A hugetlbfs mount sized to 4 MiB (two 2 MiB pages), as the kubelet mounts a pod's
+    `emptyDir: {medium: HugePages-2Mi, sizeLimit: 4Mi}` for a 4 MiB DRAM tier."""
+    nr = Path("/proc/sys/vm/nr_hugepages")
+    try:
+        before = int(nr.read_text())
+        nr.write_text(str(before + 8))
+    except OSError as exc:
+        pytest.skip(f"cannot reserve hugepages: {exc}")
+    mnt = tmp_path / "pod-huge"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M,size=4M", "none", str(mnt)],
+                       capture_output=True)
+    try:
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount hugetlbfs: {r.stderr.decode().strip()}")
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        nr.write_text(str(before))
+
+
+def test_a_dram_budget_fills_a_hugetlbfs_mount_of_its_size(pod_hugepages: Path) -> None:
+    """Found by the one-node cluster: a pod's DRAM tier of 64Mi on its 64Mi of hugepages fell back to
+    anonymous memory, because the pool's zero row pushed it one huge page past the budget; and on a
+    CPU pod the device tier was put in the same hugetlbfs mapping, which the pod never reserved."""
+    budget = 4 << 20
+    s = TieredKVStore(LAYOUT, TierBudgets(64 * BB, budget, 0), hugetlbfs_dir=str(pod_hugepages))
+    usage = {u.tier: u for u in s.usage()}
+    assert usage["dram"].backing == f"hugetlbfs:{pod_hugepages}"
+    assert usage["dram"].capacity_bytes + BB <= budget  # the pool with its zero row fits the budget
+    assert usage["dram"].capacity_bytes > budget - 2 * BB  # and uses the rest of it
+    assert usage["gpu"].backing != usage["dram"].backing  # the device tier is not in the pod's hugepages
+    keys = make_keys(8)
+    s.put(keys, blocks_for(keys), tier="dram", needed=False)
+    # the device tier's budget moves (as the tuner's max_running does): DRAM stays on its hugepages
+    s.set_budgets(gpu_bytes=32 * BB)
+    s.set_budgets(gpu_bytes=96 * BB)
+    assert {u.tier: u.backing for u in s.usage()}["dram"] == f"hugetlbfs:{pod_hugepages}"
+    out, ok = read(s, keys)
+    assert all(ok) and torch.equal(out, blocks_for(keys))
+    s.close()
+
+
+def test_a_dram_shrink_on_exact_hugepages_keeps_them(pod_hugepages: Path) -> None:
+    """A smaller DRAM budget cannot get a second mapping beside the first on hugepages reserved to
+    the byte: the tier keeps its pages, cut down, instead of moving to anonymous memory."""
+    tier = DramTier(BB, (4 << 20) // BB - 1, hugetlbfs_dir=str(pod_hugepages))
+    assert tier.backing.startswith("hugetlbfs")
+    assert tier.resize(100) == 100
+    assert tier.backing.startswith("hugetlbfs") and tier.allocator.capacity == 100
+    tier.close()
+
+
 def test_dram_tier_falls_back_to_thp_without_a_mount() -> None:
     tier = DramTier(BB, 10)
     assert tier.backing == "anon-thp" and tier.allocated_bytes == 10 * BB

@@ -165,3 +165,19 @@ def test_a_world_readable_secret_file_is_used_with_a_warning(tmp_path: Any, capl
     path.chmod(0o644)
     assert read_secret(path) == "t0ken"
     assert f"secret file {path} is readable by group or others (mode 644): chmod 600 it" in caplog.text
+
+
+def test_a_kubernetes_secret_volume_file_is_not_warned_about() -> None:
+    """Found by the one-node cluster: every pod logged "chmod 600 it" for its admin token. A Secret
+    volume with fsGroup gives the file to root, group = the pod's group, mode 0440: group read is
+    the only way the server can read it, and the mount is read-only."""
+    from kvdrive.runtime.server.auth import secret_mode_problem
+
+    pod = {"uid": 0, "gid": 10001, "euid": 10001, "groups": (10001,)}
+    assert secret_mode_problem(0o440, **pod) is None
+    assert secret_mode_problem(0o444, **pod) is not None  # others may still read it: warned
+    own = {"uid": 10001, "gid": 10001, "euid": 10001, "groups": (10001,)}
+    assert secret_mode_problem(0o640, **own) is not None  # our own file: chmod 600 is the fix
+    assert secret_mode_problem(0o600, **own) is None
+    stranger = {"uid": 0, "gid": 50, "euid": 10001, "groups": (10001,)}
+    assert secret_mode_problem(0o440, **stranger) is not None  # a group we are not in

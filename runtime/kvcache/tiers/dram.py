@@ -3,7 +3,10 @@ anonymous mmap with MADV_HUGEPAGE; registered as pinned memory (cudaHostRegister
 
 The pool is one mapping, replaced (and the old one unmapped) when the budget changes, so a shrink
 returns memory to the system. A hugetlbfs pool is a file created and unlinked at once in the mount
-(nothing is left behind after a crash).
+(nothing is left behind after a crash). There the zero row counts in the budget (``slots_for_budget``),
+so a budget of N huge pages fits a mount of N pages exactly, as a pod's hugepages are reserved. Once on
+hugetlbfs, a new mapping that does not fit beside the old one is an error, not a quiet move to
+anonymous memory: a shrink then keeps the old pages, cut down (``MemoryPoolTier.resize``).
 """
 
 from __future__ import annotations
@@ -47,12 +50,18 @@ class DramTier(MemoryPoolTier):
         super().__init__(block_bytes, slots)
         log.info("dram tier: %d slots of %d bytes, backing %s", self.allocator.capacity, block_bytes, self.backing)
 
+    @staticmethod
+    def slots_for_budget(budget: int, slot_bytes: int, hugetlbfs: bool) -> int:
+        """Slots a budget of ``budget`` bytes holds; on hugetlbfs the pool's zero row is part of it."""
+        return max(0, budget // slot_bytes - (1 if hugetlbfs else 0))
+
     @property
     def backing(self) -> str:
         text = f"hugetlbfs:{self.hugetlbfs_dir}" if self.kind == "hugetlbfs" else self.kind
         return text + ("+pinned" if self.pin else "")
 
     def _map(self, nbytes: int) -> tuple[mmap.mmap, str]:
+        on_hugepages = self._handle is not None and self._handle.kind == "hugetlbfs"
         if self.hugetlbfs_dir:
             length = -(-nbytes // self._huge) * self._huge
             path = os.path.join(self.hugetlbfs_dir, f"kvdrive-{uuid.uuid4().hex}")
@@ -65,6 +74,8 @@ class DramTier(MemoryPoolTier):
                 finally:
                     os.close(fd)
             except OSError as exc:
+                if on_hugepages:  # stay on the hugepages this tier has rather than leave them
+                    raise
                 log.warning("dram tier: hugetlbfs %s has no room for %d bytes (%s); using anonymous memory",
                             self.hugetlbfs_dir, length, exc)
         mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
