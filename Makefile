@@ -12,7 +12,7 @@ PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-test serve test lint unit bench clean control-plane
+.PHONY: install install-test serve test lint unit bench clean control-plane cluster
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +48,16 @@ control-plane:
 	@if command -v go >/dev/null; then bash scripts/control-plane.sh build >/dev/null; \
 	else echo "WARNING: no Go on PATH: the tests against a real API server will be skipped"; fi
 
-unit: install-test control-plane
+# The one-node cluster of the e2e scenarios (tests/e2e): kubelet, kube-scheduler, kube-proxy, kubectl,
+# containerd, runc, the CNI plugins, crictl and helm built from source (cached outside the repo, keyed
+# by version; ~4 minutes cold), then both images from the Dockerfile with buildah (~4 minutes cold,
+# seconds when the sources did not change). Needs root and Go; without them the scenarios are skipped.
+cluster:
+	@if [ "$$(id -u)" = 0 ] && command -v go >/dev/null; then \
+		bash scripts/cluster.sh build >/dev/null && bash scripts/images.sh build; \
+	else echo "WARNING: the one-node cluster needs root and Go: the e2e scenarios (tests/e2e) will be skipped"; fi
+
+unit: install-test control-plane cluster
 	$(VENV)/bin/pytest -q
 
 test: lint unit

@@ -13,9 +13,7 @@
 #
 # Binaries are built from source with Go and cached outside the repository, keyed by version:
 #   ${KVDRIVE_CP_CACHE:-$HOME/.cache/kvdrive/control-plane}/k8s-v<KUBE>-etcd-v<ETCD>/
-# kube-apiserver and kube-controller-manager cannot be `go install`ed (Kubernetes' go.mod replaces its staging modules with
-# ./staging/...), so it is built from a throwaway wrapper module that requires k8s.io/kubernetes
-# and replaces every staging module with its published v0.<minor>.<patch> release.
+# (scripts/lib/gobuild.sh: Kubernetes from a wrapper module, since its go.mod cannot be installed).
 set -euo pipefail
 
 KUBE_VERSION="${KVDRIVE_KUBE_VERSION:-1.35.4}"
@@ -23,39 +21,9 @@ ETCD_VERSION="${KVDRIVE_ETCD_VERSION:-3.6.16}"
 CACHE_ROOT="${KVDRIVE_CP_CACHE:-$HOME/.cache/kvdrive/control-plane}"
 BIN_DIR="$CACHE_ROOT/k8s-v$KUBE_VERSION-etcd-v$ETCD_VERSION"
 
-log() { printf '[control-plane] %s\n' "$*" >&2; }
-
-build_kube() {
-    local cmd="$1" work gomod staging minor patch
-    work="$(mktemp -d)"
-    minor="$(cut -d. -f2 <<<"$KUBE_VERSION")"
-    patch="$(cut -d. -f3 <<<"$KUBE_VERSION")"
-    log "building $cmd v$KUBE_VERSION in $work"
-    (
-        cd "$work"
-        go mod init "kvdrive.local/$cmd-build" >/dev/null 2>&1
-        gomod="$(go mod download -json "k8s.io/kubernetes@v$KUBE_VERSION" \
-            | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')"
-        [[ -f "$gomod" ]] || { log "could not download k8s.io/kubernetes@v$KUBE_VERSION"; exit 1; }
-        # every `k8s.io/<m> => ./staging/src/k8s.io/<m>` line of Kubernetes' own go.mod
-        staging="$(sed -n 's#^[[:space:]]*\(k8s\.io/[^[:space:]]*\)[[:space:]]*=>[[:space:]]*\./staging/.*#\1#p' "$gomod")"
-        [[ -n "$staging" ]] || { log "no staging replaces found in $gomod"; exit 1; }
-        local args=(-require="k8s.io/kubernetes@v$KUBE_VERSION")
-        for m in $staging; do
-            args+=(-replace="$m=$m@v0.$minor.$patch")
-        done
-        go mod edit "${args[@]}"
-        printf '//go:build tools\n\npackage tools\n\nimport _ "k8s.io/kubernetes/cmd/%s"\n' "$cmd" >tools.go
-        go mod tidy >/dev/null
-        local pkg=k8s.io/component-base/version
-        CGO_ENABLED=0 go build -trimpath -o "$BIN_DIR/$cmd.tmp" -ldflags "-s -w \
-            -X $pkg.gitVersion=v$KUBE_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor \
-            -X $pkg.gitTreeState=clean -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
-            "k8s.io/kubernetes/cmd/$cmd"
-    )
-    rm -rf "$work"
-    mv "$BIN_DIR/$cmd.tmp" "$BIN_DIR/$cmd"
-}
+LOG_TAG=control-plane
+# shellcheck source=scripts/lib/gobuild.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/gobuild.sh"
 
 build_etcd() {
     local work
@@ -88,8 +56,9 @@ build() {
     mkdir -p "$BIN_DIR"
     local start=$SECONDS
     [[ -x "$BIN_DIR/etcd" ]] || build_etcd
-    [[ -x "$BIN_DIR/kube-apiserver" ]] || build_kube kube-apiserver
-    [[ -x "$BIN_DIR/kube-controller-manager" ]] || build_kube kube-controller-manager
+    if [[ ! -x "$BIN_DIR/kube-apiserver" || ! -x "$BIN_DIR/kube-controller-manager" ]]; then
+        kube_build "$BIN_DIR" "$KUBE_VERSION" kube-apiserver kube-controller-manager
+    fi
     log "binaries ready in $BIN_DIR ($((SECONDS - start)) s)"
     echo "$BIN_DIR"
 }
