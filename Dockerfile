@@ -25,11 +25,11 @@ COPY pyproject.toml README.md ./
 COPY runtime ./runtime
 COPY operator ./operator
 COPY router ./router
-# The distribution without its dependencies (they include torch), then only what the operator
-# imports, with the version ranges of pyproject.toml.
-RUN /opt/venv/bin/pip install --no-deps . \
- && /opt/venv/bin/pip install "kopf>=1.37" "kubernetes>=29" "urllib3>=1.26" "pydantic>=2.7" "pyyaml>=6" "aiohttp>=3.9" \
-    "prometheus-client>=0.20"
+# Only what the operator imports, with the version ranges of pyproject.toml, then the distribution
+# without its dependencies (they include torch).
+RUN /opt/venv/bin/pip install "kopf>=1.37" "kubernetes>=29" "urllib3>=1.26" "pydantic>=2.7" "pyyaml>=6" "aiohttp>=3.9" \
+    "prometheus-client>=0.20" \
+ && /opt/venv/bin/pip install --no-deps .
 
 FROM ${PYTHON_IMAGE} AS operator
 COPY --from=operator-build /opt/venv /opt/venv
