@@ -104,17 +104,17 @@ def test_read_only_directory_leaves_gpu_and_dram_serving(tmp_path: Path) -> None
         assert {u.tier: u.capacity_bytes for u in s.usage()}["ssd"] == 0
 
 
-@pytest.fixture
-def hugetlbfs(tmp_path: Path) -> Iterator[Path]:
+@contextlib.contextmanager
+def _mounted_hugetlbfs(mnt: Path, *options: str) -> Iterator[Path]:
+    """8 more 2 MiB pages reserved and a hugetlbfs mounted at ``mnt``; both undone after."""
     nr = Path("/proc/sys/vm/nr_hugepages")
     try:
         before = int(nr.read_text())
         nr.write_text(str(before + 8))
     except OSError as exc:
         pytest.skip(f"cannot reserve hugepages: {exc}")
-    mnt = tmp_path / "huge"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "hugetlbfs", "none", str(mnt)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "hugetlbfs", *options, "none", str(mnt)], capture_output=True)
     try:
         if r.returncode != 0:
             pytest.skip(f"cannot mount hugetlbfs: {r.stderr.decode().strip()}")
@@ -122,6 +122,12 @@ def hugetlbfs(tmp_path: Path) -> Iterator[Path]:
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
         nr.write_text(str(before))
+
+
+@pytest.fixture
+def hugetlbfs(tmp_path: Path) -> Iterator[Path]:
+    with _mounted_hugetlbfs(tmp_path / "huge") as mnt:
+        yield mnt
 
 
 def test_dram_tier_on_hugetlbfs(hugetlbfs: Path) -> None:
@@ -142,23 +148,8 @@ def test_dram_tier_on_hugetlbfs(hugetlbfs: Path) -> None:
 def pod_hugepages(tmp_path: Path) -> Iterator[Path]:
     """A hugetlbfs mount sized to 4 MiB (two 2 MiB pages), as the kubelet mounts a pod's
     `emptyDir: {medium: HugePages-2Mi, sizeLimit: 4Mi}` for a 4 MiB DRAM tier."""
-    nr = Path("/proc/sys/vm/nr_hugepages")
-    try:
-        before = int(nr.read_text())
-        nr.write_text(str(before + 8))
-    except OSError as exc:
-        pytest.skip(f"cannot reserve hugepages: {exc}")
-    mnt = tmp_path / "pod-huge"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "hugetlbfs", "-o", "pagesize=2M,size=4M", "none", str(mnt)],
-                       capture_output=True)
-    try:
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount hugetlbfs: {r.stderr.decode().strip()}")
+    with _mounted_hugetlbfs(tmp_path / "pod-huge", "-o", "pagesize=2M,size=4M") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-        nr.write_text(str(before))
 
 
 def test_a_dram_budget_fills_a_hugetlbfs_mount_of_its_size(pod_hugepages: Path) -> None:
