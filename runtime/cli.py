@@ -54,6 +54,15 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _add_weights_arg(p: argparse.ArgumentParser) -> None:
+    from kvdrive.runtime.model.weight_formats import WEIGHT_CHOICES
+
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto",
+                   help="how the projection, embedding and LM-head weights are kept: auto (the GGUF file's own "
+                        "blocks, computed in float32: int4 for Q4 tensors, int8 for Q5/Q6/Q8; bf16 for BF16, "
+                        "fp32 otherwise), fp32, bf16, int8 or int4 (docs/weights.md)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     _add_threads_arg(p)
     p.add_argument("--model", default="demo", help="'demo' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M base, "
@@ -62,7 +71,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch device for compute and the device KV tier: auto (CUDA when torch sees a device, "
                         "else the CPU; logged at start), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
-                   help="weights and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                   help="activations and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    _add_weights_arg(p)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--gpu-budget", type=_size, default=None,
                    help="bytes of KV in the device tier incl. one open page per running sequence, e.g. 256MiB "
@@ -136,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default="demo")
     m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as serve)")
     m.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
+    _add_weights_arg(m)
     m.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths")
     m.add_argument("--decode-context", type=int, nargs="+", default=[128, 2048], help="contexts for decode")
     m.add_argument("--decode-tokens", type=int, default=64)
@@ -155,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--warmup", type=int, default=8)
     dc.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     dc.add_argument("--token-budget", type=int, default=1024)
+    _add_weights_arg(dc)
     _add_threads_arg(dc)
     dc.add_argument("--ssd-budget", type=_size, default=4 << 30,
                     help="SSD tier size, the same in every run on this directory (a smaller one drops stored pages)")
@@ -201,7 +213,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed, stop=tuple(args.stop),
     )
     loaded = load_model(args.model, device=args.device, dtype=_dtype(args.dtype),
-                        progress=sys.stderr.isatty() or args.verbose)
+                        progress=sys.stderr.isatty() or args.verbose, weights=args.weights)
     tok = loaded.tokenizer
     ids = tok.encode_chat([ChatMessage("user", args.prompt)]) if args.chat else tok.encode(args.prompt)
     gen = Generator(loaded, engine_config(args, max_sequences=1))
@@ -243,6 +255,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-running {args.max_running} must be between 1 and --max-sequences {ceiling}")
     opts = ServeOptions(
         model=args.model, host=args.host, port=args.port, device=args.device, dtype=_dtype(args.dtype),
+        weights=args.weights,
         engine=engine_config(args, max_sequences=ceiling, max_running=args.max_running),
         served_model_name=args.served_model_name,
         api_key=read_secret(args.api_key_file), admin_token=read_secret(args.admin_token_file),
@@ -289,7 +302,7 @@ def _bench(args: argparse.Namespace) -> int:
         res = decode_bench.run_decode_bench(
             args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
             tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget,
-            with_llama_cpp=not args.no_llama_cpp)
+            with_llama_cpp=not args.no_llama_cpp, weights=args.weights)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
         report = decode_report.markdown(res)
@@ -340,7 +353,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     result = model_bench.run_model_bench(
         args.model, tuple(args.prefill), tuple(args.decode_context), args.decode_tokens, device=args.device,
-        dtype=_dtype(args.dtype),
+        dtype=_dtype(args.dtype), weights=args.weights,
     )
     text = json.dumps(model_bench.as_dict(result), indent=2)
     print(model_bench.table(result), file=sys.stderr)

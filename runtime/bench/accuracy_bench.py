@@ -259,7 +259,7 @@ def run_accuracy_benches(ssd_dir: str, model: str = "demo", contexts: tuple[int,
                    chat_tokens, seed)
     mc = loaded.config
     page_bytes = KVLayout(len(mc.global_layers), mc.num_kv_heads, mc.head_dim, page_size,  # the tiers' layers
-                          loaded.model.embed_tokens.weight.dtype).page_bytes
+                          loaded.dtype).page_bytes
     decoded_pages = sum(c.max_tokens // page_size + 2 for c in cases)  # demoted decode pages land on SSD too
     need = _distinct_pages([c.prompt for c in cases], page_size) + 3 * decoded_pages
     tiers = TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget or int(need * 1.3) * page_bytes + (64 << 20))

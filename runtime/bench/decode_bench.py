@@ -38,6 +38,7 @@ from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
 from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.model import LoadedModel, load_model
+from kvdrive.runtime.model.weight_formats import weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,23 @@ class DecodeBenchResult:
     results: list[ModeResult] = field(default_factory=list)
     host: str = ""
     seconds: float = 0.0
+    weights: str = "auto"  # --weights, and what it gave each projection (WeightPlan.summary)
+    weight_bytes_per_step: int = 0  # bytes of weights one decode step reads (every weight once)
+    bandwidth_gb_s: float = 0.0  # this host's memory bandwidth, a STREAM-like copy measured in the run
+    weight_bound_ms: float = 0.0  # weight_bytes_per_step / bandwidth: no step can take less
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write counted), best of ``repeats``: a STREAM "copy". The
+    arrays (1 GiB each) are larger than this host's last-level cache (480 MiB), so this is DRAM."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
 
 
 def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: int, ssd_dir: str, ssd_budget: int,
@@ -192,9 +210,10 @@ def _llama_cpp_rows(loaded: LoadedModel, prompts: list[list[int]], contexts: tup
 def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...] = (2048, 4096, 7168),
                      batches: tuple[int, ...] = (1, 4, 8), modes: tuple[str, ...] = MODES, steps: int = 16,
                      warmup: int = 8, token_budget: int = 1024, ssd_budget: int | None = None,
-                     with_llama_cpp: bool = True, loaded: LoadedModel | None = None) -> DecodeBenchResult:
+                     with_llama_cpp: bool = True, loaded: LoadedModel | None = None,
+                     weights: str = "auto") -> DecodeBenchResult:
     started = time.perf_counter()
-    loaded = loaded or load_model(model)
+    loaded = loaded or load_model(model, weights=weights)
     probe = Generator(loaded, EngineConfig(max_sequences=1))
     layout, seq_reserve = probe.cache.layout, probe.cache.seq_reserve
     probe.close()
@@ -213,6 +232,10 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
         status = "not installed (pip install '.[bench]' builds it, ~15 min on 2 cores)"
     out = DecodeBenchResult(model=loaded.model_id, threads=threads, token_budget=token_budget, steps=steps,
                             warmup=warmup, kv_bytes_per_token=per_token, llama_cpp=status, host=platform.node())
+    out.weights = f"{weights}: {loaded.weights.summary()}"
+    out.weight_bytes_per_step = sum(weight_bytes(loaded.model).values())
+    out.bandwidth_gb_s = copy_bandwidth() / 1e9
+    out.weight_bound_ms = out.weight_bytes_per_step / (out.bandwidth_gb_s * 1e9) * 1e3
     if status == "measured":
         out.results.extend(_llama_cpp_rows(loaded, longest, contexts, batches, steps, warmup, threads))
         gc.collect()

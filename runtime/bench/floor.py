@@ -40,7 +40,7 @@ class FloorBackend:
 
     def __init__(self, loaded: LoadedModel, batch: int, tokens: int, dtype: torch.dtype, attention: Attention) -> None:
         cfg = loaded.config
-        dev = loaded.model.embed_tokens.weight.device
+        dev = loaded.device
         g = torch.Generator(device=dev).manual_seed(0)
         sliding = set(cfg.sliding_layers)
         self.kv = [torch.randn((2, batch, cfg.num_kv_heads, min(tokens, cfg.sliding_window) if i in sliding
@@ -59,7 +59,7 @@ def floor_step_times(loaded: LoadedModel, batch: int, tokens: int, dtype: torch.
                      warmup: int) -> dict[str, list[float]]:
     """Seconds per decode step (model forward + logits + argmax) for each attention kernel."""
     model = loaded.model
-    dev = model.embed_tokens.weight.device
+    dev = loaded.device
     out: dict[str, list[float]] = {}
     for name, kernel in KERNELS.items():
         backend = FloorBackend(loaded, batch, tokens, dtype, kernel)

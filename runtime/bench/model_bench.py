@@ -46,8 +46,9 @@ def run_model_bench(
     repeats: int = 2,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
+    weights: str = "auto",
 ) -> ModelBenchResult:
-    loaded = load_model(model, device=device, dtype=dtype)
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights)
     gen = Generator(loaded, EngineConfig())
     prefill: dict[int, float] = {}
     for n in tqdm(prefill_lengths, desc="prefill", leave=False):
@@ -74,7 +75,7 @@ def run_model_bench(
     return ModelBenchResult(
         model=loaded.model_id,
         device=device,
-        dtype=str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
+        dtype=str(loaded.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
         load_seconds=round(loaded.load_seconds, 2),
         prefill_tokens_per_s={k: round(v, 1) for k, v in prefill.items()},

@@ -34,14 +34,14 @@ class Generator:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.loaded = loaded
         self.config = c = config or EngineConfig()
-        model, cfg = loaded.model, loaded.config
-        self.device = model.embed_tokens.weight.device
+        cfg = loaded.config
+        self.device = loaded.device
         layout = KVLayout(
             num_layers=len(cfg.global_layers),  # the tiers hold the global layers; sliding ones keep a window
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             page_size=c.page_size,
-            dtype=c.kv_dtype or model.embed_tokens.weight.dtype,
+            dtype=c.kv_dtype or loaded.dtype,
         )
         if c.tiers.gpu_bytes is None:  # one full-context sequence plus what running sequences reserve
             gpu = layout.pages_for(cfg.context_length) * layout.page_bytes + reserve_bytes(layout, c)

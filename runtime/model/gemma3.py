@@ -23,8 +23,9 @@ from torch import nn
 
 from kvdrive.runtime.model.config import ModelConfig, RopeScaling
 from kvdrive.runtime.model.interfaces import AttentionBackend
-from kvdrive.runtime.model.layers import HFWeights, RMSNorm, activation, vocab_projection
+from kvdrive.runtime.model.layers import HFWeights, RMSNorm, activation
 from kvdrive.runtime.model.rope import RotaryEmbedding
+from kvdrive.runtime.model.weight_formats import vocab_logits
 
 # Gemma's RMSNorm multiplies by (1 + w). llama.cpp's converter stores 1 + w in GGUF files, so the GGUF
 # loader subtracts this again (as transformers' GGUF loader does) before the weights reach the model.
@@ -107,18 +108,16 @@ class Gemma3Model(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:  # input_ids, positions: [N] -> hidden [N, H] (final norm applied)
-        w = self.embed_tokens.weight
+        x = self.embed_tokens(input_ids)  # [N, H] in the model dtype
         # sqrt(hidden) rounded to the model dtype first, as transformers' Gemma3TextScaledWordEmbedding does
-        scale = torch.tensor(self.cfg.hidden_size**0.5, device=w.device).to(w.dtype)
-        x = self.embed_tokens(input_ids) * scale  # [N, H]
+        x = x * torch.tensor(self.cfg.hidden_size**0.5, device=x.device).to(x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(i, x, positions, self._ropes[i], attn)
         return self.norm(x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] float32
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        out = vocab_projection(hidden, w).float()
+        out = vocab_logits(self.embed_tokens, self.lm_head, hidden).float()
         cap = self.cfg.final_logit_softcapping
         if cap:
             out = torch.tanh(out / cap) * cap

@@ -26,6 +26,7 @@ from kvdrive.runtime.model.gemma3 import (
     NORM_OFFSET,
     sliding_layers_for,
 )
+from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, read_blocks
 from kvdrive.runtime.prompt.tokenizer import (
     Tokenizer,
     TokenizerError,
@@ -194,15 +195,7 @@ def iter_gguf_weights(
         if name == "rope_freqs.weight":
             yield name, torch.from_numpy(_dequantize(t).copy())
             continue
-        if name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            if rest not in layer_names:
-                raise ModelLoadError(f"unexpected tensor {name} for a {cfg.architecture} model")
-            hf_name = f"model.layers.{idx}.{layer_names[rest]}"
-        elif name in _GLOBAL_NAMES:
-            hf_name = _GLOBAL_NAMES[name]
-        else:
-            raise ModelLoadError(f"unexpected tensor {name} for a {cfg.architecture} model")
+        hf_name = _hf_name(name, cfg, layer_names)
         arr = _dequantize(t)
         if gemma and name.endswith("norm.weight"):  # llama.cpp stored 1 + w (transformers subtracts it too)
             arr = arr - NORM_OFFSET
@@ -212,6 +205,44 @@ def iter_gguf_weights(
             elif rest_is(name, "attn_k"):
                 arr = _unpermute(arr, cfg.num_kv_heads)
         yield hf_name, torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def _hf_name(name: str, cfg: ModelConfig, layer_names: dict[str, str]) -> str:
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest not in layer_names:
+            raise ModelLoadError(f"unexpected tensor {name} for a {cfg.architecture} model")
+        return f"model.layers.{idx}.{layer_names[rest]}"
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    raise ModelLoadError(f"unexpected tensor {name} for a {cfg.architecture} model")
+
+
+def gguf_source_types(reader: Any, cfg: ModelConfig) -> dict[str, str]:
+    """Hugging Face name -> the GGUF type its tensor is stored in (``Q4_1``, ``Q8_0``, ``F32``...)."""
+    layer_names = _GEMMA3_LAYER_NAMES if cfg.architecture == "gemma3" else _LAYER_NAMES
+    return {_hf_name(t.name, cfg, layer_names): t.tensor_type.name for t in reader.tensors
+            if t.name != "rope_freqs.weight"}
+
+
+def gguf_blocks(reader: Any, cfg: ModelConfig) -> Callable[[str], Blocks | None]:
+    """Hugging Face name -> the tensor's exact GGUF blocks (``gguf_blocks.Blocks``), read when asked, in
+    the loader's row order (llama q/k un-interleaved); None for a type that is not block-exact."""
+    layer_names = _GEMMA3_LAYER_NAMES if cfg.architecture == "gemma3" else _LAYER_NAMES
+    by_name = {_hf_name(t.name, cfg, layer_names): t for t in reader.tensors if t.name != "rope_freqs.weight"}
+
+    def blocks(hf_name: str) -> Blocks | None:
+        t = by_name.get(hf_name)
+        if t is None or t.tensor_type.name not in BLOCK_EXACT_TYPES or len(t.shape) != 2:
+            return None
+        b = read_blocks(t)
+        if cfg.architecture in ("llama", "mistral") and (rest_is(t.name, "attn_q") or rest_is(t.name, "attn_k")):
+            heads = cfg.num_heads if rest_is(t.name, "attn_q") else cfg.num_kv_heads
+            order = _unpermute(np.arange(b.shape[0]), heads)
+            b = b.rows(torch.from_numpy(np.ascontiguousarray(order)))
+        return b
+
+    return blocks
 
 
 def rest_is(name: str, stem: str) -> bool:

@@ -13,8 +13,9 @@ from torch import nn
 
 from kvdrive.runtime.model.config import ModelConfig
 from kvdrive.runtime.model.interfaces import AttentionBackend
-from kvdrive.runtime.model.layers import HFWeights, RMSNorm, vocab_projection
+from kvdrive.runtime.model.layers import HFWeights, RMSNorm
 from kvdrive.runtime.model.rope import RotaryEmbedding
+from kvdrive.runtime.model.weight_formats import vocab_logits
 
 
 class DecoderLayer(nn.Module):
@@ -74,8 +75,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, H] -> [M, V] float32
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return vocab_projection(hidden, w).float()
+        return vocab_logits(self.embed_tokens, self.lm_head, hidden).float()
 
     @torch.inference_mode()
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

@@ -18,10 +18,18 @@ from tqdm import tqdm
 from kvdrive.runtime.model.config import ModelConfig
 from kvdrive.runtime.model.errors import ModelLoadError
 from kvdrive.runtime.model.gemma3 import Gemma3Model
-from kvdrive.runtime.model.gguf_loader import iter_gguf_weights, open_gguf, tokenizer_from_gguf
+from kvdrive.runtime.model.gguf_loader import (
+    gguf_blocks,
+    gguf_source_types,
+    iter_gguf_weights,
+    open_gguf,
+    tokenizer_from_gguf,
+)
 from kvdrive.runtime.model.hf_loader import iter_safetensors, open_hf_dir, tokenizer_from_hf, weight_renamer
 from kvdrive.runtime.model.interfaces import CausalLM
 from kvdrive.runtime.model.llama import LlamaModel
+from kvdrive.runtime.model.quantize import WeightPlan, apply_weights
+from kvdrive.runtime.model.weight_formats import WEIGHT_CHOICES, weight_bytes
 from kvdrive.runtime.prompt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,9 +51,12 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     model_id: str  # the id served by /v1/models
-    fingerprint: str  # stable across restarts: keys content-addressed KV pages
+    fingerprint: str  # stable across restarts: keys content-addressed KV pages (weight format included)
     path: Path
     load_seconds: float
+    device: torch.device  # where it computes
+    dtype: torch.dtype  # its activations (and the KV's, unless the engine says otherwise)
+    weights: WeightPlan  # the format of each projection (``--weights``)
 
 
 def demo_model_path() -> Path:
@@ -110,9 +121,13 @@ def load_model(
     dtype: torch.dtype | None = None,
     progress: bool = True,
     model_id: str | None = None,
+    weights: str = "auto",
 ) -> LoadedModel:
-    """Load weights and tokenizer. Raises ModelLoadError with a one-line reason on user errors."""
+    """Load weights and tokenizer; ``weights`` is the projections' format (``WEIGHT_CHOICES``). Raises
+    ModelLoadError with a one-line reason on user errors."""
     started = time.perf_counter()
+    if weights not in WEIGHT_CHOICES:
+        raise ModelLoadError(f"--weights {weights!r}: expected one of {', '.join(WEIGHT_CHOICES)}")
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     path = resolve_model_path(source)
@@ -123,28 +138,46 @@ def load_model(
         n = len(list(path.glob("*.safetensors")))
         weights_iter = iter_safetensors(path, _progress(0, f"loading {path.name} ({n} files)", progress),
                                         weight_renamer(raw))
+        sources: dict[str, str] = {}
+        blocks_of = None
     else:
         reader, meta, cfg, fingerprint = open_gguf(path)
         tokenizer = tokenizer_from_gguf(meta)
         weights_iter = iter_gguf_weights(reader, cfg, _progress(len(reader.tensors), f"loading {path.name}", progress))
-    weights: dict[str, torch.Tensor] = {}
+        sources = gguf_source_types(reader, cfg)
+        blocks_of = gguf_blocks(reader, cfg)
+    tensors: dict[str, torch.Tensor] = {}
     for name, tensor in weights_iter:
         if name == "rope_freqs.weight":
             freq_factors = tensor
         else:
-            weights[name] = tensor
+            tensors[name] = tensor
+            sources.setdefault(name, _DTYPE_NAMES.get(tensor.dtype, "F32"))
     with torch.device("meta"):
         if cfg.architecture == "gemma3":
             model: LlamaModel | Gemma3Model = Gemma3Model(cfg)
         else:
             model = LlamaModel(cfg, rope_freq_factors=freq_factors)
-    model = model.to_empty(device=device).to(dtype)
+    # fp32 weights load where they compute; any other format loads in fp32 on the CPU first, then
+    # each projection is converted onto the device and the rest (norms) moved there
+    direct = weights == "fp32"
+    model = model.to_empty(device=device if direct else "cpu").to(dtype if direct else torch.float32)
     try:
-        model.load_hf_state_dict(weights)
+        model.load_hf_state_dict(tensors)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
+    del tensors
+    plan = WeightPlan("fp32", {}) if direct else apply_weights(model, weights, sources, device, dtype, blocks_of)
+    if not direct:
+        model = model.to(device=device, dtype=dtype)
     model.eval()
     seconds = time.perf_counter() - started
     served_id = model_id or MODEL_ALIASES.get(source) or (path.stem if path.is_file() else path.name)
-    log.info("loaded %s (%s, %d layers, %s) in %.1fs", served_id, cfg.architecture, cfg.num_layers, dtype, seconds)
-    return LoadedModel(model, tokenizer, cfg, served_id, fingerprint, path, seconds)
+    held = weight_bytes(model)
+    log.info("loaded %s (%s, %d layers, %s) in %.1fs; weights %s (%s): %d MiB", served_id, cfg.architecture,
+             cfg.num_layers, dtype, seconds, weights, plan.summary(), sum(held.values()) >> 20)
+    return LoadedModel(model, tokenizer, cfg, served_id, fingerprint + plan.fingerprint(), path, seconds,
+                       device, dtype, plan)
+
+
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}

@@ -32,6 +32,7 @@ class ServeOptions:
     port: int = 8000
     device: str = "cpu"
     dtype: object = None  # torch.dtype | None
+    weights: str = "auto"  # the projections' format (--weights)
     engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_name: str | None = None
     api_key: str | None = None
@@ -45,7 +46,7 @@ class ServeOptions:
 
 def build_state(opts: ServeOptions) -> ServerState:
     loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, progress=opts.progress,  # type: ignore[arg-type]
-                        model_id=opts.served_model_name)
+                        model_id=opts.served_model_name, weights=opts.weights)
     gen = Generator(loaded, opts.engine)
     engine = LLMEngine(gen, opts.scheduler)
     aliases = (opts.model,) if opts.model in MODEL_ALIASES else ()

@@ -1,0 +1,179 @@
+// KVDrive's CPU kernels for weights kept in a GGUF file's own blocks (runtime/model/block_kernels.py).
+//
+// A weight W [N, K] is kept as integer levels with a float32 scale, and optionally a float32 offset, per
+// block of B inputs of each row:  W[n, k] = q[n, k] * scale[n, k / B] + offset[n, k / B].
+//   - "nib": q in 0..15, two per byte in ggml's order (block of 32: byte j holds input j in its low
+//     nibble and input j + 16 in its high one), B = 32;
+//   - "i8":  q an int8, B = 32 or 16 (Q6_K's sub-blocks).
+// The levels, scales and offsets are exactly the file's, so W is exactly what the file dequantizes to,
+// and the products are summed in float32 with float32 inputs: the result differs from an fp32 matmul of
+// the dequantized weight only in the order of the additions.
+//
+// block_dequant multiplies then adds, rounding once as gguf's own dequantization does (built with
+// -ffp-contract=off), so its float32 weights equal the loader's bit for bit.
+// block_gemv: y [M, N] = x [M, K] @ W.T for a few rows (decode); block_dequant: W as float32 (prefill).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The 32 levels of block g of row r as two 16-lane halves.
+template <bool NIB>
+inline void levels(const uint8_t* row, int64_t g, __m512& lo, __m512& hi) {
+  if (NIB) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * 16)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else {
+    lo = i8x16(row + g * 32);
+    hi = i8x16(row + g * 32 + 16);
+  }
+}
+
+struct Args {
+  const float* x;       // [M, K]
+  const uint8_t* q;     // [N, K] int8 or [N, K / 2] nibbles
+  const float* scale;   // [N, K / B]
+  const float* offset;  // [N, K / B] or null
+  const float* xsum;    // [M, K / B]: each block's sum of inputs (for the offsets) or null
+  float* y;             // [M, N]
+  int64_t M, K, N, B;
+};
+
+// NR output rows against MR input rows; each block's weights are loaded once for all MR inputs.
+template <bool NIB, bool HALF, int MR, int NR>
+inline void tile(const Args& a, int64_t m0, int64_t n) {
+  const int64_t rowbytes = NIB ? a.K / 2 : a.K, G32 = a.K / 32, G = a.K / a.B;
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G32; ++g) {
+    __m512 x0[MR], x1[MR];
+    for (int m = 0; m < MR; ++m) {
+      x0[m] = _mm512_loadu_ps(a.x + (m0 + m) * a.K + g * 32);
+      x1[m] = _mm512_loadu_ps(a.x + (m0 + m) * a.K + g * 32 + 16);
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m512 lo, hi;
+      levels<NIB>(a.q + (n + r) * rowbytes, g, lo, hi);
+      const float* s = a.scale + (n + r) * G;
+      if (HALF) {  // blocks of 16: one scale per half
+        lo = _mm512_mul_ps(lo, _mm512_set1_ps(s[2 * g]));
+        hi = _mm512_mul_ps(hi, _mm512_set1_ps(s[2 * g + 1]));
+        for (int m = 0; m < MR; ++m) {
+          acc[m][r] = _mm512_fmadd_ps(lo, x0[m], acc[m][r]);
+          acc[m][r] = _mm512_fmadd_ps(hi, x1[m], acc[m][r]);
+        }
+      } else {
+        const __m512 sv = _mm512_set1_ps(s[g]);
+        for (int m = 0; m < MR; ++m) {
+          __m512 t = _mm512_mul_ps(lo, x0[m]);
+          t = _mm512_fmadd_ps(hi, x1[m], t);
+          acc[m][r] = _mm512_fmadd_ps(t, sv, acc[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      float v = _mm512_reduce_add_ps(acc[m][r]);
+      if (a.offset != nullptr) {
+        const float* o = a.offset + (n + r) * G;
+        const float* xs = a.xsum + (m0 + m) * G;
+        for (int64_t g = 0; g < G; ++g) v += o[g] * xs[g];
+      }
+      a.y[(m0 + m) * a.N + n + r] = v;
+    }
+}
+
+template <bool NIB, bool HALF, int MR>
+void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) tile<NIB, HALF, MR, 4>(a, m0, n);
+  for (; n < n1; ++n) tile<NIB, HALF, MR, 1>(a, m0, n);
+}
+
+template <bool NIB, bool HALF>
+void run(const Args& a) {
+  for (int64_t m0 = 0; m0 < a.M; m0 += 4) {
+    const int64_t mr = std::min<int64_t>(4, a.M - m0);
+    at::parallel_for(0, (a.N + 3) / 4, 8, [&](int64_t b, int64_t e) {
+      const int64_t n0 = b * 4, n1 = std::min(e * 4, a.N);
+      switch (mr) {
+        case 1: rows<NIB, HALF, 1>(a, m0, n0, n1); break;
+        case 2: rows<NIB, HALF, 2>(a, m0, n0, n1); break;
+        case 3: rows<NIB, HALF, 3>(a, m0, n0, n1); break;
+        default: rows<NIB, HALF, 4>(a, m0, n0, n1);
+      }
+    });
+  }
+}
+
+void check(const torch::Tensor& q, const torch::Tensor& scale, const c10::optional<torch::Tensor>& offset,
+           int64_t K, bool nib) {
+  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == torch::kFloat32,
+              "levels and scales must be contiguous, scales float32");
+  TORCH_CHECK(K % 32 == 0, "inputs must be whole blocks of 32, got ", K);
+  TORCH_CHECK(q.scalar_type() == (nib ? torch::kUInt8 : torch::kInt8), "levels: uint8 nibbles or int8");
+  TORCH_CHECK(q.size(1) == (nib ? K / 2 : K), "levels [N, ", nib ? K / 2 : K, "] expected");
+  const int64_t B = K / scale.size(1);
+  TORCH_CHECK(B == 32 || (B == 16 && !nib), "blocks of 32 (or 16 for int8 levels), got ", B);
+  if (offset) TORCH_CHECK(offset->sizes() == scale.sizes() && offset->is_contiguous(), "offsets shaped as scales");
+}
+
+}  // namespace
+
+// x [M, K] float32, q [N, K] int8 or [N, K/2] uint8 nibbles, scale/offset [N, K/B] float32 -> y [M, N]
+torch::Tensor block_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
+                         c10::optional<torch::Tensor> offset, bool nib) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
+  check(q, scale, offset, K, nib);
+  const int64_t B = K / scale.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  torch::Tensor xsum;
+  if (offset) xsum = x.view({M, K / B, B}).sum(-1).contiguous();
+  const Args a{x.data_ptr<float>(), reinterpret_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr<float>(),
+               offset ? offset->data_ptr<float>() : nullptr, offset ? xsum.data_ptr<float>() : nullptr,
+               y.data_ptr<float>(), M, K, N, B};
+  if (nib) run<true, false>(a);
+  else if (B == 16) run<false, true>(a);
+  else run<false, false>(a);
+  return y;
+}
+
+// -> W [N, K] float32
+torch::Tensor block_dequant(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> offset, bool nib) {
+  const int64_t N = scale.size(0), K = nib ? q.size(1) * 2 : q.size(1);
+  check(q, scale, offset, K, nib);
+  const int64_t B = K / scale.size(1), G = K / B;
+  auto w = torch::empty({N, K}, scale.options());
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const float* sp = scale.data_ptr<float>();
+  const float* op = offset ? offset->data_ptr<float>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t g = 0; g < K / 32; ++g) {
+        __m512 lo, hi;
+        if (nib) levels<true>(qp + n * (K / 2), g, lo, hi);
+        else levels<false>(qp + n * K, g, lo, hi);
+        const int64_t b0 = (g * 32) / B, b1 = (g * 32 + 16) / B;
+        const __m512 o0 = _mm512_set1_ps(op ? op[n * G + b0] : 0.f), o1 = _mm512_set1_ps(op ? op[n * G + b1] : 0.f);
+        _mm512_storeu_ps(wp + n * K + g * 32, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_set1_ps(sp[n * G + b0])), o0));
+        _mm512_storeu_ps(wp + n * K + g * 32 + 16, _mm512_add_ps(_mm512_mul_ps(hi, _mm512_set1_ps(sp[n * G + b1])), o1));
+      }
+    }
+  });
+  return w;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_gemv", &block_gemv, "y = x @ W.T, W in blocks (levels, float32 scales and offsets)");
+  m.def("block_dequant", &block_dequant, "W in blocks -> float32");
+}

@@ -1,0 +1,191 @@
+"""Weight formats (``--weights``): the GGUF file's own blocks kept as they are, the CPU block kernels that
+multiply by them in float32, what ``auto`` picks, and what a decode step computes in each format.
+
+The story: a GGUF stores Q4/Q5/Q6/Q8 blocks. The loader used to expand them to fp32 (4 bytes a weight).
+Now ``int8``/``int4`` keep the blocks (levels, scale, offset) and the block kernels compute from them
+with float32 inputs, so a step reads 0.75-1.1 bytes a weight and still computes the fp32 model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf_builder import load_into, write_gguf
+
+from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
+from kvdrive.runtime.model import block_kernels, load_model
+from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, read_blocks
+from kvdrive.runtime.model.gguf_loader import _dequantize
+from kvdrive.runtime.model.loader import demo_model_path
+from kvdrive.runtime.model.weight_formats import QuantLinear, auto_format, requantize, weight_bytes
+
+CPU = torch.device("cpu")
+
+
+def _relative(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_blocks_are_the_files_values_bit_for_bit(qtype: str) -> None:
+    """Levels * scale + offset equals gguf's own dequantization exactly, for every type gguf can write."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(0, 0.05, (48, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(w.shape)
+
+    class Tensor:  # the two fields of gguf's ReaderTensor that read_blocks uses
+        tensor_type = gguf.GGMLQuantizationType[qtype]
+        shape = np.array([256, 48])
+        data = raw
+
+    blocks = read_blocks(Tensor())
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(expected))
+    assert blocks.nibbles_fit() == (qtype in ("Q4_0", "Q4_1"))
+
+
+def test_real_files_blocks_are_bit_exact() -> None:
+    """Every block type in the demo GGUF (Q8_0 embedding, Q4_1 layers) reads back exactly."""
+    reader = gguf.GGUFReader(demo_model_path())
+    seen: set[str] = set()
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind in BLOCK_EXACT_TYPES and kind not in seen and len(t.shape) == 2:
+            seen.add(kind)
+            blocks = read_blocks(t)
+            assert torch.equal(blocks.dequantize(), torch.from_numpy(_dequantize(t).copy()).view(blocks.shape))
+    assert seen == {"Q8_0", "Q4_1"}
+
+
+def _blocks(n: int, k: int, block: int, levels: tuple[int, int], offset: bool, seed: int = 0) -> Blocks:
+    g = torch.Generator().manual_seed(seed)
+    lv = torch.randint(levels[0], levels[1] + 1, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // block, generator=g) * 0.02
+    off = (torch.rand(n, k // block, generator=g) - 0.5) * 0.1 if offset else None
+    return Blocks(lv, scale, off, block)
+
+
+@pytest.mark.parametrize("nib,block,levels,offset", [
+    (True, 32, (0, 15), True),  # Q4_1 / Q4_K / Q4_0
+    (False, 32, (-127, 127), False),  # Q8_0
+    (False, 32, (-16, 15), True),  # Q5_x with an offset
+    (False, 16, (-32, 31), False),  # Q6_K's blocks of 16
+])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_block_kernels_compute_the_fp32_product(nib: bool, block: int, levels: tuple[int, int], offset: bool,
+                                                rows: int) -> None:
+    """The kernel's product is the float32 matmul of the dequantized weight up to summation order, for
+    every row count a decode batch can have, and an output count that is no multiple of the tile."""
+    if block_kernels.unavailable_reason():
+        pytest.skip(f"block kernels unavailable here: {block_kernels.unavailable_reason()}")
+    b = _blocks(70, 96, block, levels, offset)
+    packed = block_kernels.pack(b, nib)
+    w = b.dequantize()
+    assert torch.equal(block_kernels.dequantize(packed), w)  # the prompt path's weights: bit for bit
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    ref = x.double() @ w.double().T
+    assert _relative(block_kernels.gemv(x, packed), ref) < 2e-6
+    assert _relative(F.linear(x, w), ref) < 2e-6
+
+
+def test_torch_path_without_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that cannot build the kernels computes the same values (slower) and ``auto`` keeps fp32."""
+    monkeypatch.setattr(block_kernels, "_load", lambda: (None, "no compiler (test)"))
+    b = _blocks(40, 64, 32, (0, 15), True)
+    packed = block_kernels.pack(b, True)
+    x = torch.randn(3, 64)
+    assert _relative(block_kernels.gemv(x, packed), x.double() @ b.dequantize().double().T) < 2e-6
+    assert torch.equal(block_kernels.dequantize(packed), b.dequantize())
+    assert auto_format(["Q4_1"], CPU) == "fp32"
+
+
+def test_pack_refuses_levels_that_do_not_fit_a_nibble() -> None:
+    with pytest.raises(ValueError, match="0..15"):
+        block_kernels.pack(_blocks(8, 32, 32, (-16, 15), False), nib=True)
+
+
+@pytest.mark.parametrize("types,expected", [
+    (["Q4_1"], "int4"), (["Q4_K", "Q4_0"], "int4"), (["Q8_0"], "int8"), (["Q5_0", "Q5_0", "Q8_0"], "int8"),
+    (["Q6_K"], "int8"), (["Q4_K", "Q6_K"], "int8"), (["BF16"], "bf16"), (["F16"], "fp32"), (["F32"], "fp32"),
+    (["Q4_1", "F32"], "fp32"), ([], "fp32"), (["Q2_K"], "fp32"),
+])
+def test_auto_keeps_each_tensor_in_its_files_format(types: list[str], expected: str) -> None:
+    if block_kernels.unavailable_reason() and expected in ("int8", "int4"):
+        expected = "fp32"
+    assert auto_format(types, CPU) == expected
+
+
+@pytest.mark.parametrize("fmt,bound", [("bf16", 1e-2), ("int8", 2e-2), ("int4", 0.2)])
+def test_requantized_float_weights_cost_what_their_format_costs(fmt: str, bound: float) -> None:
+    """A float weight asked into a lower format is rounded (stated, and bounded here)."""
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 128)
+    layer = QuantLinear(w, None, fmt, CPU)
+    ref = x.double() @ w.double().T
+    err = _relative(layer(x), ref)
+    assert 1e-7 < err < bound
+    if fmt != "bf16":
+        assert torch.equal(requantize(w, fmt).dequantize(), block_kernels.dequantize(layer.packed))
+
+
+def _decode_logits(path: Path, ids: list[int], weights: str) -> torch.Tensor:
+    """Logits of every position computed one token at a time (decode steps: the block kernels' path)."""
+    loaded = load_model(str(path), progress=False, weights=weights)
+    gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
+    seq = gen.new_sequence()
+    out = [gen.prefill(seq, ids[:1])]
+    for t in ids[1:]:
+        out.append(gen.decode([(seq, t)])[0])
+    return torch.stack([o.reshape(-1) for o in out])
+
+
+@pytest.mark.parametrize("qtype,weights", [("Q4_1", "auto"), ("Q4_0", "int4"), ("Q8_0", "auto"),
+                                           ("Q5_1", "int8"), ("Q4_1", "int8")])
+@pytest.mark.parametrize("tie", [False, True])
+def test_decode_in_the_files_blocks_matches_the_reference(qtype: str, weights: str, tie: bool,
+                                                          hf_model_factory, tmp_path: Path) -> None:
+    """A tiny llama written as GGUF (llama.cpp's q/k row order included) decodes in its blocks to what
+    transformers computes in fp32 with the same weights."""
+    _, ref = hf_model_factory(arch="llama", tie=tie, hidden_size=64, intermediate_size=96)
+    held = write_gguf(tmp_path / "tiny.gguf", ref, qtype=qtype)
+    load_into(ref, held)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(_decode_logits(tmp_path / "tiny.gguf", ids, weights), expected, atol=3e-4, rtol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def demo_formats() -> dict[str, object]:
+    return {w: load_model("demo", progress=False, weights=w) for w in ("fp32", "auto")}
+
+
+def test_demo_auto_keeps_the_files_blocks_at_a_quarter_of_the_bytes(demo_formats: dict[str, object]) -> None:
+    auto = demo_formats["auto"]
+    fp32 = demo_formats["fp32"]
+    if block_kernels.unavailable_reason():
+        assert auto.weights.summary() == "fp32"  # type: ignore[attr-defined]
+        return
+    assert auto.weights.summary() == "int4 x 120, int8 x 1"  # type: ignore[attr-defined]
+    held, full = sum(weight_bytes(auto.model).values()), sum(weight_bytes(fp32.model).values())  # type: ignore[attr-defined]
+    assert held < 0.26 * full, (held, full)
+    assert auto.fingerprint != fp32.fingerprint  # type: ignore[attr-defined]
+
+
+def test_demo_auto_decodes_what_fp32_decodes(demo_formats: dict[str, object]) -> None:
+    """Greedy chat answers in ``auto`` are token for token the fp32 ones, and each step's log-probs agree."""
+    from kvdrive.runtime.engine import SamplingParams
+    from kvdrive.runtime.prompt import ChatMessage
+
+    answers = {}
+    for name, loaded in demo_formats.items():
+        gen = Generator(loaded, EngineConfig(full_attention=True))  # type: ignore[arg-type]
+        ids = loaded.tokenizer.encode_chat([ChatMessage("user", "Name three colours of the rainbow.")])  # type: ignore[attr-defined]
+        answers[name] = list(gen.generate(ids, SamplingParams(max_tokens=24)))
+        gen.close()
+    assert answers["auto"] == answers["fp32"]
