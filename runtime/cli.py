@@ -54,9 +54,11 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _add_weights_arg(p: argparse.ArgumentParser) -> None:
-    from kvdrive.runtime.model.weight_formats import WEIGHT_CHOICES
+# weight_formats.WEIGHT_CHOICES, spelled out: building the parser must not import torch (kvdrive route)
+WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
 
+
+def _add_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto",
                    help="how the projection, embedding and LM-head weights are kept: auto (the GGUF file's own "
                         "blocks, computed in float32: int4 for Q4 tensors, int8 for Q5/Q6/Q8; bf16 for BF16, "

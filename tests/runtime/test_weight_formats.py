@@ -104,6 +104,13 @@ def test_torch_path_without_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None
     assert auto_format(["Q4_1"], CPU) == "fp32"
 
 
+def test_the_command_line_offers_every_format() -> None:
+    from kvdrive.runtime import cli
+    from kvdrive.runtime.model.weight_formats import WEIGHT_CHOICES
+
+    assert cli.WEIGHT_CHOICES == WEIGHT_CHOICES
+
+
 def test_pack_refuses_levels_that_do_not_fit_a_nibble() -> None:
     with pytest.raises(ValueError, match="0..15"):
         block_kernels.pack(_blocks(8, 32, 32, (-16, 15), False), nib=True)
