@@ -232,7 +232,7 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
         status = "not installed (pip install '.[bench]' builds it, ~15 min on 2 cores)"
     out = DecodeBenchResult(model=loaded.model_id, threads=threads, token_budget=token_budget, steps=steps,
                             warmup=warmup, kv_bytes_per_token=per_token, llama_cpp=status, host=platform.node())
-    out.weights = f"{weights}: {loaded.weights.summary()}"
+    out.weights = f"{loaded.weights.requested}: {loaded.weights.summary()}"
     out.weight_bytes_per_step = sum(weight_bytes(loaded.model).values())
     out.bandwidth_gb_s = copy_bandwidth() / 1e9
     out.weight_bound_ms = out.weight_bytes_per_step / (out.bandwidth_gb_s * 1e9) * 1e3

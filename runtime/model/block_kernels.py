@@ -38,10 +38,6 @@ class PackedBlocks:
     nib: bool
 
     @property
-    def out_features(self) -> int:
-        return self.scale.shape[0]
-
-    @property
     def in_features(self) -> int:
         return self.q.shape[1] * (2 if self.nib else 1)
 

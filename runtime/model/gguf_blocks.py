@@ -9,6 +9,7 @@ and are dequantized as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +37,16 @@ class Blocks:
         """Whether the levels fit the int4 layout (0..15, blocks of 32)."""
         return self.block == 32 and int(self.levels.min()) >= 0 and int(self.levels.max()) <= 15
 
-    def dequantize(self) -> torch.Tensor:  # -> [N, K] float32
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # -> [N, K], computed in float32
         n, k = self.levels.shape
         g = self.levels.float().view(n, k // self.block, self.block) * self.scale.unsqueeze(-1)
         if self.offset is not None:
             g = g + self.offset.unsqueeze(-1)
-        return g.view(n, k)
+        return g.view(n, k).to(dtype)
+
+    def to(self, device: torch.device) -> Blocks:
+        return Blocks(self.levels.to(device), self.scale.to(device),
+                      None if self.offset is None else self.offset.to(device), self.block)
 
     def with_block(self, block: int) -> Blocks:
         """The same weight with scales per ``block`` inputs (a divisor of the current block)."""
@@ -66,6 +71,15 @@ class Blocks:
         if any(p.offset is not None for p in parts):
             offset = torch.cat([p.offset if p.offset is not None else torch.zeros_like(p.scale) for p in parts])
         return Blocks(torch.cat([p.levels for p in parts]), torch.cat([p.scale for p in parts]), offset, block)
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """How a checkpoint stored one tensor: its type (``Q4_1``, ``BF16``, ``F32``...) and, for a
+    block-exact type, how to read its blocks (read when asked: only the formats that keep blocks do)."""
+
+    kind: str
+    read_blocks: Callable[[], Blocks] | None = None
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:  # [nb, 2] uint8 -> [nb, 1] float32

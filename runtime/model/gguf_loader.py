@@ -26,7 +26,7 @@ from kvdrive.runtime.model.gemma3 import (
     NORM_OFFSET,
     sliding_layers_for,
 )
-from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, read_blocks
+from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, TensorSource, read_blocks
 from kvdrive.runtime.prompt.tokenizer import (
     Tokenizer,
     TokenizerError,
@@ -218,31 +218,28 @@ def _hf_name(name: str, cfg: ModelConfig, layer_names: dict[str, str]) -> str:
     raise ModelLoadError(f"unexpected tensor {name} for a {cfg.architecture} model")
 
 
-def gguf_source_types(reader: Any, cfg: ModelConfig) -> dict[str, str]:
-    """Hugging Face name -> the GGUF type its tensor is stored in (``Q4_1``, ``Q8_0``, ``F32``...)."""
+def gguf_sources(reader: Any, cfg: ModelConfig) -> dict[str, TensorSource]:
+    """Hugging Face name -> how the file stores the tensor: its GGUF type and, for a block-exact type,
+    a reader of its exact blocks in the loader's row order (llama q/k un-interleaved)."""
     layer_names = _GEMMA3_LAYER_NAMES if cfg.architecture == "gemma3" else _LAYER_NAMES
-    return {_hf_name(t.name, cfg, layer_names): t.tensor_type.name for t in reader.tensors
-            if t.name != "rope_freqs.weight"}
 
-
-def gguf_blocks(reader: Any, cfg: ModelConfig) -> Callable[[str], Blocks | None]:
-    """Hugging Face name -> the tensor's exact GGUF blocks (``gguf_blocks.Blocks``), read when asked, in
-    the loader's row order (llama q/k un-interleaved); None for a type that is not block-exact."""
-    layer_names = _GEMMA3_LAYER_NAMES if cfg.architecture == "gemma3" else _LAYER_NAMES
-    by_name = {_hf_name(t.name, cfg, layer_names): t for t in reader.tensors if t.name != "rope_freqs.weight"}
-
-    def blocks(hf_name: str) -> Blocks | None:
-        t = by_name.get(hf_name)
-        if t is None or t.tensor_type.name not in BLOCK_EXACT_TYPES or len(t.shape) != 2:
+    def reader_of(t: Any) -> Callable[[], Blocks] | None:
+        if t.tensor_type.name not in BLOCK_EXACT_TYPES or len(t.shape) != 2:
             return None
-        b = read_blocks(t)
-        if cfg.architecture in ("llama", "mistral") and (rest_is(t.name, "attn_q") or rest_is(t.name, "attn_k")):
-            heads = cfg.num_heads if rest_is(t.name, "attn_q") else cfg.num_kv_heads
-            order = _unpermute(np.arange(b.shape[0]), heads)
-            b = b.rows(torch.from_numpy(np.ascontiguousarray(order)))
-        return b
+        heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+        stem = next((k for k in heads if rest_is(t.name, k)), None) if cfg.architecture in ("llama", "mistral") else None
 
-    return blocks
+        def read() -> Blocks:
+            b = read_blocks(t)
+            if stem is None:
+                return b
+            order = _unpermute(np.arange(b.shape[0]), heads[stem])
+            return b.rows(torch.from_numpy(np.ascontiguousarray(order)))
+
+        return read
+
+    return {_hf_name(t.name, cfg, layer_names): TensorSource(t.tensor_type.name, reader_of(t))
+            for t in reader.tensors if t.name != "rope_freqs.weight"}
 
 
 def rest_is(name: str, stem: str) -> bool:

@@ -18,9 +18,9 @@ from tqdm import tqdm
 from kvdrive.runtime.model.config import ModelConfig
 from kvdrive.runtime.model.errors import ModelLoadError
 from kvdrive.runtime.model.gemma3 import Gemma3Model
+from kvdrive.runtime.model.gguf_blocks import TensorSource
 from kvdrive.runtime.model.gguf_loader import (
-    gguf_blocks,
-    gguf_source_types,
+    gguf_sources,
     iter_gguf_weights,
     open_gguf,
     tokenizer_from_gguf,
@@ -138,21 +138,19 @@ def load_model(
         n = len(list(path.glob("*.safetensors")))
         weights_iter = iter_safetensors(path, _progress(0, f"loading {path.name} ({n} files)", progress),
                                         weight_renamer(raw))
-        sources: dict[str, str] = {}
-        blocks_of = None
+        sources: dict[str, TensorSource] = {}
     else:
         reader, meta, cfg, fingerprint = open_gguf(path)
         tokenizer = tokenizer_from_gguf(meta)
         weights_iter = iter_gguf_weights(reader, cfg, _progress(len(reader.tensors), f"loading {path.name}", progress))
-        sources = gguf_source_types(reader, cfg)
-        blocks_of = gguf_blocks(reader, cfg)
+        sources = gguf_sources(reader, cfg)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in weights_iter:
         if name == "rope_freqs.weight":
             freq_factors = tensor
         else:
             tensors[name] = tensor
-            sources.setdefault(name, _DTYPE_NAMES.get(tensor.dtype, "F32"))
+            sources.setdefault(name, TensorSource(_DTYPE_NAMES.get(tensor.dtype, "F32")))
     with torch.device("meta"):
         if cfg.architecture == "gemma3":
             model: LlamaModel | Gemma3Model = Gemma3Model(cfg)
@@ -167,7 +165,7 @@ def load_model(
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     del tensors
-    plan = WeightPlan("fp32", {}) if direct else apply_weights(model, weights, sources, device, dtype, blocks_of)
+    plan = WeightPlan("fp32", {}) if direct else apply_weights(model, weights, sources, device, dtype)
     if not direct:
         model = model.to(device=device, dtype=dtype)
     model.eval()

@@ -10,13 +10,13 @@ loaded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from kvdrive.runtime.model.gguf_blocks import Blocks
+from kvdrive.runtime.model.gguf_blocks import Blocks, TensorSource
 from kvdrive.runtime.model.weight_formats import QuantEmbedding, QuantLinear, resolve_format, supports
 
 # the checkpoint tensors behind each fused projection (Hugging Face names below ``layers.<i>.``)
@@ -47,8 +47,8 @@ class WeightPlan:
         return "" if set(self.formats.values()) <= {"fp32"} else f"|weights={self.requested}:{self.summary()}"
 
 
-def _types(sources: Mapping[str, str], names: tuple[str, ...]) -> list[str]:
-    return [sources[n] for n in names if n in sources]
+def _types(sources: Mapping[str, TensorSource], names: tuple[str, ...]) -> list[str]:
+    return [sources[n].kind for n in names if n in sources]
 
 
 def _format(requested: str, types: list[str], shape: torch.Size, device: torch.device) -> str:
@@ -58,23 +58,26 @@ def _format(requested: str, types: list[str], shape: torch.Size, device: torch.d
     return fmt
 
 
-def _blocks(blocks_of: Callable[[str], Blocks | None], names: tuple[str, ...]) -> Blocks | None:
-    parts = [blocks_of(f"model.{n}") or blocks_of(n) for n in names]  # lm_head.weight has no model. prefix
-    if not parts or any(p is None for p in parts):
+def _exact(sources: Mapping[str, TensorSource], names: tuple[str, ...]) -> Blocks | None:
+    """The module's weight in its file's blocks: every part's blocks stacked, or None when a part has none."""
+    readers = [sources[n].read_blocks if n in sources else None for n in names]
+    if not readers or any(r is None for r in readers):
         return None
-    return Blocks.cat(parts) if len(parts) > 1 else parts[0]  # type: ignore[arg-type]
+    parts = [r() for r in readers if r is not None]
+    return Blocks.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def apply_weights(model: nn.Module, requested: str, sources: Mapping[str, str], device: torch.device,
-                  dtype: torch.dtype, blocks_of: Callable[[str], Blocks | None] | None = None) -> WeightPlan:
-    """Convert ``model`` (loaded in float32) in place; ``sources``: Hugging Face name (``model.``
-    prefix dropped) -> the type the checkpoint stored it in (``Q4_1``, ``BF16``...); ``blocks_of``: the
-    same names -> the tensor's exact GGUF blocks, or None."""
+def _convert(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device,
+             sources: Mapping[str, TensorSource], names: tuple[str, ...], keep_rows: bool = False) -> QuantLinear:
+    blocks = _exact(sources, names) if fmt in ("int8", "int4") else None  # only the block formats read them
+    return QuantLinear(weight, bias, fmt, device, blocks, keep_rows)
+
+
+def apply_weights(model: nn.Module, requested: str, sources: Mapping[str, TensorSource], device: torch.device,
+                  dtype: torch.dtype) -> WeightPlan:
+    """Convert ``model`` (loaded in float32) in place; ``sources``: Hugging Face name -> how the
+    checkpoint stored the tensor (``Q4_1`` with its blocks, ``BF16``...)."""
     sources = {k.removeprefix("model."): v for k, v in sources.items()}
-
-    def exact(names: tuple[str, ...]) -> Blocks | None:
-        return None if blocks_of is None else _blocks(blocks_of, names)
-
     formats: dict[str, str] = {}
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined, arg-type]
         for attr, names in _SOURCES.items():
@@ -82,33 +85,20 @@ def apply_weights(model: nn.Module, requested: str, sources: Mapping[str, str], 
             full = tuple(f"layers.{i}.{n}" for n in names)
             fmt = _format(requested, _types(sources, full), linear.weight.shape, device)
             if fmt != "fp32" or device.type != "cpu" or dtype != torch.float32:
-                blocks = exact(full) if fmt in ("int8", "int4") else None
-                setattr(layer, attr, QuantLinear(linear.weight, linear.bias, fmt, device, blocks))
+                setattr(layer, attr, _convert(linear.weight, linear.bias, fmt, device, sources, full))
                 formats[f"layers.{i}.{attr}"] = fmt
     embed: nn.Embedding = model.embed_tokens  # type: ignore[assignment]
     head: nn.Linear | None = model.lm_head  # type: ignore[assignment]
-    embed_fmt = _format(requested, _types(sources, ("embed_tokens.weight",)), embed.weight.shape, device)
-    if head is None:  # tied: one matrix for both
-        if embed_fmt != "fp32":
-            table = QuantLinear(embed.weight, None, embed_fmt, device, _if_int(embed_fmt, exact(("embed_tokens.weight",))),
-                                keep_rows=True)
-            model.embed_tokens = QuantEmbedding(table, dtype)  # type: ignore[assignment]
-            formats["embed_tokens (tied LM head)"] = embed_fmt
-    else:
-        head_types = _types(sources, ("lm_head.weight",)) or _types(sources, ("embed_tokens.weight",))
-        head_fmt = _format(requested, head_types, head.weight.shape, device)
+    table_names = ("embed_tokens.weight",)
+    if head is not None:  # untied: the LM head is its own matrix (a file without one reuses the embedding's)
+        head_names = ("lm_head.weight",) if "lm_head.weight" in sources else table_names
+        head_fmt = _format(requested, _types(sources, head_names), head.weight.shape, device)
         if head_fmt != "fp32":
-            head_blocks = exact(("lm_head.weight",)) if "lm_head.weight" in sources else exact(("embed_tokens.weight",))
-            model.lm_head = QuantLinear(head.weight, None, head_fmt, device,  # type: ignore[assignment]
-                                        _if_int(head_fmt, head_blocks))
+            model.lm_head = _convert(head.weight, None, head_fmt, device, sources, head_names)  # type: ignore[assignment]
             formats["lm_head"] = head_fmt
-        if embed_fmt != "fp32":
-            table = QuantLinear(embed.weight, None, embed_fmt, device, _if_int(embed_fmt, exact(("embed_tokens.weight",))),
-                                keep_rows=True)
-            model.embed_tokens = QuantEmbedding(table, dtype)  # type: ignore[assignment]
-            formats["embed_tokens"] = embed_fmt
+    embed_fmt = _format(requested, _types(sources, table_names), embed.weight.shape, device)
+    if embed_fmt != "fp32":  # when tied, this one matrix is the LM head too
+        table = _convert(embed.weight, None, embed_fmt, device, sources, table_names, keep_rows=True)
+        model.embed_tokens = QuantEmbedding(table, dtype)  # type: ignore[assignment]
+        formats["embed_tokens" if head is not None else "embed_tokens (tied LM head)"] = embed_fmt
     return WeightPlan(requested, formats)
-
-
-def _if_int(fmt: str, blocks: Blocks | None) -> Blocks | None:
-    return blocks if fmt in ("int8", "int4") else None

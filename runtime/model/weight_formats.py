@@ -58,8 +58,7 @@ def auto_format(source_types: Sequence[str], device: torch.device) -> str:
 
 
 def resolve_format(requested: str, source_types: Sequence[str], device: torch.device) -> str:
-    if requested not in WEIGHT_CHOICES:
-        raise ValueError(f"--weights {requested!r}: expected one of {', '.join(WEIGHT_CHOICES)}")
+    """``requested`` (one of ``WEIGHT_CHOICES``: ``load_model`` checks) with ``auto`` resolved."""
     return auto_format(source_types, device) if requested == "auto" else requested
 
 
@@ -103,9 +102,9 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().to(device)
         self.w: torch.Tensor | None = None  # fp32 / bf16 weight (CUDA: the bf16 rows of an int4 table)
         self.packed: block_kernels.PackedBlocks | None = None  # CPU int8 / int4
-        self.q: torch.Tensor | None = None  # CUDA int8 levels or tinygemm's packed int4
-        self.scales: torch.Tensor | None = None  # CUDA: int8 [N, K/g] / int4 [K/g, N, 2] bf16
-        self._cuda_offset: torch.Tensor | None = None  # CUDA int8: [N, K/g] bf16
+        self.blocks: Blocks | None = None  # CUDA int8: levels, scales, offsets on the device
+        self.q: torch.Tensor | None = None  # CUDA int4: tinygemm's packed levels
+        self.scales: torch.Tensor | None = None  # CUDA int4: [K/g, N, 2] bf16 scale and zero
         if fmt in ("fp32", "bf16"):
             self.w = weight.detach().to(device, torch.float32 if fmt == "fp32" else torch.bfloat16)
             return
@@ -113,9 +112,7 @@ class QuantLinear(nn.Module):
         if self.cpu:
             self.packed = block_kernels.pack(b, nib=fmt == "int4")
         elif fmt == "int8":
-            self.q, self.scales = b.levels.to(device), b.scale.to(device, torch.bfloat16)
-            if b.offset is not None:
-                self._cuda_offset = b.offset.to(device, torch.bfloat16)
+            self.blocks = b.to(device)
         else:
             b32 = b if b.nibbles_fit() else requantize(b.dequantize(), "int4")
             offset = b32.offset if b32.offset is not None else torch.zeros_like(b32.scale)
@@ -130,9 +127,10 @@ class QuantLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes this layer keeps (every copy)."""
+        b = self.blocks
+        held = (self.w, self.q, self.scales, self.bias) + ((b.levels, b.scale, b.offset) if b is not None else ())
         n = self.packed.nbytes if self.packed is not None else 0
-        return n + sum(t.numel() * t.element_size() for t in (self.w, self.q, self.scales, self.bias, self._cuda_offset)
-                       if t is not None)
+        return n + sum(t.numel() * t.element_size() for t in held if t is not None)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.fmt == "fp32":
@@ -144,12 +142,8 @@ class QuantLinear(nn.Module):
                 return block_kernels.gemv(x, self.packed)
             return F.linear(x.float(), block_kernels.dequantize(self.packed))
         xb = x.to(torch.bfloat16)
-        if self.fmt == "int8":  # CUDA
-            n, k = self.q.shape
-            w = self.q.to(torch.bfloat16).view(n, self.scales.shape[1], -1) * self.scales.unsqueeze(-1)
-            if self._cuda_offset is not None:
-                w = w + self._cuda_offset.unsqueeze(-1)
-            return F.linear(xb, w.view(n, k))
+        if self.blocks is not None:  # CUDA int8
+            return F.linear(xb, self.blocks.dequantize(torch.bfloat16))
         return torch.ops.aten._weight_int4pack_mm(xb, self.q, GROUP, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N] in x's dtype
@@ -164,12 +158,8 @@ class QuantLinear(nn.Module):
             return block_kernels.rows(self.packed, ids)
         if self.w is not None:
             return self.w[ids].float()
-        if self.fmt == "int8":
-            n = ids.shape[0]
-            w = self.q[ids].float().view(n, self.scales.shape[1], -1) * self.scales[ids].float().unsqueeze(-1)
-            if self._cuda_offset is not None:
-                w = w + self._cuda_offset[ids].float().unsqueeze(-1)
-            return w.view(n, -1)
+        if self.blocks is not None:
+            return self.blocks.rows(ids).dequantize()
         raise RuntimeError("an int4 layer without a row table cannot serve as an embedding (keep_rows)")
 
 
