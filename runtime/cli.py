@@ -7,83 +7,43 @@ and exit with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import sys
-from pathlib import Path
 
 from kvdrive.router import cli as route_cli
-from kvdrive.runtime import __version__
-from kvdrive.runtime.sizes import parse_size
+from kvdrive.runtime import __version__, bench_cli
+from kvdrive.runtime.cli_args import (
+    DTYPES,
+    add_threads_arg,
+    add_weights_arg,
+    default_threads,
+    dtype_of,
+    seconds_arg,
+    size_arg,
+)
 
 log = logging.getLogger("kvdrive")
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def _dtype(name: str):  # type: ignore[no-untyped-def]
-    import torch
-
-    return None if name == "auto" else getattr(torch, name)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from exc
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds >= 0")
-    return value
-
-
-def _add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None,
-                   help="compute threads (default: every CPU this process may run on)")
-
-
-def default_threads() -> int:
-    """CPUs this process may run on (the cgroup/affinity set, not the host's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-# weight_formats.WEIGHT_CHOICES, spelled out: building the parser must not import torch (kvdrive route)
-WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
-
-
-def _add_weights_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto",
-                   help="how the projection, embedding and LM-head weights are kept: auto (the GGUF file's own "
-                        "blocks, computed in float32: int4 for Q4 tensors, int8 for Q5/Q6/Q8; bf16 for BF16, "
-                        "fp32 otherwise), fp32, bf16, int8 or int4 (docs/weights.md)")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    _add_threads_arg(p)
+    add_threads_arg(p)
     p.add_argument("--model", default="demo", help="'demo' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M base, "
                         "hybrid sliding/global attention, 32K context), a .gguf file or a Hugging Face model directory")
     p.add_argument("--device", default="auto",
                    help="torch device for compute and the device KV tier: auto (CUDA when torch sees a device, "
                         "else the CPU; logged at start), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="auto",
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                    help="activations and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
-    _add_weights_arg(p)
+    add_weights_arg(p)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--gpu-budget", type=_size, default=None,
+    p.add_argument("--gpu-budget", type=size_arg, default=None,
                    help="bytes of KV in the device tier incl. one open page per running sequence, e.g. 256MiB "
                         "(default: one full-context sequence)")
-    p.add_argument("--dram-budget", type=_size, default=0, help="bytes of KV in host DRAM (default 0)")
+    p.add_argument("--dram-budget", type=size_arg, default=0, help="bytes of KV in host DRAM (default 0)")
     p.add_argument("--dram-hugepage-dir", default=None,
                    help="hugetlbfs mount backing the DRAM tier (else anonymous memory with transparent hugepages)")
     p.add_argument("--ssd-dir", default=None, help="directory on the NVMe drive for the SSD tier (default: none)")
-    p.add_argument("--ssd-budget", type=_size, default=None, help="bytes of the SSD tier on disk (default 1GiB)")
+    p.add_argument("--ssd-budget", type=size_arg, default=None, help="bytes of the SSD tier on disk (default 1GiB)")
     p.add_argument("--ssd-compression", choices=["none", "int8"], default="none",
                    help="int8 halves the SSD tier's bytes (per page and head scales)")
     p.add_argument("--token-budget", type=int, default=1024, help="tokens each decode query attends to")
@@ -119,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-token-file", default=None, help="file holding the Bearer token required on /admin")
     s.add_argument("--protect-metadata", action="store_true",
                    help="require the API key on /metrics, /openapi.json and /docs too (open by default)")
-    s.add_argument("--max-body-bytes", type=_size, default=8 << 20, help="largest request body (413 above)")
+    s.add_argument("--max-body-bytes", type=size_arg, default=8 << 20, help="largest request body (413 above)")
     s.add_argument("--drain-seconds", type=float, default=30.0,
                    help="after SIGTERM/SIGINT: stop admitting, let in-flight requests finish this long, then abort "
                         "them, flush the SSD index and exit 0")
@@ -131,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "reserved at start; default: --max-running)")
     s.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     s.add_argument("--step-tokens", type=int, default=512, help="tokens per engine step (chunked prefill)")
-    s.add_argument("--step-seconds", type=_seconds, default=1.0,
+    s.add_argument("--step-seconds", type=seconds_arg, default=1.0,
                    help="latency target of one engine step (every stream's inter-token gap): steps carry fewer "
                         "prompt tokens when they run slower than this; 0 keeps --step-tokens fixed")
     s.add_argument("--scheduling", choices=("fair", "fifo"), default="fair",
@@ -141,67 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="YAML/JSON file of flag values (keys as the long flags, e.g. gpu_budget: 512MiB); "
                         "flags given on the command line win")
 
-    b = sub.add_parser("bench", help="benchmarks (JSON to stdout or --out)")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    m = bsub.add_parser("model", help="load time, prefill and decode throughput of a model")
-    _add_threads_arg(m)
-    m.add_argument("--model", default="demo")
-    m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as serve)")
-    m.add_argument("--dtype", choices=sorted(_DTYPES), default="auto")
-    _add_weights_arg(m)
-    m.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths")
-    m.add_argument("--decode-context", type=int, nargs="+", default=[128, 2048], help="contexts for decode")
-    m.add_argument("--decode-tokens", type=int, default=64)
-    m.add_argument("--out", type=Path, default=None, help="write JSON here (and a PNG plot beside it)")
-    tb = bsub.add_parser("tiers", help="read/write bandwidth of each KV tier vs raw O_DIRECT")
-    tb.add_argument("--ssd-dir", required=True, help="directory on the drive to measure (writes ~270 MiB)")
-    tb.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
-
-    dc = bsub.add_parser("decode", help="decode throughput of kvdrive vs the baselines, the compute floor and "
-                                         "llama.cpp across the tiers")
-    dc.add_argument("--model", default="demo")
-    dc.add_argument("--ssd-dir", required=True, help="SSD tier directory (prompts are prefilled into it once)")
-    dc.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
-    dc.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    dc.add_argument("--modes", nargs="+", default=None, help="subset of full-gpu sparse-gpu kvdrive lru ondemand fullfetch")
-    dc.add_argument("--steps", type=int, default=16)
-    dc.add_argument("--warmup", type=int, default=8)
-    dc.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
-    dc.add_argument("--token-budget", type=int, default=1024)
-    _add_weights_arg(dc)
-    _add_threads_arg(dc)
-    dc.add_argument("--ssd-budget", type=_size, default=4 << 30,
-                    help="SSD tier size, the same in every run on this directory (a smaller one drops stored pages)")
-    dc.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
-    rs = bsub.add_parser("rss", help="resident memory of a demo server as its DRAM tier fills")
-    _add_threads_arg(rs)
-    rs.add_argument("--ssd-dir", required=True)
-    rs.add_argument("--gpu-budget", type=_size, default=32 << 20)
-    rs.add_argument("--dram-budget", type=_size, default=128 << 20)
-    rs.add_argument("--out", type=Path, default=Path("bench/results/rss.json"))
-    rt = bsub.add_parser("routing", help="prefix-aware routing vs round-robin over local replicas, with faults")
-    rt.add_argument("--work-dir", required=True, help="replicas' SSD directories and logs (fresh per run)")
-    rt.add_argument("--replicas", type=int, default=3)
-    rt.add_argument("--clients", type=int, default=16)
-    rt.add_argument("--seconds", type=float, default=120.0)
-    rt.add_argument("--replica-threads", type=int, default=1, help="compute threads of each replica")
-    rt.add_argument("--replica-ssd", default="1GiB",
-                    help="each replica's --ssd-budget (1GiB holds ~23K tokens: ~10 of the 12 documents, all of them "
-                         "only across the fleet; 512MiB about 5)")
-    rt.add_argument("--affinity-share", type=float, default=0.5,
-                    help="the prefix router's --affinity-share (above 1: route by cost alone)")
-    rt.add_argument("--no-faults", action="store_true", help="skip the run with a replica and the router killed")
-    rt.add_argument("--fault-seconds", type=float, default=120.0, help="length of that run")
-    rt.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
-    ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
-    ld.add_argument("--url", default="http://127.0.0.1:8000")
-    ld.add_argument("--clients", type=int, default=16)
-    ld.add_argument("--seconds", type=float, default=60.0)
-    ld.add_argument("--max-tokens", type=int, default=48)
-    ld.add_argument("--long-clients", type=int, default=0, help="clients sending long documents (mixed load)")
-    ld.add_argument("--long-sentences", type=int, default=170, help="length of a long document (~12 tokens each)")
-    ld.add_argument("--api-key-file", default=None)
-    ld.add_argument("--out", type=Path, default=None)
+    bench_cli.add_parser(sub)
     return parser
 
 
@@ -214,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=tuple(args.stop),
     )
-    loaded = load_model(args.model, device=args.device, dtype=_dtype(args.dtype),
+    loaded = load_model(args.model, device=args.device, dtype=dtype_of(args.dtype),
                         progress=sys.stderr.isatty() or args.verbose, weights=args.weights)
     tok = loaded.tokenizer
     ids = tok.encode_chat([ChatMessage("user", args.prompt)]) if args.chat else tok.encode(args.prompt)
@@ -244,7 +144,7 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
                        ssd_bytes=ssd_budget, hugetlbfs_dir=args.dram_hugepage_dir, ssd_codec=args.ssd_compression)
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
                         full_attention=args.full_attention, token_budget=args.token_budget,
-                        max_sequences=max_sequences, max_running=max_running, kv_dtype=_dtype(args.dtype))
+                        max_sequences=max_sequences, max_running=max_running, kv_dtype=dtype_of(args.dtype))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -256,7 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not 1 <= args.max_running <= ceiling:
         raise ValueError(f"--max-running {args.max_running} must be between 1 and --max-sequences {ceiling}")
     opts = ServeOptions(
-        model=args.model, host=args.host, port=args.port, device=args.device, dtype=_dtype(args.dtype),
+        model=args.model, host=args.host, port=args.port, device=args.device, dtype=dtype_of(args.dtype),
         weights=args.weights,
         engine=engine_config(args, max_sequences=ceiling, max_running=args.max_running),
         served_model_name=args.served_model_name,
@@ -286,88 +186,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         at = argv.index("serve") + 1
         args = parser.parse_args(argv[:at] + extra + argv[at:])  # later (command-line) flags win
     return args
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from kvdrive.runtime.bench import model_bench
-
-    if args.bench == "tiers":
-        from kvdrive.runtime.bench import tier_bench
-
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        res = tier_bench.run_tier_bench(args.ssd_dir, out_json=str(args.out), out_png=str(args.out.with_suffix(".png")))
-        print(json.dumps(res, indent=2))
-        return 0
-    if args.bench == "decode":
-        from kvdrive.runtime.bench import decode_bench, decode_report
-
-        res = decode_bench.run_decode_bench(
-            args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
-            tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget,
-            with_llama_cpp=not args.no_llama_cpp, weights=args.weights)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
-        report = decode_report.markdown(res)
-        args.out.with_suffix(".md").write_text(report)
-        decode_report.plot(res, str(args.out.with_suffix(".png")))
-        print(report)
-        return 0
-    if args.bench == "rss":
-        from kvdrive.runtime.bench import rss_bench
-
-        exe = str(Path(sys.executable).parent / "kvdrive")
-        rss = rss_bench.as_dict(rss_bench.run_rss_bench(exe, args.ssd_dir, args.gpu_budget, args.dram_budget))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rss, indent=2) + "\n")
-        print(json.dumps(rss, indent=2))
-        return 0
-    if args.bench == "routing":
-        from dataclasses import asdict
-
-        from kvdrive.runtime.bench import routing_bench, routing_report
-
-        res = routing_bench.run_routing_bench(args.work_dir, args.replicas, args.clients, args.seconds,
-                                              args.replica_threads, not args.no_faults,
-                                              fault_seconds=args.fault_seconds, ssd_budget=args.replica_ssd,
-                                              affinity_share=args.affinity_share)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(asdict(res), indent=2) + "\n")
-        report = routing_report.markdown(res, "kvdrive bench routing " + " ".join(sys.argv[3:]))
-        args.out.with_suffix(".md").write_text(report)
-        routing_report.plot(res, str(args.out.with_suffix(".png")))
-        print(report)
-        return 0
-    if args.bench == "load":
-        import asyncio
-
-        from kvdrive.runtime.bench import load_bench
-        from kvdrive.runtime.server.auth import read_secret
-
-        res = asyncio.run(load_bench.run_load(args.url, args.clients, args.seconds, args.max_tokens,
-                                              read_secret(args.api_key_file), args.long_clients,
-                                              args.long_sentences))
-        text = json.dumps(load_bench.as_dict(res), indent=2)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(text + "\n")
-        print(text)
-        return 0 if res.errors == 0 else 1
-
-    result = model_bench.run_model_bench(
-        args.model, tuple(args.prefill), tuple(args.decode_context), args.decode_tokens, device=args.device,
-        dtype=_dtype(args.dtype), weights=args.weights,
-    )
-    text = json.dumps(model_bench.as_dict(result), indent=2)
-    print(model_bench.table(result), file=sys.stderr)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        png = args.out.with_suffix(".png")
-        if model_bench.plot(result, str(png)):
-            print(f"wrote {args.out} and {png}", file=sys.stderr)
-    else:
-        print(text)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
-        return _bench(args)
+        return bench_cli.run(args)
     except (ModelLoadError, PromptTooLongError, CacheFullError, TokenizerError, ValueError, OSError) as exc:
         print(f"kvdrive: error: {exc}", file=sys.stderr)
         return 2

@@ -105,10 +105,10 @@ def test_torch_path_without_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_the_command_line_offers_every_format() -> None:
-    from kvdrive.runtime import cli
+    from kvdrive.runtime import cli_args
     from kvdrive.runtime.model.weight_formats import WEIGHT_CHOICES
 
-    assert cli.WEIGHT_CHOICES == WEIGHT_CHOICES
+    assert cli_args.WEIGHT_CHOICES == WEIGHT_CHOICES
 
 
 def test_pack_refuses_levels_that_do_not_fit_a_nibble() -> None:

@@ -1,0 +1,159 @@
+"""``kvdrive bench``: the benchmarks' subcommands, their flags, and running them (JSON, Markdown and a
+PNG beside ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvdrive.runtime.cli_args import DTYPES, add_threads_arg, add_weights_arg, dtype_of, size_arg
+
+
+def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
+    b = sub.add_parser("bench", help="benchmarks (JSON to stdout or --out)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    m = bsub.add_parser("model", help="load time, prefill and decode throughput of a model")
+    add_threads_arg(m)
+    m.add_argument("--model", default="demo")
+    m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as serve)")
+    m.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
+    add_weights_arg(m)
+    m.add_argument("--prefill", type=int, nargs="+", default=[512, 2048], help="prompt lengths")
+    m.add_argument("--decode-context", type=int, nargs="+", default=[128, 2048], help="contexts for decode")
+    m.add_argument("--decode-tokens", type=int, default=64)
+    m.add_argument("--out", type=Path, default=None, help="write JSON here (and a PNG plot beside it)")
+    tb = bsub.add_parser("tiers", help="read/write bandwidth of each KV tier vs raw O_DIRECT")
+    tb.add_argument("--ssd-dir", required=True, help="directory on the drive to measure (writes ~270 MiB)")
+    tb.add_argument("--out", type=Path, default=Path("bench/results/tiers.json"))
+
+    dc = bsub.add_parser("decode", help="decode throughput of kvdrive vs the baselines, the compute floor and "
+                                         "llama.cpp across the tiers")
+    dc.add_argument("--model", default="demo")
+    dc.add_argument("--ssd-dir", required=True, help="SSD tier directory (prompts are prefilled into it once)")
+    dc.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
+    dc.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    dc.add_argument("--modes", nargs="+", default=None, help="subset of full-gpu sparse-gpu kvdrive lru ondemand fullfetch")
+    dc.add_argument("--steps", type=int, default=16)
+    dc.add_argument("--warmup", type=int, default=8)
+    dc.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
+    dc.add_argument("--token-budget", type=int, default=1024)
+    add_weights_arg(dc)
+    add_threads_arg(dc)
+    dc.add_argument("--ssd-budget", type=size_arg, default=4 << 30,
+                    help="SSD tier size, the same in every run on this directory (a smaller one drops stored pages)")
+    dc.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
+    rs = bsub.add_parser("rss", help="resident memory of a demo server as its DRAM tier fills")
+    add_threads_arg(rs)
+    rs.add_argument("--ssd-dir", required=True)
+    rs.add_argument("--gpu-budget", type=size_arg, default=32 << 20)
+    rs.add_argument("--dram-budget", type=size_arg, default=128 << 20)
+    rs.add_argument("--out", type=Path, default=Path("bench/results/rss.json"))
+    rt = bsub.add_parser("routing", help="prefix-aware routing vs round-robin over local replicas, with faults")
+    rt.add_argument("--work-dir", required=True, help="replicas' SSD directories and logs (fresh per run)")
+    rt.add_argument("--replicas", type=int, default=3)
+    rt.add_argument("--clients", type=int, default=16)
+    rt.add_argument("--seconds", type=float, default=120.0)
+    rt.add_argument("--replica-threads", type=int, default=1, help="compute threads of each replica")
+    rt.add_argument("--replica-ssd", default="1GiB",
+                    help="each replica's --ssd-budget (1GiB holds ~23K tokens: ~10 of the 12 documents, all of them "
+                         "only across the fleet; 512MiB about 5)")
+    rt.add_argument("--affinity-share", type=float, default=0.5,
+                    help="the prefix router's --affinity-share (above 1: route by cost alone)")
+    rt.add_argument("--no-faults", action="store_true", help="skip the run with a replica and the router killed")
+    rt.add_argument("--fault-seconds", type=float, default=120.0, help="length of that run")
+    rt.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
+    ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
+    ld.add_argument("--url", default="http://127.0.0.1:8000")
+    ld.add_argument("--clients", type=int, default=16)
+    ld.add_argument("--seconds", type=float, default=60.0)
+    ld.add_argument("--max-tokens", type=int, default=48)
+    ld.add_argument("--long-clients", type=int, default=0, help="clients sending long documents (mixed load)")
+    ld.add_argument("--long-sentences", type=int, default=170, help="length of a long document (~12 tokens each)")
+    ld.add_argument("--api-key-file", default=None)
+    ld.add_argument("--out", type=Path, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvdrive.runtime.bench import model_bench
+
+    if args.bench == "tiers":
+        from kvdrive.runtime.bench import tier_bench
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        res = tier_bench.run_tier_bench(args.ssd_dir, out_json=str(args.out), out_png=str(args.out.with_suffix(".png")))
+        print(json.dumps(res, indent=2))
+        return 0
+    if args.bench == "decode":
+        from kvdrive.runtime.bench import decode_bench, decode_report
+
+        res = decode_bench.run_decode_bench(
+            args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
+            tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget,
+            with_llama_cpp=not args.no_llama_cpp, weights=args.weights)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
+        report = decode_report.markdown(res)
+        args.out.with_suffix(".md").write_text(report)
+        decode_report.plot(res, str(args.out.with_suffix(".png")))
+        print(report)
+        return 0
+    if args.bench == "rss":
+        from kvdrive.runtime.bench import rss_bench
+
+        exe = str(Path(sys.executable).parent / "kvdrive")
+        rss = rss_bench.as_dict(rss_bench.run_rss_bench(exe, args.ssd_dir, args.gpu_budget, args.dram_budget))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rss, indent=2) + "\n")
+        print(json.dumps(rss, indent=2))
+        return 0
+    if args.bench == "routing":
+        from dataclasses import asdict
+
+        from kvdrive.runtime.bench import routing_bench, routing_report
+
+        res = routing_bench.run_routing_bench(args.work_dir, args.replicas, args.clients, args.seconds,
+                                              args.replica_threads, not args.no_faults,
+                                              fault_seconds=args.fault_seconds, ssd_budget=args.replica_ssd,
+                                              affinity_share=args.affinity_share)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(asdict(res), indent=2) + "\n")
+        report = routing_report.markdown(res, "kvdrive bench routing " + " ".join(sys.argv[3:]))
+        args.out.with_suffix(".md").write_text(report)
+        routing_report.plot(res, str(args.out.with_suffix(".png")))
+        print(report)
+        return 0
+    if args.bench == "load":
+        import asyncio
+
+        from kvdrive.runtime.bench import load_bench
+        from kvdrive.runtime.server.auth import read_secret
+
+        res = asyncio.run(load_bench.run_load(args.url, args.clients, args.seconds, args.max_tokens,
+                                              read_secret(args.api_key_file), args.long_clients,
+                                              args.long_sentences))
+        text = json.dumps(load_bench.as_dict(res), indent=2)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text + "\n")
+        print(text)
+        return 0 if res.errors == 0 else 1
+
+    result = model_bench.run_model_bench(
+        args.model, tuple(args.prefill), tuple(args.decode_context), args.decode_tokens, device=args.device,
+        dtype=dtype_of(args.dtype), weights=args.weights,
+    )
+    text = json.dumps(model_bench.as_dict(result), indent=2)
+    print(model_bench.table(result), file=sys.stderr)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+        png = args.out.with_suffix(".png")
+        if model_bench.plot(result, str(png)):
+            print(f"wrote {args.out} and {png}", file=sys.stderr)
+    else:
+        print(text)
+    return 0
