@@ -69,8 +69,7 @@ def pack(blocks: Blocks, nib: bool) -> PackedBlocks:
     return PackedBlocks(q, blocks.scale.contiguous(), None if blocks.offset is None else blocks.offset.contiguous(), nib)
 
 
-@functools.cache
-def _load() -> tuple[Any, str]:
+def _build() -> tuple[Any, str]:
     """(the extension module or None, why not)."""
     capability = torch.backends.cpu.get_cpu_capability()
     if "AVX512" not in capability:
@@ -83,8 +82,18 @@ def _load() -> tuple[Any, str]:
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the torch path still works
         lines = str(exc).strip().splitlines()
         return None, f"building {SOURCE.name} failed: {lines[-1] if lines else type(exc).__name__}"
-    log.info("block kernels ready (%s)", SOURCE.name)
     return module, ""
+
+
+@functools.cache
+def _load() -> tuple[Any, str]:
+    """The build, tried once a process, and what came of it in the log."""
+    module, why = _build()
+    if module is None:
+        log.warning("block kernels unavailable (%s): auto keeps fp32; int8/int4 dequantize on every call", why)
+    else:
+        log.info("block kernels ready (%s)", SOURCE.name)
+    return module, why
 
 
 def unavailable_reason() -> str:

@@ -113,16 +113,15 @@ class QuantLinear(nn.Module):
             self.packed = block_kernels.pack(b, nib=fmt == "int4")
         elif fmt == "int8":
             self.blocks = b.to(device)
-        else:
-            b32 = b if b.nibbles_fit() else requantize(b.dequantize(), "int4")
-            offset = b32.offset if b32.offset is not None else torch.zeros_like(b32.scale)
-            scale_zero = torch.stack([b32.scale, offset + 8 * b32.scale], -1).transpose(0, 1).contiguous()
-            lv = b32.levels.to(torch.int32)
+        else:  # CUDA int4: b's levels fit a nibble (exact Q4 blocks, or requantized above)
+            offset = b.offset if b.offset is not None else torch.zeros_like(b.scale)
+            scale_zero = torch.stack([b.scale, offset + 8 * b.scale], -1).transpose(0, 1).contiguous()
+            lv = b.levels.to(torch.int32)
             pairs = (lv[:, ::2] << 4 | lv[:, 1::2]).to(torch.uint8).to(device)
             self.q = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
             self.scales = scale_zero.to(device, torch.bfloat16)
             if keep_rows:
-                self.w = b32.dequantize().to(device, torch.bfloat16)
+                self.w = b.dequantize(torch.bfloat16).to(device)
 
     @property
     def nbytes(self) -> int:
