@@ -21,7 +21,9 @@
 # pods through the API, clients use Service ClusterIPs, which kube-proxy makes reachable from the
 # host too). Settings (environment): KVDRIVE_CLUSTER_HUGEPAGES (2Mi pages for the node, 512),
 # KVDRIVE_CLUSTER_PVS (local volumes, 8), KVDRIVE_CLUSTER_PV_SIZE (their capacity, 4Gi),
-# KVDRIVE_NODE_IP (default: the address of the default route).
+# KVDRIVE_CLUSTER_VOLUME_ROOM (GiB that must stay free for the pods' volumes once the images are
+# unpacked, 4; `up` refuses to start with less), KVDRIVE_NODE_IP (default: the address of the
+# default route).
 set -euo pipefail
 
 SCRIPTS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -47,6 +49,7 @@ SERVICE_IP=10.0.0.1
 HUGEPAGES="${KVDRIVE_CLUSTER_HUGEPAGES:-512}"
 PV_COUNT="${KVDRIVE_CLUSTER_PVS:-8}"
 PV_SIZE="${KVDRIVE_CLUSTER_PV_SIZE:-4Gi}"
+MIN_VOLUME_ROOM="${KVDRIVE_CLUSTER_VOLUME_ROOM:-4}"
 OWNER_FILE=/run/kvdrive-cluster.owner
 PAUSE_IMAGE="localhost/kvdrive/pause:${PAUSE_BIN##*pause-}"
 # processes in start order; `down` stops them in reverse
@@ -156,11 +159,31 @@ start_node() {
     log "node $NODE_NAME Ready ($NODE_IP)"
 }
 
+room_for_images() {  # FILES...: is there room under DIR to unpack them (and for the pods' volumes)?
+    local total=0 file avail need gib=$((1 << 30))
+    for file in "$@"; do total=$((total + $(stat -c %s "$file"))); done
+    # containerd holds an archive's layers while it unpacks them (then drops them:
+    # --discard-unpacked-layers), so the peak is about twice the archives, plus room for what the
+    # pods write to their local volumes
+    need=$((2 * total + MIN_VOLUME_ROOM * gib))
+    avail="$(df --output=avail -B1 "$DIR" | tail -1)"
+    if ((avail < need)); then
+        log "not enough disk under $DIR: $((avail / gib)) GiB free, the images need $((2 * total / gib)) GiB to" \
+            "unpack and the pods' volumes $MIN_VOLUME_ROOM GiB (KVDRIVE_CLUSTER_VOLUME_ROOM); free some" \
+            "(old pytest basetemps under /tmp/pytest-of-$(id -un), the image cache's archives) and retry"
+        return 1
+    fi
+}
+
 load_images() {  # the pause image and KVDrive's two, into containerd's k8s.io namespace
-    local file start=$SECONDS
-    while IFS= read -r file; do
-        "$CONTAINERD_BIN/ctr" --address "$RUN_DIR/containerd.sock" -n k8s.io images import "$file" >/dev/null
-    done < <(bash "$SCRIPTS/images.sh" archive "$IMAGE_ARCHIVES" "$PAUSE_BIN/pause" "$PAUSE_IMAGE")
+    local file start=$SECONDS files
+    mapfile -t files < <(bash "$SCRIPTS/images.sh" archive "$IMAGE_ARCHIVES" "$PAUSE_BIN/pause" "$PAUSE_IMAGE")
+    ((${#files[@]} == 3)) || { log "scripts/images.sh archive did not give the three images"; return 1; }
+    room_for_images "${files[@]}"
+    for file in "${files[@]}"; do
+        "$CONTAINERD_BIN/ctr" --address "$RUN_DIR/containerd.sock" -n k8s.io images import \
+            --discard-unpacked-layers "$file" >/dev/null
+    done
     log "images loaded into containerd ($((SECONDS - start)) s):" \
         "$("$CONTAINERD_BIN/ctr" --address "$RUN_DIR/containerd.sock" -n k8s.io images ls -q | tr '\n' ' ')"
 }

@@ -64,6 +64,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     yield c
     if (directory / "pids" / "kube-apiserver.pid").exists():  # the last scenario did not take it down
         cluster_down(directory)
+    shutil.rmtree(directory / "nvme", ignore_errors=True)  # the pods' volumes: gigabytes; the logs stay
 
 
 @pytest.fixture(scope="session")
