@@ -33,6 +33,8 @@ from kvdrive.runtime.placement import policy_for
 
 log = logging.getLogger(__name__)
 
+DEVICE_FREE_SHARE = 0.8  # of a CUDA device's free memory (after the weights) that a default gpu budget may take
+
 
 def step_columns(config: EngineConfig) -> int:
     """Page columns of one decode step buffer: the selected pages and the open one (0 under full attention)."""
@@ -45,6 +47,29 @@ def reserve_bytes(layout: KVLayout, config: EngineConfig, window_bytes: int = 0)
     every row's open page (and sliding window, ``window_bytes`` each) and each running sequence's step buffer."""
     return (config.max_sequences * (layout.page_bytes + window_bytes)
             + config.start_running * step_columns(config) * layout.block_bytes)
+
+
+def default_envelope_bytes(layout: KVLayout, config: EngineConfig, context: int, window_bytes: int,
+                           device: torch.device) -> int:
+    """The gpu budget when none is given: one full-context sequence's pages plus everything the envelope
+    reserves (every row's open page and sliding window, the running sequences' step buffers). On CUDA it is
+    capped at ``DEVICE_FREE_SHARE`` of the device's free memory, read after the weights were loaded, so the
+    activations keep the rest; BudgetError when even that leaves no page beside the reserves."""
+    reserve = reserve_bytes(layout, config, window_bytes)
+    want = layout.pages_for(context) * layout.page_bytes + reserve
+    if device.type != "cuda":
+        return want
+    free = int(torch.cuda.mem_get_info(device)[0])
+    cap = int(free * DEVICE_FREE_SHARE)
+    if cap < reserve + layout.block_bytes:
+        raise BudgetError(
+            f"the device has {free >> 20} MiB free after the weights; {config.max_sequences} rows and "
+            f"{config.start_running} running sequences reserve {reserve >> 20} MiB, more than "
+            f"{DEVICE_FREE_SHARE:.0%} of it (lower --max-sequences / --max-running, or free the device)")
+    if cap < want:
+        log.info("gpu budget defaults to %.0f%% of the device's free memory: %d MiB (one full-context sequence "
+                 "would take %d MiB)", DEVICE_FREE_SHARE * 100, cap >> 20, want >> 20)
+    return min(want, cap)
 
 
 class Envelope:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from kvdrive.runtime.engine.envelope import reserve_bytes
+from kvdrive.runtime.engine.envelope import default_envelope_bytes
 from kvdrive.runtime.engine.heap import HeapTrimmer
 from kvdrive.runtime.engine.kv_state import EngineConfig
 from kvdrive.runtime.engine.sampling import SamplingParams, make_generator, sample
@@ -43,12 +43,13 @@ class Generator:
             page_size=c.page_size,
             dtype=c.kv_dtype or loaded.dtype,
         )
-        if c.tiers.gpu_bytes is None:  # one full-context sequence plus what running sequences reserve
-            gpu = layout.pages_for(cfg.context_length) * layout.page_bytes + reserve_bytes(layout, c)
-            c = self.config = replace(c, tiers=replace(c.tiers, gpu_bytes=gpu))
         fingerprint = f"{loaded.fingerprint}|{layout.fingerprint()}"
         windows = SlidingWindows(cfg.sliding_layers, cfg.sliding_window, c.page_size, c.max_sequences,
                                  cfg.num_kv_heads, cfg.head_dim, layout.dtype, self.device) if cfg.sliding_layers else None
+        if c.tiers.gpu_bytes is None:  # one full-context sequence plus what the envelope reserves
+            window_bytes = windows.bytes_per_sequence() if windows is not None else 0
+            gpu = default_envelope_bytes(layout, c, cfg.context_length, window_bytes, self.device)
+            c = self.config = replace(c, tiers=replace(c.tiers, gpu_bytes=gpu))
         self.cache = TieredKVCache(layout, c, self.device, fingerprint, windows, cfg.global_layers)
         self._ids = itertools.count()
         self.heap = HeapTrimmer()

@@ -13,6 +13,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -224,3 +225,39 @@ def test_a_long_prompt_leaves_checkpoints_that_a_prompt_sharing_its_beginning_re
                                _reference_greedy(loaded, other, 1)[0][reused:], atol=2e-4, rtol=1e-4)
     gen.release(seq)
     gen.close()
+
+
+def test_the_default_gpu_budget_holds_the_windows_of_every_row_and_a_full_context_sequence(
+        hf_model_factory) -> None:  # type: ignore[no-untyped-def]
+    """Tried as a new user would (`kvdrive serve --model gemma3-270m --full-attention`, no budget flags):
+    16 rows' sliding windows outweigh one full-context sequence's pages, and the default envelope must
+    still leave that sequence room beside them."""
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
+    base = load_model(str(path), progress=False)
+    loaded = dataclasses.replace(base, config=dataclasses.replace(base.config, sliding_window=128, sliding_layers=(0,)))
+    for full in (True, False):
+        gen = Generator(loaded, EngineConfig(page_size=4, max_sequences=16, full_attention=full, tiers=TierConfig()))
+        try:
+            assert gen.cache.windows is not None
+            windows = 16 * gen.cache.windows.bytes_per_sequence()
+            assert windows > gen.cache.layout.pages_for(256) * gen.cache.layout.page_bytes  # the case that refused
+            assert gen.request_limit() == 256  # a whole-context request fits the hot tier
+            gen.check_prompt(255)
+        finally:
+            gen.close()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_default_gpu_budget_is_sized_from_its_free_memory(hf_model_factory) -> None:  # type: ignore[no-untyped-def]
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
+    loaded = load_model(str(path), device="cuda", progress=False)
+    free = torch.cuda.mem_get_info()[0]
+    gen = Generator(loaded, EngineConfig(page_size=4, max_sequences=4, tiers=TierConfig()))
+    try:
+        budget = gen.config.tiers.gpu_bytes
+        assert budget is not None and budget <= 0.8 * free
+        assert gen.request_limit() == 256
+    finally:
+        gen.close()
