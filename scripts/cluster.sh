@@ -24,7 +24,7 @@
 # KVDRIVE_CLUSTER_VOLUME_ROOM (GiB that must stay free for the pods' volumes once the images are
 # unpacked, 4; `up` refuses to start with less), KVDRIVE_NODE_IP (default: the address of the
 # default route).
-set -euo pipefail
+set -Eeuo pipefail  # -E: the ERR trap of `up` also fires inside its functions
 
 SCRIPTS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 LOG_TAG=cluster
@@ -181,7 +181,7 @@ load_images() {  # the pause image and KVDrive's two, into containerd's k8s.io n
     ((${#files[@]} == 3)) || { log "scripts/images.sh archive did not give the three images"; return 1; }
     room_for_images "${files[@]}"
     for file in "${files[@]}"; do
-        "$CONTAINERD_BIN/ctr" --address "$RUN_DIR/containerd.sock" -n k8s.io images import \
+        "$CONTAINERD_BIN/ctr" --address "$RUN_DIR/containerd.sock" -n k8s.io images import --local \
             --discard-unpacked-layers "$file" >/dev/null
     done
     log "images loaded into containerd ($((SECONDS - start)) s):" \
