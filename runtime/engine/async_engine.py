@@ -119,32 +119,48 @@ class AsyncEngine:
                 fut.set_exception(exc)
 
     def _run(self) -> None:
+        """Turns until stopped. Nothing a turn raises ends the thread: /healthz reports a dead engine
+        thread and the kubelet restarts the pod, dropping every request and the memory tiers, so an
+        unexpected error fails the running requests instead (logged with its traceback)."""
         while not self._stop.is_set():
-            started = time.perf_counter()
-            while True:
-                try:
-                    kind, payload = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                self._handle(kind, payload)
-            commands = time.perf_counter() - started
-            if not self.engine.has_work():
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # never let the engine thread die
+                self._turn()
+            except Exception as exc:
                 self.step_failures += 1
-                log.exception("engine step failed; ending the running requests")
-                outputs = self.engine.fail_all(f"internal engine error: {exc}")
-            for out in outputs:
-                self._deliver(out.request_id, out)
-            took = time.perf_counter() - started
-            if self._observe is not None:
-                self._observe(took)
-            if took > SLOW_TURN_S:
-                st = self.engine.last_step
-                self._slow.record("slow-turn", "slow engine turn: %.2f s (commands %.2f s, scheduling %.2f s, "
-                                  "forward %.2f s: %d prompt tokens, %d decodes)", took, commands, st.schedule_s,
-                                  st.forward_s, st.prompt_tokens, st.decodes, level=logging.WARNING)
+                log.exception("engine turn failed outside the step; ending the running requests")
+                try:
+                    for out in self.engine.fail_all(f"internal engine error: {exc}"):
+                        self._deliver(out.request_id, out)
+                except Exception:
+                    log.exception("ending the running requests failed too")
+
+    def _turn(self) -> None:
+        """Commands, then one engine step when there is work."""
+        started = time.perf_counter()
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(kind, payload)
+        commands = time.perf_counter() - started
+        if not self.engine.has_work():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            return
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # never let the engine thread die
+            self.step_failures += 1
+            log.exception("engine step failed; ending the running requests")
+            outputs = self.engine.fail_all(f"internal engine error: {exc}")
+        for out in outputs:
+            self._deliver(out.request_id, out)
+        took = time.perf_counter() - started
+        if self._observe is not None:
+            self._observe(took)
+        if took > SLOW_TURN_S:
+            st = self.engine.last_step
+            self._slow.record("slow-turn", "slow engine turn: %.2f s (commands %.2f s, scheduling %.2f s, "
+                              "forward %.2f s: %d prompt tokens, %d decodes)", took, commands, st.schedule_s,
+                              st.forward_s, st.prompt_tokens, st.decodes, level=logging.WARNING)

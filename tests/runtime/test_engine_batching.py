@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -159,5 +160,53 @@ async def test_a_slow_engine_turn_is_logged_with_what_it_did(hf_model_factory, m
         lines = [r.getMessage() for r in caplog.records if "slow engine turn" in r.getMessage()]
         assert len(lines) == 1  # rate-limited: one line per 10 s, however many turns
         assert f"{len(PROMPTS[0])} prompt tokens, 0 decodes" in lines[0] and "forward" in lines[0]
+    finally:
+        runner.shutdown()
+
+
+async def test_an_error_outside_the_step_ends_the_running_requests_and_never_the_engine_thread(
+        hf_model_factory, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """An abort that raises (a client going away while its pages are released) killed the engine thread
+    once in the cluster e2e: /healthz then said 503 and the kubelet restarted the pod. Now the error is
+    logged with its traceback, the running requests end with an error, and the thread serves the next."""
+    path, _ = hf_model_factory(arch="llama")
+    engine = _engine(path, pages=64)
+    runner = AsyncEngine(engine)
+    runner.start()
+    real_abort = engine.abort
+
+    def broken_abort(request_id: str):  # type: ignore[no-untyped-def]
+        raise RuntimeError("releasing the pages failed (test)")
+
+    real_step = engine.step
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        time.sleep(0.02)  # "long" must still run when the abort arrives (the tiny model steps in ~1 ms)
+        return real_step()
+
+    try:
+        monkeypatch.setattr(engine, "step", slow_step)
+        monkeypatch.setattr(engine, "abort", broken_abort)
+        long = runner.generate(Request("long", tuple(PROMPTS[0]), SamplingParams(max_tokens=400, ignore_eos=True),
+                                       time.perf_counter()))
+        gone = runner.generate(Request("gone", tuple(PROMPTS[1]), SamplingParams(max_tokens=400, ignore_eos=True),
+                                       time.perf_counter()))
+        with caplog.at_level(logging.ERROR, logger="kvdrive.runtime.engine.async_engine"):
+            outs = [await long.__anext__()]  # both run (a request is added when its stream is first read)
+            await gone.__anext__()
+            await gone.aclose()  # the client goes away: the abort raises on the engine thread
+            async def rest() -> list:  # type: ignore[type-arg]
+                return [o async for o in long]
+
+            outs += await asyncio.wait_for(rest(), 30)  # a dead engine thread never ends the stream
+        assert outs[-1].finished and outs[-1].finish_reason == "error"
+        assert "internal engine error: releasing the pages failed (test)" in (outs[-1].error or "")
+        assert runner.alive and runner.step_failures == 1
+        assert any("engine turn failed" in r.message and r.exc_info for r in caplog.records)
+        monkeypatch.setattr(engine, "abort", real_abort)
+        after = [o async for o in runner.generate(Request("after", tuple(PROMPTS[2]),
+                                                          SamplingParams(max_tokens=5, ignore_eos=True),
+                                                          time.perf_counter()))]
+        assert sum(len(o.new_token_ids) for o in after) == 5 and after[-1].finish_reason == "length"
     finally:
         runner.shutdown()
