@@ -1,16 +1,23 @@
-"""Model benchmark: load time, prefill throughput at several prompt lengths, decode throughput."""
+"""Model benchmark: load time, resident memory of the weights, prefill throughput at several prompt
+lengths, decode throughput. One format (``--weights``) a run: the resident bytes are the process's, so
+formats are compared in separate processes."""
 
 from __future__ import annotations
 
+import gc
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from kvdrive.runtime.engine import EngineConfig, Generator
+from kvdrive.runtime.engine.heap import HeapTrimmer
 from kvdrive.runtime.model import load_model
+from kvdrive.runtime.model.weight_formats import weight_bytes
 
 # A real English passage, repeated to the wanted length, keeps the token mix realistic.
 _TEXT = (
@@ -27,10 +34,23 @@ class ModelBenchResult:
     dtype: str
     threads: int
     load_seconds: float
+    weights: str  # the requested format and what it gave, e.g. "auto: int4 x 120, int8 x 1"
+    weight_bytes: int  # held by the model's parameters and buffers
+    rss_before_load_bytes: int | None  # the process's resident bytes (Linux), torch imported
+    rss_after_load_bytes: int | None  # after the load, its garbage collected and the heap trimmed
     prefill_tokens_per_s: dict[int, float]  # prompt length -> tokens/s
     decode_tokens_per_s: dict[int, float]  # context length -> tokens/s at batch 1
     decode_ms_per_token: dict[int, float]
     host: str
+
+
+def rss_bytes() -> int | None:
+    """The process's resident set (Linux /proc), None elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def _prompt(tokenizer, n: int) -> list[int]:  # type: ignore[no-untyped-def]
@@ -48,7 +68,12 @@ def run_model_bench(
     dtype: torch.dtype | None = None,
     weights: str = "auto",
 ) -> ModelBenchResult:
+    gc.collect()
+    rss_before = rss_bytes()
     loaded = load_model(model, device=device, dtype=dtype, weights=weights)
+    gc.collect()
+    HeapTrimmer(min_interval_s=0).after_prompt_step()  # what the load freed goes back to the system
+    rss_after = rss_bytes()
     gen = Generator(loaded, EngineConfig())
     prefill: dict[int, float] = {}
     for n in tqdm(prefill_lengths, desc="prefill", leave=False):
@@ -78,6 +103,10 @@ def run_model_bench(
         dtype=str(loaded.dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
         load_seconds=round(loaded.load_seconds, 2),
+        weights=f"{loaded.weights.requested}: {loaded.weights.summary()}",
+        weight_bytes=sum(weight_bytes(loaded.model).values()),
+        rss_before_load_bytes=rss_before,
+        rss_after_load_bytes=rss_after,
         prefill_tokens_per_s={k: round(v, 1) for k, v in prefill.items()},
         decode_tokens_per_s={k: round(v, 2) for k, v in decode.items()},
         decode_ms_per_token={k: round(1000 / v, 2) for k, v in decode.items()},
@@ -91,7 +120,11 @@ def as_dict(result: ModelBenchResult) -> dict:  # type: ignore[type-arg]
 
 def table(result: ModelBenchResult) -> str:
     rows = [f"model {result.model} on {result.device} ({result.dtype}, {result.threads} threads)",
-            f"load: {result.load_seconds:.2f} s"]
+            f"load: {result.load_seconds:.2f} s; weights {result.weights}: {result.weight_bytes / 1e6:.0f} MB"]
+    if result.rss_before_load_bytes is not None and result.rss_after_load_bytes is not None:
+        rows.append(f"resident: {result.rss_before_load_bytes / 1e6:.0f} MB before the load, "
+                    f"{result.rss_after_load_bytes / 1e6:.0f} MB after "
+                    f"(+{(result.rss_after_load_bytes - result.rss_before_load_bytes) / 1e6:.0f} MB)")
     rows += [f"prefill {n:>6} tokens: {v:10.1f} tok/s" for n, v in result.prefill_tokens_per_s.items()]
     rows += [
         f"decode  ctx {n:>6}, batch 1: {v:8.2f} tok/s ({result.decode_ms_per_token[n]:.1f} ms/token)"

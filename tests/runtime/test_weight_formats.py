@@ -8,6 +8,9 @@ with float32 inputs, so a step reads 0.75-1.1 bytes a weight and still computes 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -104,6 +107,32 @@ def test_torch_path_without_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None
     assert auto_format(["Q4_1"], CPU) == "fp32"
 
 
+def test_a_prebuilt_folder_is_loaded_when_it_matches_and_refused_when_stale(tmp_path: Path) -> None:
+    """The runtime image's way (no compiler in the pod): ``python -m ...block_kernels DIR`` at build time,
+    ``$KVDRIVE_BLOCK_KERNELS=DIR`` at run time. A build of another source, flags or torch is refused."""
+    if block_kernels.unavailable_reason():
+        pytest.skip(f"block kernels unavailable here: {block_kernels.unavailable_reason()}")
+    folder = tmp_path / "kernels"
+    done = subprocess.run([sys.executable, "-m", "kvdrive.runtime.model.block_kernels", str(folder)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (folder / f"{block_kernels.NAME}.so").is_file()
+    module, why = block_kernels._prebuilt(folder)
+    assert why == "" and module is not None
+    b = _blocks(40, 64, 32, (-8, 7), False)
+    packed = block_kernels.pack(b, False)
+    x = torch.randn(3, 64)
+    assert torch.equal(module.block_dequant(packed.q, packed.scale, packed.offset, packed.nib), b.dequantize())
+    assert _relative(module.block_gemv(x, packed.q, packed.scale, packed.offset, packed.nib),
+                     x.double() @ b.dequantize().double().T) < 2e-6
+
+    (folder / block_kernels.STAMP).write_text("0" * 64 + "\n")
+    module, why = block_kernels._prebuilt(folder)
+    assert module is None and "another source, flags or torch" in why
+    module, why = block_kernels._prebuilt(tmp_path / "empty")
+    assert module is None and "holds no build" in why
+
+
 def test_the_command_line_offers_every_format() -> None:
     from kvdrive.runtime import cli_args
     from kvdrive.runtime.model.weight_formats import WEIGHT_CHOICES
@@ -196,3 +225,25 @@ def test_demo_auto_decodes_what_fp32_decodes(demo_formats: dict[str, object]) ->
         answers[name] = list(gen.generate(ids, SamplingParams(max_tokens=24)))
         gen.close()
     assert answers["auto"] == answers["fp32"]
+
+
+def _bench_model(weights: str, tmp_path: Path) -> dict:  # type: ignore[type-arg]
+    out = tmp_path / f"model-{weights}.json"
+    done = subprocess.run([sys.executable, "-m", "kvdrive.runtime.cli", "bench", "model", "--weights", weights,
+                           "--threads", "1", "--prefill", "32", "--decode-context", "32", "--decode-tokens", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def test_the_model_bench_shows_the_weights_saving_in_the_resident_set(tmp_path: Path) -> None:
+    """`kvdrive bench model` reports the process's resident bytes before and after the load: the demo's
+    auto weights (the file's 4/8-bit blocks) must cost the process hundreds of MB less than fp32."""
+    if block_kernels.unavailable_reason():
+        pytest.skip(f"block kernels unavailable here: {block_kernels.unavailable_reason()}")
+    fp32, auto = _bench_model("fp32", tmp_path), _bench_model("auto", tmp_path)
+    assert fp32["weights"] == "fp32: fp32" and auto["weights"].startswith("auto: int4 x ")
+    assert fp32["weight_bytes"] > 4 * auto["weight_bytes"]
+    growth = {r["weights"]: r["rss_after_load_bytes"] - r["rss_before_load_bytes"] for r in (fp32, auto)}
+    assert growth[fp32["weights"]] >= fp32["weight_bytes"] * 0.9  # the weights are resident
+    assert growth[fp32["weights"]] - growth[auto["weights"]] >= 0.8 * (fp32["weight_bytes"] - auto["weight_bytes"])
