@@ -10,7 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvdrive.runtime.cli_args import DTYPES, add_threads_arg, add_weights_arg, dtype_of, size_arg
+from kvdrive.runtime.cli_args import (
+    DTYPES,
+    WEIGHT_CHOICES,
+    add_threads_arg,
+    add_weights_arg,
+    dtype_of,
+    size_arg,
+)
 
 
 def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
@@ -66,6 +73,18 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     rt.add_argument("--no-faults", action="store_true", help="skip the run with a replica and the router killed")
     rt.add_argument("--fault-seconds", type=float, default=120.0, help="length of that run")
     rt.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
+    wb = bsub.add_parser("weights", help="accuracy of each weight format against fp32 (chats, documents, pass keys)")
+    add_threads_arg(wb)
+    wb.add_argument("--model", default="demo")
+    wb.add_argument("--formats", nargs="+", choices=WEIGHT_CHOICES, default=list(WEIGHT_CHOICES[1:]) + ["auto"],
+                    help="formats to measure against fp32 (fp32 itself is the self-check)")
+    wb.add_argument("--chats", type=int, default=20, help="chat prompts (greedy outputs compared)")
+    wb.add_argument("--chat-tokens", type=int, default=48)
+    wb.add_argument("--documents", type=int, default=4, help="document chats (KL along fp32's answer)")
+    wb.add_argument("--doc-tokens", type=int, default=2048)
+    wb.add_argument("--contexts", type=int, nargs="+", default=[2048, 7168], help="pass-key contexts")
+    wb.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="pass-key depths")
+    wb.add_argument("--out", type=Path, default=Path("bench/results/weights-accuracy.json"))
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
     ld.add_argument("--url", default="http://127.0.0.1:8000")
     ld.add_argument("--clients", type=int, default=16)
@@ -100,6 +119,20 @@ def run(args: argparse.Namespace) -> int:
         args.out.with_suffix(".md").write_text(report)
         decode_report.plot(res, str(args.out.with_suffix(".png")))
         print(report)
+        return 0
+    if args.bench == "weights":
+        from dataclasses import asdict
+
+        from kvdrive.runtime.bench import weights_bench
+
+        wres = weights_bench.run_weights_bench(args.model, args.formats, args.chats, args.chat_tokens, args.doc_tokens,
+                                               args.documents, tuple(args.contexts), tuple(args.depths))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(asdict(wres), indent=2) + "\n")
+        md = weights_bench.table(wres)
+        args.out.with_suffix(".md").write_text(md)
+        weights_bench.plot(wres, str(args.out.with_suffix(".png")))
+        print(md)
         return 0
     if args.bench == "rss":
         from kvdrive.runtime.bench import rss_bench

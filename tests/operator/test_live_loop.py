@@ -205,9 +205,11 @@ async def test_a_queue_scales_the_statefulset_up_with_an_event(operator: Cluster
     assert up[0]["message"].startswith("replicas 1 -> 2: 15 waiting on 1 pods (target 4/pod) -> 4")
     assert "maxStep 1" in up[0]["message"]
 
-    async def recorded() -> dict | None:  # the round applies its status after the scale and the Event
+    async def recorded() -> dict | None:
+        # the round applies its status after the scale and the Event: until then the status is an earlier
+        # round's (one that had not read the queue yet recommends 1); lastScaleTime marks the scaling round's
         st = await status(operator)
-        return st if "recommendation" in st.get("autoscaling", {}) else None
+        return st if "lastScaleTime" in st.get("autoscaling", {}) else None
 
     st = await eventually(recorded, what="the round's autoscaling status")
     assert st["autoscaling"]["mode"] == "operator" and st["autoscaling"]["recommendation"] == 4

@@ -247,3 +247,19 @@ def test_the_model_bench_shows_the_weights_saving_in_the_resident_set(tmp_path: 
     growth = {r["weights"]: r["rss_after_load_bytes"] - r["rss_before_load_bytes"] for r in (fp32, auto)}
     assert growth[fp32["weights"]] >= fp32["weight_bytes"] * 0.9  # the weights are resident
     assert growth[fp32["weights"]] - growth[auto["weights"]] >= 0.8 * (fp32["weight_bytes"] - auto["weight_bytes"])
+
+
+def test_the_weights_bench_checks_fp32_against_itself_and_measures_a_lossy_format() -> None:
+    """`kvdrive bench weights`, small: fp32 is its own reference (identical, KL exactly 0); int4 requantizes
+    the demo's Q8_0 embedding (lossy), so its KL is above 0 and its bytes are a fraction of fp32's."""
+    from kvdrive.runtime.bench.weights_bench import run_weights_bench, table
+
+    res = run_weights_bench("demo", ("fp32", "int4"), chats=2, chat_tokens=6, doc_tokens=96, documents=1,
+                            contexts=(256,), depths=(0.5,))
+    fp32, int4 = res.formats
+    assert fp32.weights == "fp32: fp32" and int4.weights.startswith("int4: int4 x ")
+    assert (fp32.chats_identical, fp32.chats, fp32.documents_identical) == (2, 2, 1)
+    assert fp32.document_kl_mean == 0.0 and fp32.document_kl_max == 0.0
+    assert int4.document_kl_max > 0.0 and int4.weight_bytes * 4 < fp32.weight_bytes
+    assert fp32.passkeys == int4.passkeys == 1 and set(fp32.passkey_found_by_context) == {256}
+    assert "| int4: int4 x " in table(res)
