@@ -4,7 +4,8 @@ Owns the weights benchmark. Each format in turn is loaded (``--weights``) and ru
 an in-memory KV cache, so the format is the only difference from the reference: fp32, the path that
 ``tests/runtime/test_model_hf_parity.py`` holds equal to transformers in float32. Per format:
 
-- chats: the greedy continuation of each chat prompt, identical to fp32's or not (EOS included);
+- chats: the greedy continuation of each chat prompt (a plain "Question: ... Answer:" prompt for a base
+  model without a chat template), identical to fp32's or not (EOS included);
 - documents: the same questions after a document of ``doc_tokens``; KL(fp32 || format) of the next-token
   distribution at every position of fp32's greedy answer, both teacher-forced along that answer (the
   prompt's last logits, then one prefill of the answer's tokens with every position's logits);
@@ -79,11 +80,15 @@ class WeightsBenchResult:
 def build_prompts(loaded: LoadedModel, chats: int, doc_tokens: int, documents: int, contexts: Sequence[int],
                   depths: Sequence[float], seed: int = 7) -> Prompts:
     tok = loaded.tokenizer
-    questions = CHAT_PROMPTS[:chats]
-    chat_ids = tuple(tuple(tok.encode_chat([ChatMessage("user", q)])) for q in questions)
+
+    def ask(text: str) -> tuple[int, ...]:  # a base model (no chat template) gets a plain completion prompt
+        if tok.chat_template:
+            return tuple(tok.encode_chat([ChatMessage("user", text)]))
+        return tuple(tok.encode(f"Question: {text}\nAnswer:"))
+
+    chat_ids = tuple(ask(q) for q in CHAT_PROMPTS[:chats])
     doc = tok.decode(filler_tokens(tok, doc_tokens, seed=seed))
-    docs = tuple(tuple(tok.encode_chat([ChatMessage("user", f"Here is a document.\n\n{doc}\n\nNow answer this "
-                                                             f"question: {q}")])) for q in CHAT_PROMPTS[:documents])
+    docs = tuple(ask(f"Here is a document.\n\n{doc}\n\nNow answer this question: {q}") for q in CHAT_PROMPTS[:documents])
     rng = random.Random(seed)
     keys = []
     for ctx in contexts:
