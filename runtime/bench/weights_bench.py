@@ -49,7 +49,7 @@ class Answers:
     passkey_texts: tuple[str, ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class FormatResult:
     weights: str  # requested: what it gave (WeightPlan.summary)
     weight_bytes: int
