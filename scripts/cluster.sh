@@ -13,6 +13,8 @@
 #   scripts/cluster.sh load DIR     rebuild the images that are stale and load them into the running
 #                                   cluster (then `kubectl rollout restart` what runs them)
 #   scripts/cluster.sh down DIR     stop everything and put the host back as `up` found it
+#   scripts/cluster.sh reap         if a cluster's API server died without `down` (a killed run,
+#                                   a reboot), run `down` on what is left of it; `up` does this first
 #
 #   export KUBECONFIG=DIR/kubeconfig PATH=DIR/bin:$PATH    then helm / kubectl as the README says
 #
@@ -222,15 +224,23 @@ EOF_PV
     log "StorageClass local-nvme with $PV_COUNT local volumes of $PV_SIZE under $DIR/nvme"
 }
 
+reap() {  # stop what is left of a cluster whose API server died (a killed run, a reboot)
+    local owner
+    [[ -f "$OWNER_FILE" ]] || return 0
+    owner="$(cat "$OWNER_FILE")"
+    if [[ -f "$owner/pids/kube-apiserver.pid" ]] && kill -0 "$(cat "$owner/pids/kube-apiserver.pid")" 2>/dev/null; then
+        return 0
+    fi
+    log "the cluster in $owner was left behind by a run that died: stopping what is left of it first"
+    ( down "$owner" )
+}
+
 up() {
     set_dirs "$1"
+    reap
     if [[ -f "$OWNER_FILE" && "$(cat "$OWNER_FILE")" != "$DIR" ]]; then
-        local other
-        other="$(cat "$OWNER_FILE")"
-        if [[ -f "$other/pids/kube-apiserver.pid" ]] && kill -0 "$(cat "$other/pids/kube-apiserver.pid")" 2>/dev/null; then
-            log "another cluster runs from $other (one per host: iptables, the bridge and hugepages are shared); run: $0 down $other"
-            return 1
-        fi
+        log "another cluster runs from $(cat "$OWNER_FILE") (one per host: iptables, the bridge and hugepages are shared); run: $0 down $(cat "$OWNER_FILE")"
+        return 1
     fi
     if alive kube-apiserver && alive kubelet; then
         log "already running; KUBECONFIG=$DIR/kubeconfig"
@@ -301,5 +311,6 @@ build) build_node ;;
 load) [[ -n "${2:-}" ]] || { echo "usage: $0 load DIR" >&2; exit 2; }; load "$2" ;;
 up) [[ -n "${2:-}" ]] || { echo "usage: $0 up DIR" >&2; exit 2; }; up "$2" ;;
 down) [[ -n "${2:-}" ]] || { echo "usage: $0 down DIR" >&2; exit 2; }; down "$2" ;;
-*) sed -n '2,26p' "$0" >&2; exit 2 ;;
+reap) reap ;;
+*) sed -n '2,28p' "$0" >&2; exit 2 ;;
 esac

@@ -149,6 +149,14 @@ def cluster_up(directory: Path) -> None:
         raise AssertionError(f"scripts/cluster.sh up failed:\n{done.stderr[-6000:]}")
 
 
+def cluster_reap() -> None:
+    """Stop what a killed earlier run left of its cluster, so that the host state recorded next is
+    the host's own, not that run's bridge, hugepages and mounts."""
+    done = subprocess.run(["bash", str(SCRIPT), "reap"], capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise AssertionError(f"scripts/cluster.sh reap failed:\n{done.stderr[-6000:]}")
+
+
 def cluster_down(directory: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(SCRIPT), "down", str(directory)], capture_output=True, text=True,
                           timeout=600)

@@ -26,6 +26,7 @@ from clusterkit import (
     RELEASE,
     Cluster,
     cluster_down,
+    cluster_reap,
     cluster_up,
     eventually,
     host_state,
@@ -56,6 +57,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield Cluster(Path(reuse), owned=False, host_before=None)
         return
     directory = tmp_path_factory.mktemp("cluster")
+    cluster_reap()
     before = host_state()
     started = time.monotonic()
     cluster_up(directory)
