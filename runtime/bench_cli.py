@@ -52,6 +52,9 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     add_threads_arg(dc)
     dc.add_argument("--ssd-budget", type=size_arg, default=4 << 30,
                     help="SSD tier size, the same in every run on this directory (a smaller one drops stored pages)")
+    dc.add_argument("--prefill-contexts", type=int, nargs="*", default=None,
+                    help="prompt lengths whose time to first token is measured, kvdrive against llama.cpp, each on "
+                         "a fresh prompt (default: the contexts up to 16384; none: skip)")
     dc.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
     rs = bsub.add_parser("rss", help="resident memory of a demo server as its DRAM tier fills")
     add_threads_arg(rs)
@@ -112,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
         res = decode_bench.run_decode_bench(
             args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
             tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget,
-            with_llama_cpp=not args.no_llama_cpp, weights=args.weights)
+            with_llama_cpp=not args.no_llama_cpp, weights=args.weights,
+            prefill_contexts=tuple(args.prefill_contexts if args.prefill_contexts is not None
+                                   else [c for c in args.contexts if c <= 16384]))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
         report = decode_report.markdown(res)

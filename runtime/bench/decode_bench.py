@@ -15,6 +15,10 @@ everything (it is write-through). Rows:
 - ``kvdrive``, ``lru``, ``ondemand``, ``fullfetch``: the tier policies under the budgets above;
 - ``llama.cpp``: the same GGUF, same threads, all KV in RAM (``llama_cpp.py``), when installed.
 
+Time to first token (``prefill_contexts``): one fresh prompt (nothing of it stored anywhere), cut to each
+of those contexts, prefilled from empty by llama.cpp (after its decode rows) and by kvdrive under the
+``kvdrive`` row's budgets, timed to the first token's logits.
+
 kvdrive's step is broken down into selection, gather, misses (reads through the store), attention,
 bookkeeping and the rest of the model (projections, MLPs, logits, sampling).
 """
@@ -24,9 +28,11 @@ from __future__ import annotations
 import gc
 import logging
 import platform
+import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -63,6 +69,20 @@ class ModeResult:
     prefilled_tokens: int = 0  # prompt tokens computed at open (the rest were reused from the SSD tier)
 
 
+@dataclass(frozen=True)
+class PrefillResult:
+    """Time to first token of one fresh prompt (nothing of it stored): prefill, then the first token."""
+
+    engine: str  # "kvdrive" or "llama.cpp"
+    context: int  # prompt tokens
+    seconds: float
+    note: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.context / self.seconds
+
+
 @dataclass
 class DecodeBenchResult:
     model: str
@@ -79,6 +99,7 @@ class DecodeBenchResult:
     weight_bytes_per_step: int = 0  # bytes of weights one decode step reads (every weight once)
     bandwidth_gb_s: float = 0.0  # this host's memory bandwidth, a STREAM-like copy measured in the run
     weight_bound_ms: float = 0.0  # weight_bytes_per_step / bandwidth: no step can take less
+    prefill: list[PrefillResult] = field(default_factory=list)  # time to first token, kvdrive and llama.cpp
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -191,7 +212,9 @@ def _floor(loaded: LoadedModel, ctx: int, batch: int, token_budget: int, dtype: 
 
 
 def _llama_cpp_rows(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[int, ...],
-                    batches: tuple[int, ...], steps: int, warmup: int, threads: int) -> list[ModeResult]:
+                    batches: tuple[int, ...], steps: int, warmup: int, threads: int,
+                    fresh: list[int]) -> tuple[list[ModeResult], list[PrefillResult]]:
+    """The decode rows of every case, then the time to first token of ``fresh`` cut to each prefill context."""
     out = []
     bar = tqdm(total=len(contexts) * len(batches), desc="llama.cpp decode", leave=False)
     with llama_cpp.decoder(str(loaded.path), prompts, warmup + steps + 8, threads, bar.set_postfix_str) as d:
@@ -203,7 +226,42 @@ def _llama_cpp_rows(loaded: LoadedModel, prompts: list[list[int]], contexts: tup
                                       1000 * sorted(times)[int(0.9 * (len(times) - 1))],
                                       note="Q4_1 weights, f16 KV in RAM, no flash attention"))
                 bar.update()
-    bar.close()
+        bar.close()
+        ttft = []
+        for ctx in tqdm(_prefill_contexts(fresh, contexts), desc="llama.cpp time to first token", leave=False):
+            ttft.append(PrefillResult("llama.cpp", ctx, d.prefill_seconds(fresh[:ctx]),
+                                      note=f"prompt processing in batches of {llama_cpp.BATCH}"))
+    return out, ttft
+
+
+def _prefill_contexts(fresh: list[int], contexts: tuple[int, ...]) -> list[int]:
+    return sorted(c for c in contexts if c <= len(fresh))
+
+
+def _kvdrive_ttft(loaded: LoadedModel, fresh: list[int], contexts: tuple[int, ...], layout: KVLayout,
+                  seq_reserve: int, ssd_dir: str, token_budget: int) -> list[PrefillResult]:
+    """kvdrive's time to first token of ``fresh`` cut to each context, under the kvdrive row's budgets (the
+    pages it seals go down the tiers as they would in a server), on an SSD tier of its own (emptied)."""
+    out = []
+    per_token = layout.page_bytes // layout.page_size
+    root = Path(ssd_dir) / "ttft"
+    for ctx in tqdm(_prefill_contexts(fresh, contexts), desc="kvdrive time to first token", leave=False):
+        shutil.rmtree(root, ignore_errors=True)
+        budget = int(ctx * per_token * 1.5) + (64 << 20)
+        gen = Generator(loaded, _config("kvdrive", ctx * per_token, 1, layout, seq_reserve, str(root), budget,
+                                        token_budget))
+        try:
+            t0 = time.perf_counter()
+            seq, reused = gen.open_sequence(fresh[:ctx])
+            int(gen.prefill(seq, fresh[:ctx][reused:]).argmax())
+            seconds = time.perf_counter() - t0
+            if reused:
+                raise RuntimeError(f"time to first token: {reused} tokens of a fresh prompt were reused")
+        finally:
+            gen.close()
+            shutil.rmtree(root, ignore_errors=True)
+        out.append(PrefillResult("kvdrive", ctx, seconds, note=f"chunks of {gen.config.prefill_chunk} tokens"))
+        gc.collect()
     return out
 
 
@@ -211,7 +269,7 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
                      batches: tuple[int, ...] = (1, 4, 8), modes: tuple[str, ...] = MODES, steps: int = 16,
                      warmup: int = 8, token_budget: int = 1024, ssd_budget: int | None = None,
                      with_llama_cpp: bool = True, loaded: LoadedModel | None = None,
-                     weights: str = "auto") -> DecodeBenchResult:
+                     weights: str = "auto", prefill_contexts: tuple[int, ...] = ()) -> DecodeBenchResult:
     started = time.perf_counter()
     loaded = loaded or load_model(model, weights=weights)
     probe = Generator(loaded, EngineConfig(max_sequences=1))
@@ -236,9 +294,15 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
     out.weight_bytes_per_step = sum(weight_bytes(loaded.model).values())
     out.bandwidth_gb_s = copy_bandwidth() / 1e9
     out.weight_bound_ms = out.weight_bytes_per_step / (out.bandwidth_gb_s * 1e9) * 1e3
+    # time to first token: a prompt of its own (nothing of it stored), cut to each prefill context
+    fresh = filler_tokens(loaded.tokenizer, max(prefill_contexts), seed=3000) if prefill_contexts else []
     if status == "measured":
-        out.results.extend(_llama_cpp_rows(loaded, longest, contexts, batches, steps, warmup, threads))
+        rows, ttft = _llama_cpp_rows(loaded, longest, contexts, batches, steps, warmup, threads, fresh)
+        out.results.extend(rows)
+        out.prefill.extend(ttft)
         gc.collect()
+    if fresh:
+        out.prefill.extend(_kvdrive_ttft(loaded, fresh, prefill_contexts, layout, seq_reserve, ssd_dir, token_budget))
     _prefill_all(loaded, longest, contexts, ssd_dir, ssd_budget)
     cases = [(ctx, b) for ctx in contexts for b in batches]
     bar = tqdm(total=len(cases) * (len(modes) + 2), desc="decode modes")

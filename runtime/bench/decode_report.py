@@ -3,7 +3,7 @@ other policies, and across contexts) with its per-step breakdown, and a PNG of t
 
 from __future__ import annotations
 
-from kvdrive.runtime.bench.decode_bench import PHASES, DecodeBenchResult, ModeResult
+from kvdrive.runtime.bench.decode_bench import PHASES, DecodeBenchResult, ModeResult, PrefillResult
 
 ORDER = ("floor", "llama.cpp", "full-gpu", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
 
@@ -94,12 +94,27 @@ def breakdown(result: DecodeBenchResult) -> str:
     return "\n".join(rows)
 
 
+def time_to_first_token(result: DecodeBenchResult) -> str:
+    """kvdrive's and llama.cpp's time to first token per prompt length, and their ratio in prompt tokens/s."""
+    by: dict[tuple[int, str], PrefillResult] = {(p.context, p.engine): p for p in result.prefill}
+    rows = ["| prompt tokens | kvdrive s (prompt tok/s) | llama.cpp s (prompt tok/s) | kvdrive vs llama.cpp |",
+            "| --- | --- | --- | --- |"]
+    for ctx in sorted({p.context for p in result.prefill}):
+        kv, lc = by.get((ctx, "kvdrive")), by.get((ctx, "llama.cpp"))
+        cell = [f"{p.seconds:.1f} ({p.tokens_per_s:.0f})" if p else "-" for p in (kv, lc)]
+        ratio = f"{kv.tokens_per_s / lc.tokens_per_s:.2f}x" if kv and lc else "-"
+        rows.append(f"| {ctx} | {cell[0]} | {cell[1]} | {ratio} |")
+    return "\n".join(rows)
+
+
 def markdown(result: DecodeBenchResult) -> str:
     return "\n\n".join([
         "# Decode benchmark", header(result),
         "## kvdrive against the floor, llama.cpp and the other policies", ratios(result),
         "## Context independence", context_independence(result),
         "## Per-step breakdown (ms per decode step; phases are mean, step is median)", breakdown(result),
+        *(["## Time to first token (a fresh prompt, nothing of it stored)", time_to_first_token(result)]
+          if result.prefill else []),
         "## Every row", table(result)]) + "\n"
 
 

@@ -111,6 +111,15 @@ class LlamaCppDecoder:
                 times.append(time.perf_counter() - t0)
         return LlamaCppSteps(context, batch, times)
 
+    def prefill_seconds(self, prompt: list[int]) -> float:
+        """Time to first token of ``prompt`` from an empty sequence 0: its prompt processing (512-token
+        batches) and the first token's logits. Sequence 0's earlier KV is dropped: call after ``steps``."""
+        if not self.lc.llama_memory_seq_rm(self.memory, 0, 0, -1):
+            raise RuntimeError("llama.cpp could not clear sequence 0")
+        t0 = time.perf_counter()
+        self.last[0] = self._prefill(0, prompt)
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         lc = self.lc
         lc.llama_batch_free(self.batch)

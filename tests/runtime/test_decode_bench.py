@@ -1,0 +1,23 @@
+"""`kvdrive bench decode`, small and without llama.cpp: the decode rows and kvdrive's time to first token of a
+prompt nothing of which was stored before, reported beside each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvdrive.runtime.bench.decode_bench import run_decode_bench
+from kvdrive.runtime.bench.decode_report import markdown
+
+
+def test_the_decode_bench_times_a_fresh_prompt_to_its_first_token(tmp_path: Path) -> None:
+    res = run_decode_bench(str(tmp_path / "ssd"), "demo", contexts=(256,), batches=(1,), modes=("kvdrive",),
+                           steps=2, warmup=1, token_budget=128, with_llama_cpp=False, prefill_contexts=(128, 256))
+    assert {(r.mode, r.context, r.batch) for r in res.results} == {("kvdrive", 256, 1), ("floor", 256, 1)}
+    kv = next(r for r in res.results if r.mode == "kvdrive")
+    assert kv.tokens_per_s > 0 and kv.prefilled_tokens <= 16  # all but its last page came back from the SSD tier
+    assert [(p.engine, p.context) for p in res.prefill] == [("kvdrive", 128), ("kvdrive", 256)]
+    assert all(p.seconds > 0 for p in res.prefill)
+    assert not (tmp_path / "ssd" / "ttft").exists()  # its own SSD tier is gone with the measurement
+    report = markdown(res)
+    assert "## Time to first token" in report
+    assert "| 256 | " in report.split("## Time to first token")[1].split("##")[0]
