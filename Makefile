@@ -41,6 +41,8 @@ serve: install
 lint: install-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/vulture  # dead code; settings and reasons: [tool.vulture] in pyproject.toml
+	$(PY) scripts/check_exports.py
 
 # etcd + kube-apiserver from source for the operator tests (cached outside the repo, keyed by version;
 # ~6 minutes cold on 2 cores, seconds when cached). Without Go those tests are skipped, said loudly.

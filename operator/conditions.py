@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdrive.operator.childmeta import endpoint_url, selector_string
+from kvdrive.operator.spec import KVDriveStatus
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "RouterReady")
 # the status keys the reconciler writes; `router` only with routing on (a key it stops writing must go)
 RECONCILER_KEYS = ("observedGeneration", "replicas", "readyReplicas", "selector", "endpoint", "conditions", "router")
 
@@ -138,7 +138,8 @@ def build_status(
     previous: Mapping[str, Any],
     now: str,
 ) -> dict[str, Any]:
-    """The whole ``status`` (kopf's own bookkeeping under ``status.kopf`` is left alone)."""
+    """The whole ``status`` (kopf's own bookkeeping under ``status.kopf`` is left alone), in the shape of
+    the CRD's status schema (``KVDriveStatus``: a field that drifted from it fails here, not at the API)."""
     conditions = merge_conditions(
         previous.get("conditions") or [], desired_conditions(observed, problem), observed.generation, now
     )
@@ -153,6 +154,7 @@ def build_status(
         status["router"] = {"ready": observed.router.ready, "desired": observed.router.desired}
     if observed.generation is not None:
         status["observedGeneration"] = observed.generation
+    KVDriveStatus.model_validate(status)
     return status
 
 

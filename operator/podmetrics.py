@@ -92,10 +92,6 @@ class Rates:
     tokens_per_second: float
     queue_length: float | None = None  # requests queued for a running slot, on average over the interval
 
-    @property
-    def reads_total(self) -> float:
-        return sum(self.page_reads.values())
-
 
 def parse_metrics(text: str) -> PodMetrics:
     """Parse a pod's ``/metrics`` text; raise MetricsFormatError when it is not a KVDrive pod's."""

@@ -345,14 +345,6 @@ def parse_cr(doc: Any) -> KVDriveDeployment:
         raise SpecError([_problem("", err) for err in exc.errors()]) from None
 
 
-def parse_spec(spec: Any) -> KVDriveSpec:
-    """Validate only the spec (the handlers receive it separately from metadata)."""
-    try:
-        return KVDriveSpec.model_validate(spec)
-    except ValidationError as exc:
-        raise SpecError([_problem("spec.", err) for err in exc.errors()]) from None
-
-
 def routing_of(spec: Any) -> Routing:
     """``spec.routing`` of a raw spec as the API server stored it (the status is written even for a spec
     the model rejects): the default when it is missing or invalid."""

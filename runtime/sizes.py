@@ -25,9 +25,3 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"invalid size {text!r}: use bytes or a unit such as 512MiB, 4GiB, 64Mi, 1G")
     return int(float(m.group(1)) * _UNITS[unit])
 
-
-def format_size(n: int) -> str:
-    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= factor:
-            return f"{n / factor:.1f}{unit}"
-    return f"{n}B"

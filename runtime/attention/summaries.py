@@ -99,6 +99,3 @@ class SummaryTable:
         m = self.mass[layer]
         m.index_fill_(0, rows, 0.0)
         m.index_put_((rows[:, None].expand_as(pages), pages), mass.float())
-
-    def clear_row(self, row: int) -> None:
-        """A row is reused by a new sequence (nothing to do: pages are written before they are read)."""

@@ -40,7 +40,7 @@ class EngineConfig:
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
     max_sequences: int = 16  # the most sequences that may ever run at once (rows and open pages reserved)
     max_running: int | None = None  # sequences that may run at once to start with (live; None: max_sequences)
-    prefill_chunk: int = 512  # tokens per prefill forward in ``Generator.prefill`` (bounds activation memory)
+    prefill_chunk: int = 512  # tokens per prefill forward in ``ModelRunner.prefill`` (bounds activation memory)
     window_checkpoint: int = 2048  # hybrid models: a long prompt keeps its window every this many tokens (0: off)
 
     @property
@@ -95,4 +95,3 @@ class StepSeq:
     positions: torch.Tensor  # [num_new]
     decode: bool  # a generated token (sparse under page selection); False: prompt tokens, always exact
     new_digests: tuple[bytes, ...]  # pages this step seals, in order
-    new_pids: tuple[int, ...]

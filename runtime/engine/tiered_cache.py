@@ -132,9 +132,6 @@ class TieredKVCache:
     def length(self, seq_id: int) -> int:
         return self._seqs[seq_id].length
 
-    def num_pages_of(self, seq_id: int) -> int:
-        return len(self._seqs[seq_id].digests)
-
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
@@ -295,7 +292,7 @@ class TieredKVCache:
             self.page_table[seq.row, first : first + len(new)] = torch.tensor(pids, dtype=torch.int64,
                                                                              device=self.device)
         pos = torch.arange(start, seq.length, device=self.device)
-        return StepSeq(seq_id, seq.row, start, len(tokens), pos, decode, tuple(new), tuple(pids))
+        return StepSeq(seq_id, seq.row, start, len(tokens), pos, decode, tuple(new))
 
     def prepare_step(self) -> None:
         """Before a forward step (engine thread): the store's owner is this thread, and placement's

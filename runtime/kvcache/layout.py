@@ -54,11 +54,6 @@ class KVLayout:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def to_blocks(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """k, v [n, S, Hkv, D] (token-major, as the model makes them) -> [n, block_bytes] uint8."""
-        kv = torch.stack([k.to(self.dtype), v.to(self.dtype)], dim=1).transpose(2, 3).contiguous()  # [n,2,H,S,D]
-        return kv.view(torch.uint8).view(k.shape[0], -1)
-
     def typed(self, blocks: torch.Tensor) -> torch.Tensor:
         """[n, block_bytes] uint8 (contiguous) -> the same memory as [n, 2, Hkv, S, D] in the cache dtype."""
         return blocks.view(self.dtype).view(blocks.shape[0], *self.block_shape)

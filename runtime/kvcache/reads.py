@@ -36,7 +36,6 @@ def _io_faults(faults: dict[str, int]) -> int:
 
 class BlockReads(Residency):
     page_reads: dict[TierName, int]
-    lookups: int
     misses: int
     scrubbed: int = 0  # corrupt copies dropped by scrubs
     _scrub: threading.Thread | None = None
@@ -108,7 +107,7 @@ class BlockReads(Residency):
               count: bool = True) -> tuple[torch.Tensor, list[TierName | None]]:
         """Blocks [n, block_bytes] uint8 on ``device`` (the compute device by default), row i holding
         keys[i], and the tier each was read from (None: a miss, recompute it; its row is zeros).
-        ``count``: a needed read (page_reads, lookups), not a background prefetch."""
+        ``count``: a needed read (page_reads, misses), not a background prefetch."""
         out, served, row = self._fetch(keys, device, count)
         if row != list(range(len(keys))):  # tiers read into grouped slices: one gather restores key order
             out = gather_rows(out, row, self._buffer(len(keys), out.device))
@@ -169,7 +168,6 @@ class BlockReads(Residency):
             out[missed] = 0
         if count:
             with self._lock:
-                self.lookups += n
                 self.misses += len(missed)
         return out, served, row
 

@@ -66,7 +66,7 @@ class TieredKVStore(BlockReads):
             ssd_tier = _make_ssd(ssd_dir, bb, budgets.ssd_bytes, codec, io_threads)
         if ssd_tier is not None:
             self.tiers["ssd"] = ssd_tier
-        self.lookups = self.misses = 0
+        self.misses = 0
         self.page_reads: dict[TierName, int] = {t: 0 for t in self.tiers}  # needed pages found per tier
         for slot, key in ssd_tier.recovered() if ssd_tier is not None else []:
             b = self._new_block(key, needed=False, persistent=True)

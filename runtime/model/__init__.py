@@ -1,5 +1,5 @@
 """The model: Llama-family and Gemma 3 (text) decoders in torch, their weight loaders (GGUF, HF safetensors)
-and tokenizer."""
+and the linear layers' weight formats (the tokenizer and chat template are ``kvdrive.runtime.prompt``'s)."""
 
 from kvdrive.runtime.model.config import ModelConfig, RopeScaling
 from kvdrive.runtime.model.errors import ModelLoadError
@@ -11,14 +11,12 @@ from kvdrive.runtime.model.loader import LoadedModel, load_model, resolve_model_
 __all__ = [
     "AttentionBackend",
     "CausalLM",
-    "ChatMessage",
     "Gemma3Model",
     "LlamaModel",
     "LoadedModel",
     "ModelConfig",
     "ModelLoadError",
     "RopeScaling",
-    "Tokenizer",
     "load_model",
     "resolve_model_path",
 ]

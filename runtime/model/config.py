@@ -82,14 +82,5 @@ class ModelConfig:
         sliding = set(self.sliding_layers)
         return tuple(i for i in range(self.num_layers) if i not in sliding)
 
-    @property
-    def group_size(self) -> int:
-        """Query heads sharing one KV head (grouped-query attention)."""
-        return self.num_heads // self.num_kv_heads
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V for one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

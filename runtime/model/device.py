@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
 _CUDA_INDEX = re.compile(r"cuda:(\d+)")
 
 

@@ -1,11 +1,11 @@
 """The async transfer engine: queued jobs that move blocks between tiers, by priority.
 
 Owns *when* bytes move (the store owns *where* they are, placement decides *which*). Jobs run on a
-small pool of worker threads in priority order: demand > prefetch > write-back, FIFO within a
-priority. A prefetch arrives as moves the store already *prepared* on the engine thread (destination
-slots reserved, sources pinned); a worker runs and completes them (``kvcache.residency``), so no worker
-ever evicts from a memory tier. A job submitted again while still queued (same kind, keys and destination) is merged and
-upgraded to the higher priority, so a prefetch that becomes urgent jumps the queue. Every job
+small pool of worker threads in priority order: prefetch > write-back, FIFO within a priority (a step's
+demand reads run in the engine thread: ``engine/page_reads.py``). A prefetch arrives as moves the store
+already *prepared* on the engine thread (destination slots reserved, sources pinned); a worker runs and
+completes them (``kvcache.residency``), so no worker ever evicts from a memory tier. A write-back
+submitted again while still queued (same keys and destination) is merged into the queued one. Every job
 completes its handle, with a result or the exception (logged and counted); workers never die
 silently: a dead worker is replaced on the next submit and counted. On CUDA each worker runs its
 jobs on its own stream and synchronizes it before completing (device <-> pinned DRAM copies overlap
@@ -32,9 +32,8 @@ log = logging.getLogger(__name__)
 
 
 class Priority(IntEnum):
-    DEMAND = 0  # the current layer waits for it
-    PREFETCH = 1  # predicted pages for the next layer / step
-    WRITEBACK = 2  # demotion and persistence
+    PREFETCH = 0  # predicted pages for the next layer / step
+    WRITEBACK = 1  # demotion and persistence
 
 
 class TransferHandle:
@@ -68,7 +67,6 @@ class _Job:
     fn: Callable[[], Any] = field(compare=False)
     handle: TransferHandle = field(compare=False)
     dedupe: tuple[Any, ...] | None = field(compare=False, default=None)
-    cancelled: bool = field(compare=False, default=False)
 
 
 class TransferEngine:
@@ -84,7 +82,6 @@ class TransferEngine:
         self.completed = {p.name: 0 for p in Priority}
         self.failed = {p.name: 0 for p in Priority}
         self.busy_seconds = {p.name: 0.0 for p in Priority}  # worker time spent in jobs
-        self.upgraded = 0
         self.worker_restarts = 0
         self._running = 0
         self._threads: list[threading.Thread] = []
@@ -98,15 +95,8 @@ class TransferEngine:
                 raise RuntimeError("transfer engine is closed")
             self._ensure_workers()
             old = self._queued.get(dedupe) if dedupe is not None else None
-            if old is not None:
-                if priority < old.priority:  # re-queue at the higher priority, same handle
-                    old.cancelled = True
-                    job = _Job(int(priority), next(self._seq), old.fn, old.handle, dedupe)
-                    job.handle.priority = priority
-                    self._queued[dedupe] = job
-                    heapq.heappush(self._heap, job)
-                    self.upgraded += 1
-                return self._queued[dedupe].handle
+            if old is not None:  # the same job is still queued: it does this one's work
+                return old.handle
             job = _Job(int(priority), next(self._seq), fn, TransferHandle(priority), dedupe)
             if dedupe is not None:
                 self._queued[dedupe] = job
@@ -136,11 +126,6 @@ class TransferEngine:
                 self._cv.wait(left)
         return True
 
-    @property
-    def queue_depth(self) -> int:
-        with self._cv:
-            return sum(1 for j in self._heap if not j.cancelled)
-
     # --- workers -----------------------------------------------------------------------------
     def _spawn(self, i: int) -> threading.Thread:
         t = threading.Thread(target=self._worker, name=f"kvdrive-transfer-{i}", daemon=True)
@@ -163,8 +148,6 @@ class TransferEngine:
                 if not self._heap:
                     return
                 job = heapq.heappop(self._heap)
-                if job.cancelled:
-                    continue
                 if job.dedupe is not None:
                     self._queued.pop(job.dedupe, None)
                 self._running += 1

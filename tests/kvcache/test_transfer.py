@@ -1,4 +1,4 @@
-"""The transfer engine: priority order, merging and upgrading queued jobs, failed jobs, worker
+"""The transfer engine: priority order, merging queued write-backs, failed jobs, worker
 restarts, prepared promotions and write-backs moving real blocks between tiers, draining."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvdrive.runtime.pipeline import Priority, TransferEngine
 def busy(eng: TransferEngine, gate: threading.Event) -> None:
     """Occupy the engine's only worker until ``gate`` is set."""
     started = threading.Event()
-    eng.submit(lambda: (started.set(), gate.wait(10)), Priority.DEMAND)
+    eng.submit(lambda: (started.set(), gate.wait(10)), Priority.PREFETCH)
     assert started.wait(10)
 
 
@@ -26,32 +26,33 @@ def store(tmp_path: Path) -> TieredKVStore:
     return TieredKVStore(LAYOUT, TierBudgets(8 * BB, 8 * BB, 2 << 20), ssd_dir=str(tmp_path / "ssd"))
 
 
-def test_demand_before_prefetch_before_writeback(store: TieredKVStore) -> None:
+def test_prefetch_before_writeback_fifo_within_each(store: TieredKVStore) -> None:
     eng = TransferEngine(store, workers=1)
     gate, order = threading.Event(), []
     busy(eng, gate)
-    handles = [eng.submit(lambda p=p: order.append(p), p)
-               for p in (Priority.WRITEBACK, Priority.PREFETCH, Priority.WRITEBACK, Priority.DEMAND)]
+    jobs = [(Priority.WRITEBACK, "w1"), (Priority.PREFETCH, "p1"), (Priority.WRITEBACK, "w2"), (Priority.PREFETCH, "p2")]
+    handles = [eng.submit(lambda n=n: order.append(n), p) for p, n in jobs]
     gate.set()
     for h in handles:
         h.wait(10)
-    assert order == [Priority.DEMAND, Priority.PREFETCH, Priority.WRITEBACK, Priority.WRITEBACK]
-    assert eng.completed == {"DEMAND": 2, "PREFETCH": 1, "WRITEBACK": 2}
+    assert order == ["p1", "p2", "w1", "w2"]
+    assert eng.completed == {"PREFETCH": 3, "WRITEBACK": 2}
     eng.close()
 
 
-def test_a_queued_job_submitted_again_at_a_higher_priority_jumps_the_queue(store: TieredKVStore) -> None:
+def test_a_queued_job_submitted_again_is_merged_into_it(store: TieredKVStore) -> None:
     eng = TransferEngine(store, workers=1)
     gate, order = threading.Event(), []
     busy(eng, gate)
-    other = eng.submit(lambda: order.append("other"), Priority.PREFETCH)
-    wb = eng.submit(lambda: order.append("merged"), Priority.WRITEBACK, dedupe=("job", 1))
-    again = eng.submit(lambda: order.append("never"), Priority.DEMAND, dedupe=("job", 1))  # same job
-    assert again is wb and eng.upgraded == 1 and eng.queue_depth == 2
+    wb = eng.submit(lambda: order.append("queued"), Priority.WRITEBACK, dedupe=("job", 1))
+    again = eng.submit(lambda: order.append("never"), Priority.WRITEBACK, dedupe=("job", 1))  # same job
+    other = eng.submit(lambda: order.append("other"), Priority.WRITEBACK, dedupe=("job", 2))
+    assert again is wb and other is not wb
     gate.set()
     wb.wait(10)
     other.wait(10)
-    assert order == ["merged", "other"]
+    assert order == ["queued", "other"]
+    assert eng.submitted["WRITEBACK"] == 2
     eng.close()
 
 
@@ -71,7 +72,7 @@ def test_failed_jobs_complete_with_the_error_and_workers_survive(store: TieredKV
     eng.submit(die, Priority.WRITEBACK)
     eng._threads[0].join(10)
     assert not eng._threads[0].is_alive()
-    assert eng.submit(lambda: 42, Priority.DEMAND).wait(10) == 42  # replaced on submit
+    assert eng.submit(lambda: 42, Priority.PREFETCH).wait(10) == 42  # replaced on submit
     assert eng.worker_restarts == 1
     eng.close()
 
@@ -89,5 +90,5 @@ def test_prepared_promotions_run_on_a_worker_and_write_backs_skip_clean_copies(s
     assert [store.where(k) for k in keys] == ["dram"] * 3 + ["ssd"] * 3
     assert eng.replicate(keys[:3], "ssd").wait(10) == 0  # they already have a clean ssd copy
     assert store.transfer_bytes[("ssd", "dram")] == 3 * BB
-    assert eng.drain(10) and eng.queue_depth == 0
+    assert eng.drain(10) and eng.completed["WRITEBACK"] == 1
     eng.close()

@@ -6,38 +6,38 @@ import pytest
 import torch
 
 from kvdrive.runtime.engine import SamplingParams, TextStream
-from kvdrive.runtime.engine.sampling import make_generator, sample
-from kvdrive.runtime.sizes import format_size, parse_size
+from kvdrive.runtime.engine.sampling import make_rng, sample
+from kvdrive.runtime.sizes import parse_size
 
 
 def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert sample(logits, SamplingParams(), None) == 1
     for params in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=5.0, top_p=0.01, seed=1)):
-        assert sample(logits, params, make_generator(params)) == 1
+        assert sample(logits, params, make_rng(params)) == 1
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 5e-324])
 def test_vanishing_temperature_is_greedy_not_nan(temperature: float) -> None:
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     params = SamplingParams(temperature=temperature, seed=1)
-    assert sample(logits, params, make_generator(params)) == 1
+    assert sample(logits, params, make_rng(params)) == 1
 
 
 def test_top_k_never_leaves_the_top_k() -> None:
     logits = torch.tensor([5.0, 4.0, 0.0, 0.0, 0.0])
     params = SamplingParams(temperature=10.0, top_k=2, seed=0)
-    g = make_generator(params)
+    g = make_rng(params)
     assert {sample(logits, params, g) for _ in range(200)} == {0, 1}
 
 
 def test_seed_reproduces() -> None:
     logits = torch.randn(100)
     p = SamplingParams(temperature=1.0, seed=42)
-    a = [sample(logits, p, g) for g in [make_generator(p)] for _ in range(20)]
-    b = [sample(logits, p, g) for g in [make_generator(p)] for _ in range(20)]
+    a = [sample(logits, p, g) for g in [make_rng(p)] for _ in range(20)]
+    b = [sample(logits, p, g) for g in [make_rng(p)] for _ in range(20)]
     other = SamplingParams(temperature=1.0, seed=43)
-    c = [sample(logits, other, g) for g in [make_generator(other)] for _ in range(20)]
+    c = [sample(logits, other, g) for g in [make_rng(other)] for _ in range(20)]
     assert a == b and a != c
 
 
@@ -79,6 +79,3 @@ def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="invalid size"):
         parse_size(text)
 
-
-def test_format_size() -> None:
-    assert format_size(3 << 20) == "3.0MiB" and format_size(100) == "100B"

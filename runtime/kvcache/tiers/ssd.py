@@ -67,7 +67,6 @@ class SsdTier:
         self._bufs = AlignedBufferPool()
         self._runner = PieceRunner(io_threads)
         self.index: SsdIndex | None = None
-        self._budget = budget_bytes
         try:
             os.makedirs(directory, exist_ok=True)
             self.align, self.direct = self._probe()
@@ -400,13 +399,6 @@ class SsdTier:
             self._crc.pop(slot, None)
             if self.index is not None:
                 self.index.delete(slot)
-
-    def sync(self) -> None:
-        """Make every completed write and index record durable against power loss."""
-        for fd in self._fds:
-            os.fdatasync(fd)
-        if self.index is not None:
-            self.index.sync()
 
     @property
     def disk_bytes(self) -> int:

@@ -219,9 +219,6 @@ class SsdIndex:
         old, self._fd, self._gen = self._path(f"journal.{self._gen}"), newj, gen
         os.unlink(old)
 
-    def sync(self) -> None:
-        os.fdatasync(self._fd)
-
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
