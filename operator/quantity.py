@@ -1,6 +1,7 @@
 """Kubernetes resource quantities (``64Gi``, ``2Mi``, ``500m``, ``1.5G``) as exact numbers.
 
-Owns parsing of the quantity strings used in the CR spec, so that the operator can size
+Owns the quantity strings used in the CR spec (their grammar; the kubernetes client's parser gives the
+value), so that the operator can size
 hugepages, check cross-field rules and pass plain byte counts to the runtime's flags.
 Pure: no Kubernetes API, no Kopf.
 """
@@ -8,12 +9,12 @@ Pure: no Kubernetes API, no Kopf.
 from __future__ import annotations
 
 import re
-from decimal import ROUND_CEILING, Decimal, InvalidOperation
+from decimal import ROUND_CEILING, Decimal
 
-# The subset of the Kubernetes quantity grammar that the CRD accepts (see QUANTITY_PATTERN).
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"m": Decimal("0.001"), "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+from kubernetes.utils import parse_quantity as _k8s_quantity
 
+# The subset of the Kubernetes quantity grammar that the CRD accepts; the value itself is computed by the
+# kubernetes client's parser.
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 _QUANTITY_RE = re.compile(QUANTITY_PATTERN)
 
@@ -31,17 +32,9 @@ def parse_quantity(value: str | int) -> Decimal:
             raise QuantityError(f"negative quantity: {value}")
         return Decimal(value)
     text = str(value).strip()
-    match = _QUANTITY_RE.match(text)
-    if match is None:
+    if _QUANTITY_RE.match(text) is None:
         raise QuantityError(f"not a quantity: {value!r} (expected e.g. 64Gi, 2Mi, 500m, 8)")
-    suffix = match.group(2) or ""
-    number = text[: len(text) - len(suffix)]
-    try:
-        base = Decimal(number)
-    except InvalidOperation as exc:  # pragma: no cover - the regex already guarantees a number
-        raise QuantityError(f"not a quantity: {value!r}") from exc
-    multiplier = _BINARY.get(suffix) or _DECIMAL[suffix]
-    return base * Decimal(multiplier)
+    return Decimal(_k8s_quantity(text))
 
 
 def to_bytes(value: str | int) -> int:

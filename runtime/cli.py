@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kvdrive.runtime.engine import Generator, SamplingParams, TextStream
+    from kvdrive.runtime.engine import ModelRunner, SamplingParams, TextStream
     from kvdrive.runtime.model import load_model
     from kvdrive.runtime.prompt import ChatMessage
 
@@ -118,7 +118,7 @@ def _generate(args: argparse.Namespace) -> int:
                         progress=sys.stderr.isatty() or args.verbose, weights=args.weights)
     tok = loaded.tokenizer
     ids = tok.encode_chat([ChatMessage("user", args.prompt)]) if args.chat else tok.encode(args.prompt)
-    gen = Generator(loaded, engine_config(args, max_sequences=1))
+    gen = ModelRunner(loaded, engine_config(args, max_sequences=1))
     stream = TextStream(tok, params.stop)
     try:
         for token in gen.generate(ids, params):
@@ -173,14 +173,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Parse the command line; ``serve --config FILE`` supplies flags that the command line does not."""
-    from kvdrive.runtime.config_file import ConfigFileError, config_flags
+    from kvdrive.runtime.config_file import ConfigFileError, config_flags, options_of
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve" and args.config:
         try:
-            extra = config_flags(args.config)
+            commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            extra = config_flags(args.config, options_of(commands.choices["serve"]))
         except ConfigFileError as exc:
             parser.error(str(exc))
         at = argv.index("serve") + 1

@@ -7,24 +7,24 @@ given on the command line wins and every value goes through the same parsing and
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import yaml
-
-SERVE_KEYS = frozenset({
-    "model", "device", "dtype", "page_size", "gpu_budget", "dram_budget", "dram_hugepage_dir", "ssd_dir",
-    "ssd_budget", "ssd_compression", "token_budget", "full_attention", "placement", "host", "port",
-    "served_model_name", "api_key_file", "admin_token_file", "protect_metadata", "max_body_bytes", "max_running",
-    "max_sequences", "max_waiting", "step_tokens", "step_seconds", "scheduling", "drain_seconds",
-})
-SWITCHES = frozenset({"full_attention", "protect_metadata"})  # flags without a value
 
 
 class ConfigFileError(ValueError):
     """The config file cannot be read or names an unknown flag."""
 
 
-def config_flags(path: str) -> list[str]:
+def options_of(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """The flags a config file may set: each option's dest -> whether it is a switch (takes no value).
+    Read from the command's own parser, so that every flag it gains is known here too."""
+    return {a.dest: a.nargs == 0 for a in parser._actions
+            if a.option_strings and a.dest not in ("help", "config", "version")}
+
+
+def config_flags(path: str, options: dict[str, bool]) -> list[str]:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -36,11 +36,11 @@ def config_flags(path: str) -> list[str]:
     flags: list[str] = []
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
-        if key not in SERVE_KEYS:
-            raise ConfigFileError(f"--config {path}: unknown key {raw_key!r} (known: {', '.join(sorted(SERVE_KEYS))})")
+        if key not in options:
+            raise ConfigFileError(f"--config {path}: unknown key {raw_key!r} (known: {', '.join(sorted(options))})")
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
-            if key not in SWITCHES:
+            if not options[key]:
                 raise ConfigFileError(f"--config {path}: {raw_key} takes a value, not true/false")
             flags += [flag] if value else []
         elif value is None or isinstance(value, (dict, list)):
