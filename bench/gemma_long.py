@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from kvdrive.runtime.bench.texts import filler_tokens
-from kvdrive.runtime.engine import EngineConfig, Generator, SamplingParams, TierConfig
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.loader import gemma3_270m_path
 
@@ -49,7 +49,7 @@ def _hf_model():  # type: ignore[no-untyped-def]
 
 
 def parity(loaded, hf, new_tokens: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    gen = Generator(loaded, EngineConfig(full_attention=True, max_sequences=1))
+    gen = ModelRunner(loaded, EngineConfig(full_attention=True, max_sequences=1))
     cases = []
     for prompt in tqdm(PROMPTS, desc="parity (ours, transformers)"):
         ids = loaded.tokenizer.encode(prompt)
@@ -68,7 +68,7 @@ def parity(loaded, hf, new_tokens: int) -> dict[str, object]:  # type: ignore[no
 
 def logits_at(loaded, hf, tokens: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
     ids = filler_tokens(loaded.tokenizer, tokens, seed=3)
-    gen = Generator(loaded, EngineConfig(full_attention=True, max_sequences=1))
+    gen = ModelRunner(loaded, EngineConfig(full_attention=True, max_sequences=1))
     seq = gen.new_sequence()
     ours = gen.prefill(seq, ids)  # [V] the last position
     gen.close()
@@ -81,7 +81,7 @@ def logits_at(loaded, hf, tokens: int) -> dict[str, object]:  # type: ignore[no-
 def at_length(loaded, tokens: int, ssd_dir: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
     cfg = loaded.config
     ids = filler_tokens(loaded.tokenizer, tokens, seed=5)
-    gen = Generator(loaded, EngineConfig(full_attention=True, max_sequences=1, tiers=TierConfig(
+    gen = ModelRunner(loaded, EngineConfig(full_attention=True, max_sequences=1, tiers=TierConfig(
         gpu_bytes=None, dram_bytes=0, ssd_dir=ssd_dir, ssd_bytes=1 << 30)))
     seq = gen.new_sequence()
     chunk = gen.config.prefill_chunk

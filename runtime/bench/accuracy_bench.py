@@ -4,12 +4,12 @@ Owns the accuracy benchmark: passkey retrieval at several contexts and depths, g
 (short prompts, and the same questions after a long document so that page selection is active) and
 KL(full || sparse) of the next-token distributions along the full-attention continuation.
 
-Three phases, one ``Generator`` open at a time on one SSD directory:
+Three phases, one ``ModelRunner`` open at a time on one SSD directory:
 1. prefill: every prompt's pages are computed once (exact attention) and written to the SSD tier;
    prompts sharing a prefix (a context's haystack, the chat document) share its pages.
-2. reference: a full-attention Generator reuses the stored prompt pages, recomputes the open tail
+2. reference: a full-attention ModelRunner reuses the stored prompt pages, recomputes the open tail
    page, greedy-decodes and keeps its logits.
-3. candidate: a sparse Generator (the token budget) reuses the same pages and decodes free-running
+3. candidate: a sparse ModelRunner (the token budget) reuses the same pages and decodes free-running
    greedy; where its output diverges from the reference it is teacher-forced along the reference
    tokens from there, so every KL term compares distributions given the same prefix. Several budgets
    run phase 3 once each against one prefill and one reference.
@@ -18,7 +18,7 @@ the same directory: the stored pages (and window snapshots) are reused.
 Reference and candidate never write their decoded pages to the SSD tier: pages are content-addressed
 by tokens, not by attention mode, so a candidate decoding the reference's tokens would otherwise read
 the reference's KV for them. The first answer token comes from the prefill of the tail page, exact in
-both modes (as in ``Generator.generate``) unless prefix reuse leaves a single token to compute.
+both modes (as in ``ModelRunner.generate``) unless prefix reuse leaves a single token to compute.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from kvdrive.runtime.bench.texts import filler_tokens, passkey_prompt
-from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
 from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.prompt import ChatMessage
@@ -136,7 +136,7 @@ def _distinct_pages(prompts: list[tuple[int, ...]], page: int) -> int:
 
 def _prefill_all(loaded: LoadedModel, cases: list[_Case], cfg: EngineConfig) -> int:
     """Phase 1: store every prompt's pages on the SSD tier. Returns the tokens computed."""
-    gen = Generator(loaded, cfg)
+    gen = ModelRunner(loaded, cfg)
     computed = 0
     try:
         # Lexicographic order walks the prompts' prefix tree depth first: each prompt follows the one it
@@ -153,7 +153,7 @@ def _prefill_all(loaded: LoadedModel, cases: list[_Case], cfg: EngineConfig) -> 
     return computed
 
 
-def _greedy(gen: Generator, prompt: tuple[int, ...], max_tokens: int, eos: set[int]) -> tuple[list[int], torch.Tensor]:
+def _greedy(gen: ModelRunner, prompt: tuple[int, ...], max_tokens: int, eos: set[int]) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens (a final EOS included) and the logits each was chosen from [n, V]."""
     seq, reused = gen.open_sequence(prompt)
     try:
@@ -171,7 +171,7 @@ def _greedy(gen: Generator, prompt: tuple[int, ...], max_tokens: int, eos: set[i
         gen.release(seq)
 
 
-def _forced(gen: Generator, prompt: tuple[int, ...], tokens: list[int], start: int) -> torch.Tensor:
+def _forced(gen: ModelRunner, prompt: tuple[int, ...], tokens: list[int], start: int) -> torch.Tensor:
     """Logits [len(tokens) - start, V] at positions start.. given the prompt and tokens[:position]."""
     seq, reused = gen.open_sequence(prompt)
     try:
@@ -204,7 +204,7 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
 def _reference(loaded: LoadedModel, cases: list[_Case], cfg: EngineConfig, scratch: str) -> list[list[int]]:
     """Phase 2: full-attention greedy tokens per case; their logits are saved under ``scratch``."""
     eos = set(loaded.tokenizer.eos_token_ids)
-    gen = Generator(loaded, cfg)
+    gen = ModelRunner(loaded, cfg)
     out: list[list[int]] = []
     try:
         for i, c in enumerate(tqdm(cases, desc="reference (full attention)")):
@@ -220,7 +220,7 @@ def _candidate(loaded: LoadedModel, cases: list[_Case], cfg: EngineConfig, scrat
                ref: list[list[int]]) -> list[CaseResult]:
     """Phase 3: free-running greedy output, then KL along the reference tokens (teacher-forced after a divergence)."""
     eos = set(loaded.tokenizer.eos_token_ids)
-    gen = Generator(loaded, cfg)
+    gen = ModelRunner(loaded, cfg)
     out: list[CaseResult] = []
     try:
         for i, c in enumerate(tqdm(cases, desc=f"candidate ({'full' if cfg.full_attention else 'sparse'})")):

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from kvdrive.runtime.bench import llama_cpp
 from kvdrive.runtime.bench.floor import floor_step_times
 from kvdrive.runtime.bench.texts import filler_tokens
-from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
 from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.model import LoadedModel, load_model
@@ -139,7 +139,7 @@ def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[
     Each prompt goes in one context at a time, shortest first, each stage reusing the one before: the pages
     are the same either way, and a hybrid model keeps its sliding window's snapshot at every stage's end, so
     each shorter context can be reused on its own (a window is kept only at a sequence's boundaries)."""
-    gen = Generator(loaded, EngineConfig(tiers=TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget), max_sequences=1,
+    gen = ModelRunner(loaded, EngineConfig(tiers=TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget), max_sequences=1,
                                          window_checkpoint=0))  # the stage ends are the boundaries reused
     s = gen.cache.layout.page_size
     stages = [p[:ctx] for p in prompts for ctx in sorted(contexts)]
@@ -154,7 +154,7 @@ def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[
         gen.close()
 
 
-def _snapshot(gen: Generator) -> dict[str, object]:
+def _snapshot(gen: ModelRunner) -> dict[str, object]:
     c = gen.cache
     return {"reads": c.page_reads(), "moved": dict(c.store.transfer_bytes), "prefetch": c.placer.ledger.counts()}
 
@@ -167,7 +167,7 @@ def _delta(before: dict[str, object], after: dict[str, object], key: str) -> dic
 
 def _run_mode(loaded: LoadedModel, mode: str, prompts: list[list[int]], cfg: EngineConfig, steps: int,
               warmup: int, block_bytes: int) -> ModeResult:
-    gen = Generator(loaded, cfg)
+    gen = ModelRunner(loaded, cfg)
     try:
         seqs, last, prefilled = [], [], 0
         for p in prompts:
@@ -248,7 +248,7 @@ def _kvdrive_ttft(loaded: LoadedModel, fresh: list[int], contexts: tuple[int, ..
     for ctx in tqdm(_prefill_contexts(fresh, contexts), desc="kvdrive time to first token", leave=False):
         shutil.rmtree(root, ignore_errors=True)
         budget = int(ctx * per_token * 1.5) + (64 << 20)
-        gen = Generator(loaded, _config("kvdrive", ctx * per_token, 1, layout, seq_reserve, str(root), budget,
+        gen = ModelRunner(loaded, _config("kvdrive", ctx * per_token, 1, layout, seq_reserve, str(root), budget,
                                         token_budget))
         try:
             t0 = time.perf_counter()
@@ -272,7 +272,7 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
                      weights: str = "auto", prefill_contexts: tuple[int, ...] = ()) -> DecodeBenchResult:
     started = time.perf_counter()
     loaded = loaded or load_model(model, weights=weights)
-    probe = Generator(loaded, EngineConfig(max_sequences=1))
+    probe = ModelRunner(loaded, EngineConfig(max_sequences=1))
     layout, seq_reserve = probe.cache.layout, probe.cache.seq_reserve
     probe.close()
     del probe

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvdrive.runtime.engine import EngineConfig, Generator
+from kvdrive.runtime.engine import EngineConfig, ModelRunner
 from kvdrive.runtime.engine.heap import HeapTrimmer
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.weight_formats import weight_bytes
@@ -74,7 +74,7 @@ def run_model_bench(
     gc.collect()
     HeapTrimmer(min_interval_s=0).after_prompt_step()  # what the load freed goes back to the system
     rss_after = rss_bytes()
-    gen = Generator(loaded, EngineConfig())
+    gen = ModelRunner(loaded, EngineConfig())
     prefill: dict[int, float] = {}
     for n in tqdm(prefill_lengths, desc="prefill", leave=False):
         ids = _prompt(loaded.tokenizer, n)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from kvdrive.runtime.bench.accuracy_bench import CHAT_PROMPTS, kl_divergence
 from kvdrive.runtime.bench.texts import filler_tokens, passkey_prompt
-from kvdrive.runtime.engine import EngineConfig, Generator, SamplingParams
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.model.weight_formats import weight_bytes
 from kvdrive.runtime.prompt import ChatMessage
@@ -98,11 +98,11 @@ def build_prompts(loaded: LoadedModel, chats: int, doc_tokens: int, documents: i
     return Prompts(chat_ids, docs, tuple(keys))
 
 
-def _greedy(gen: Generator, prompt: Sequence[int], n: int) -> tuple[int, ...]:
+def _greedy(gen: ModelRunner, prompt: Sequence[int], n: int) -> tuple[int, ...]:
     return tuple(gen.generate(list(prompt), SamplingParams(max_tokens=n, temperature=0.0)))
 
 
-def _forced_logits(gen: Generator, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor:
+def _forced_logits(gen: ModelRunner, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor:
     """Logits [len(answer), V] of each answer position given the prompt and the answer before it."""
     seq = gen.new_sequence()
     try:
@@ -115,7 +115,7 @@ def _forced_logits(gen: Generator, prompt: Sequence[int], answer: Sequence[int])
         gen.release(seq)
 
 
-def _answers(gen: Generator, loaded: LoadedModel, prompts: Prompts, chat_tokens: int, bar: tqdm) -> Answers:
+def _answers(gen: ModelRunner, loaded: LoadedModel, prompts: Prompts, chat_tokens: int, bar: tqdm) -> Answers:
     chats, docs, keys = [], [], []
     for p in prompts.chats:
         chats.append(_greedy(gen, p, chat_tokens))
@@ -145,7 +145,7 @@ def run_weights_bench(model: str = "demo", formats: Sequence[str] = FORMATS, cha
     for fmt in ["fp32", *[f for f in formats if f != "fp32"]]:
         started = time.perf_counter()
         loaded = ref_loaded if fmt == "fp32" else load_model(model, weights=fmt, progress=False)
-        gen = Generator(loaded, config)
+        gen = ModelRunner(loaded, config)
         assert gen.request_limit() >= context, "the default budget holds one full-context sequence"
         try:
             with tqdm(total=total + len(prompts.documents), desc=f"weights {fmt}", leave=False) as bar:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from kvdrive.runtime.engine.detokenize import TextStream
-from kvdrive.runtime.engine.generator import Generator
+from kvdrive.runtime.engine.model_runner import ModelRunner
 from kvdrive.runtime.engine.pacing import StepPacer
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
-from kvdrive.runtime.engine.sampling import make_generator, sample
+from kvdrive.runtime.engine.sampling import make_rng, sample
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvdrive.runtime.engine.tiered_cache import PageLostError
 from kvdrive.runtime.kvcache import CacheFullError
@@ -59,13 +59,13 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, generator: Generator, config: SchedulerConfig | None = None) -> None:
-        self.gen = generator
-        self.tokenizer = generator.loaded.tokenizer
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None) -> None:
+        self.runner = runner
+        self.tokenizer = runner.loaded.tokenizer
         self.scheduler = Scheduler(config or SchedulerConfig())
-        if self.scheduler.config.max_running > generator.config.max_sequences:
+        if self.scheduler.config.max_running > runner.config.max_sequences:
             raise ValueError(f"max_running={self.scheduler.config.max_running} exceeds the KV cache's open pages "
-                             f"(max_sequences={generator.config.max_sequences})")
+                             f"(max_sequences={runner.config.max_sequences})")
         self._seqs: dict[str, SequenceState] = {}
         self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._generated = 0
@@ -79,14 +79,14 @@ class LLMEngine:
         self.pacer = StepPacer(cfg.step_seconds, cfg.step_token_budget)
         self._queued_seconds = 0.0  # the integral of the queue's length over time, up to _queue_tick
         self._queue_tick = time.monotonic()
-        if generator.cache.envelope.max_running != cfg.max_running:
-            generator.cache.envelope.set_max_running(cfg.max_running, 0)
+        if runner.cache.envelope.max_running != cfg.max_running:
+            runner.cache.envelope.set_max_running(cfg.max_running, 0)
 
     def set_max_running(self, n: int) -> bool:
         """Move the device envelope's split live (BudgetError, nothing changed, when impossible): the
         scheduler admits at most ``n`` from now on; a smaller limit gives its bytes to the hot tier once at
         most ``n`` sequences run (returns False until then), never by ending one."""
-        applied = self.gen.cache.envelope.set_max_running(n, len(self.scheduler.running))
+        applied = self.runner.cache.envelope.set_max_running(n, len(self.scheduler.running))
         self.scheduler.config = dataclasses.replace(self.scheduler.config, max_running=n)
         return applied
 
@@ -100,7 +100,7 @@ class LLMEngine:
         self._reserved = 0
 
     def can_admit(self, seq: SequenceState) -> bool:
-        cache = self.gen.cache
+        cache = self.runner.cache
         if cache.pages_needed(None, len(seq.pending) + 1) + self._reserved > cache.free_pages:
             return False
         prompts = [s for s in self.scheduler.running if s.prefill_left]
@@ -110,29 +110,29 @@ class LLMEngine:
         return held <= cache.memory_pages * self.scheduler.config.prompt_memory_share
 
     def can_allocate(self, seq: SequenceState, n: int) -> bool:
-        cache = self.gen.cache
+        cache = self.runner.cache
         return cache.pages_needed(seq.seq_id, n) + self._reserved <= cache.free_pages
 
     def allocate(self, seq: SequenceState, n: int) -> int:
         if seq.seq_id is None:  # first chunk: open the sequence; stored prefix pages need no compute
-            seq.seq_id, reused = self.gen.open_sequence(seq.tokens)
+            seq.seq_id, reused = self.runner.open_sequence(seq.tokens)
             seq.num_computed += reused
             if seq.cached_tokens is None:  # what the client is told: its first admission (not a recompute's)
                 seq.cached_tokens = min(reused, len(seq.request.prompt_ids))
         n = min(n, seq.prefill_left or 1)  # a recomputed request's generated tokens: one per step (decode)
-        self._reserved += self.gen.cache.pages_needed(seq.seq_id, n)
+        self._reserved += self.runner.cache.pages_needed(seq.seq_id, n)
         return n
 
     def add_request(self, request: Request) -> None:
         if len(self.scheduler.waiting) >= self.scheduler.config.max_waiting:
             raise QueueFullError(f"{len(self.scheduler.waiting)} requests are already waiting")
-        self.gen.check_prompt(len(request.prompt_ids))
+        self.runner.check_prompt(len(request.prompt_ids))
         if request.request_id in self._seqs:
             raise ValueError(f"duplicate request id {request.request_id}")
         seq = SequenceState(
             request=request,
             stream=TextStream(self.tokenizer, request.params.stop),
-            generator=make_generator(request.params),
+            rng=make_rng(request.params),
             tokens=list(request.prompt_ids),
         )
         self._seqs[request.request_id] = seq
@@ -153,8 +153,8 @@ class LLMEngine:
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             generated_tokens_total=self._generated, prompt_tokens_total=self._prompt_tokens,
-            preemptions_total=self._preemptions, kv_capacity_bytes=self.gen.cache.capacity_bytes,
-            kv_used_bytes=self.gen.cache.used_bytes,
+            preemptions_total=self._preemptions, kv_capacity_bytes=self.runner.cache.capacity_bytes,
+            kv_used_bytes=self.runner.cache.used_bytes,
             queue_wait_seconds=self._queued_seconds + len(self.scheduler.waiting) * (time.monotonic() - self._queue_tick),
         )
 
@@ -168,14 +168,14 @@ class LLMEngine:
 
     def _release_pages(self, seq: SequenceState) -> None:
         if seq.seq_id is not None:
-            self.gen.release(seq.seq_id)
+            self.runner.release(seq.seq_id)
             seq.seq_id = None
 
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule (allocating), run the forward pass, postprocess (sample, emit)."""
         outputs = self._fail_unservable()
         self._tick_queue()
-        self.gen.cache.envelope.settle(len(self.scheduler.running))  # a pending smaller limit, once it can
+        self.runner.cache.envelope.settle(len(self.scheduler.running))  # a pending smaller limit, once it can
         t0 = time.perf_counter()
         decodes = sum(1 for q in self.scheduler.running if q.num_generated and not q.prefill_left)
         chunks = self.scheduler.plan(self, self._preempt, self.pacer.budget(decodes))
@@ -200,7 +200,7 @@ class LLMEngine:
         batch = [(c.seq.seq_id, c.seq.pending[: c.num_tokens]) for c in chunks]
         decoding = {c.seq.seq_id for c in chunks if c.decode}
         try:
-            hidden = self.gen.forward_tokens(batch, decoding)  # type: ignore[arg-type]
+            hidden = self.runner.forward_tokens(batch, decoding)  # type: ignore[arg-type]
         except CacheFullError as exc:
             self._cache_full(chunks, outputs, exc)
             return None
@@ -251,7 +251,7 @@ class LLMEngine:
     def _postprocess(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> list[RequestOutput]:
         ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1  # last row of each chunk
         completing = [i for i, c in enumerate(chunks) if c.completes]
-        logits = self.gen.loaded.model.logits(hidden[ends[completing]]) if completing else None  # [B, V]
+        logits = self.runner.loaded.model.logits(hidden[ends[completing]]) if completing else None  # [B, V]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
         outputs: list[RequestOutput] = []
@@ -267,7 +267,7 @@ class LLMEngine:
     def _fail_unservable(self) -> list[RequestOutput]:
         """A preempted sequence that outgrew the whole cache can never run again: end it."""
         waiting = self.scheduler.waiting
-        cache = self.gen.cache
+        cache = self.runner.cache
         if waiting and not self.scheduler.running:
             head = waiting[0]
             if cache.pages_needed(None, len(head.tokens) + 1) > cache.num_pages:
@@ -286,10 +286,9 @@ class LLMEngine:
     def _emit(self, chunk: ScheduledChunk, logits: torch.Tensor) -> RequestOutput:
         seq = chunk.seq
         params = seq.request.params
-        token = sample(logits, params, seq.generator)
+        token = sample(logits, params, seq.rng)
         now = time.perf_counter()
         seq.first_token_at = seq.first_token_at or now
-        seq.last_token_at = now
         if token in self._eos and not params.ignore_eos:
             return self._finish(seq, "stop", new_tokens=(), delta=seq.stream.flush())
         seq.tokens.append(token)
@@ -298,7 +297,7 @@ class LLMEngine:
         delta = seq.stream.push(token)
         if seq.stream.stopped:
             return self._finish(seq, "stop", new_tokens=(token,), delta=delta)
-        if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.gen.max_context:
+        if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.runner.max_context:
             return self._finish(seq, "length", new_tokens=(token,), delta=delta + seq.stream.flush())
         return RequestOutput(seq.request.request_id, (token,), delta, len(seq.request.prompt_ids),
                              seq.num_generated, cached_tokens=seq.cached_tokens or 0)

@@ -1,6 +1,6 @@
 """A single-process generation loop over the tiered KV cache: chunked prefill, then decode.
 
-``Generator`` owns one model, one ``TieredKVCache`` and the sequences in it. It is the piece the CLI and
+``ModelRunner`` owns one model, one ``TieredKVCache`` and the sequences in it. It is the piece the CLI and
 benchmarks drive directly; the serving scheduler (continuous batching) builds on ``forward_tokens`` for
 batches of sequences.
 """
@@ -16,7 +16,7 @@ import torch
 from kvdrive.runtime.engine.envelope import default_envelope_bytes
 from kvdrive.runtime.engine.heap import HeapTrimmer
 from kvdrive.runtime.engine.kv_state import EngineConfig
-from kvdrive.runtime.engine.sampling import SamplingParams, make_generator, sample
+from kvdrive.runtime.engine.sampling import SamplingParams, make_rng, sample
 from kvdrive.runtime.engine.sliding import SlidingWindows
 from kvdrive.runtime.engine.tiered_backend import TieredAttentionBackend
 from kvdrive.runtime.engine.tiered_cache import TieredKVCache
@@ -30,7 +30,7 @@ class PromptTooLongError(ValueError):
     """The prompt plus the requested tokens do not fit the model's context."""
 
 
-class Generator:
+class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.loaded = loaded
         self.config = c = config or EngineConfig()
@@ -146,13 +146,13 @@ class Generator:
         goes on from the same logits. After MAX_UNDONE_STEPS undone steps in a row the error is raised."""
         self.check_prompt(len(prompt))
         eos = set(self.loaded.tokenizer.eos_token_ids)
-        gen = make_generator(params)
+        rng = make_rng(params)
         tokens = list(prompt)
         seq_id: int | None = None
         try:
             seq_id, logits, undone = self._open(tokens, 0)
             while len(tokens) - len(prompt) < params.max_tokens:
-                token = sample(logits, params, gen)
+                token = sample(logits, params, rng)
                 if token in eos and not params.ignore_eos:
                     return
                 yield token

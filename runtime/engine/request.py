@@ -37,13 +37,12 @@ class SequenceState:
 
     request: Request
     stream: TextStream
-    generator: torch.Generator | None
+    rng: torch.Generator | None
     seq_id: int | None = None  # id in the KV cache while it holds pages
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_generated: int = 0
     first_token_at: float | None = None
-    last_token_at: float | None = None
     bypassed: int = 0  # later requests admitted ahead of this one while it waited (fair scheduling)
     lost_page_restarts: int = 0  # recomputations this request needed because a page of its was unreadable
     undone_steps: int = 0  # steps of this request undone because a tier had no slot for their pages

@@ -32,7 +32,7 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def make_generator(params: SamplingParams) -> torch.Generator | None:
+def make_rng(params: SamplingParams) -> torch.Generator | None:
     if params.greedy:
         return None
     g = torch.Generator()
@@ -43,7 +43,7 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None) -> int:
     """Pick the next token from logits [V] (float32)."""
     if params.greedy:
         return int(torch.argmax(logits).item())
@@ -60,4 +60,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = cumulative - sorted_p > params.top_p  # keep the smallest prefix reaching top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator).item())
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=rng).item())

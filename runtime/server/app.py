@@ -85,8 +85,8 @@ class ServerState:
     max_context: int
     request_limit: Callable[[], int]
     metrics: ServerMetrics
-    tiers: Callable[[], list[s.TierUsage]]
-    split: Callable[[], s.EnvelopeSplit]
+    tiers: Callable[[], list[s.TierUsageBody]]
+    split: Callable[[], s.EnvelopeSplitBody]
     set_tiers: Callable[[s.TiersUpdate], Awaitable[None]]
     ready: Callable[[], bool]
     started: int
@@ -236,7 +236,10 @@ def create_app(state: ServerState) -> FastAPI:
         200: {"content": {"text/plain": {}}, "description": "Prometheus text exposition format 0.0.4"},
         401: ERRORS[401]})
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # rendered on a worker thread: reading the tiers' usage can wait for the store's lock, and the event
+        # loop must keep streaming tokens to clients meanwhile (the router scrapes every replica each second)
+        body = await asyncio.to_thread(state.metrics.render)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", response_model=s.ModelList, responses={401: ERRORS[401]})
     async def models() -> s.ModelList:

@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from kvdrive.runtime.engine import EngineStats
 from kvdrive.runtime.engine.kv_state import EnvelopeSplit
-from kvdrive.runtime.server.schemas import TierUsage
+from kvdrive.runtime.server.schemas import TierUsageBody
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -36,7 +36,7 @@ class TierCounters:
 
 
 class _LiveCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], list[TierUsage]],
+    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], list[TierUsageBody]],
                  counters: Callable[[], TierCounters]) -> None:
         self._stats, self._tiers, self._counters = stats, tiers, counters
 
@@ -131,7 +131,7 @@ def _split_metrics(split: EnvelopeSplit) -> Iterator[GaugeMetricFamily]:
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], list[TierUsage]],
+    def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], list[TierUsageBody]],
                  counters: Callable[[], TierCounters]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_LiveCollector(stats, tiers, counters))

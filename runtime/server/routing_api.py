@@ -26,7 +26,7 @@ from kvdrive.runtime.prompt import Tokenizer
 PREFIXES_MEDIA_TYPE = "application/octet-stream"
 
 
-class RoutingInfo(BaseModel):
+class RoutingInfoBody(BaseModel):
     model: str
     root: str = Field(description="hex digest that starts this replica's page-digest chain")
     page_size: int = Field(description="tokens per page")
@@ -55,9 +55,9 @@ def routing_routes(source: RoutingSource, errors: dict[int | str, dict[str, obje
     api = APIRouter(prefix="/v1/kvdrive", tags=["routing"])
     spec = TokenizerSpec.model_validate(source.tokenizer.spec())
 
-    @api.get("/routing", response_model=RoutingInfo, responses=errors)
-    async def routing() -> RoutingInfo:
-        return RoutingInfo(model=source.model, root=source.root.hex(), page_size=source.page_size,
+    @api.get("/routing", response_model=RoutingInfoBody, responses=errors)
+    async def routing() -> RoutingInfoBody:
+        return RoutingInfoBody(model=source.model, root=source.root.hex(), page_size=source.page_size,
                            instance=source.instance)
 
     @api.get("/tokenizer", response_model=TokenizerSpec, responses=errors)

@@ -234,7 +234,7 @@ class Readiness(BaseModel):
     degraded: dict[str, str] = Field(default_factory=dict, description="tier -> why it is degraded")
 
 
-class TierUsage(BaseModel):
+class TierUsageBody(BaseModel):
     tier: Literal["gpu", "dram", "ssd"]
     budget_bytes: int = Field(description="the configured budget (gpu: the envelope, the running sequences' "
                               "reserve included)")
@@ -263,7 +263,7 @@ class TiersUpdate(BaseModel):
         return self
 
 
-class EnvelopeSplit(BaseModel):
+class EnvelopeSplitBody(BaseModel):
     """How the device envelope (the gpu budget) is split between the hot tier and running sequences."""
 
     envelope_bytes: int
@@ -278,5 +278,5 @@ class EnvelopeSplit(BaseModel):
 
 
 class TiersResponse(BaseModel):
-    tiers: list[TierUsage]
-    split: EnvelopeSplit
+    tiers: list[TierUsageBody]
+    split: EnvelopeSplitBody

@@ -13,14 +13,14 @@ from dataclasses import asdict, dataclass, field
 
 import uvicorn
 
-from kvdrive.runtime.engine import AsyncEngine, EngineConfig, Generator, LLMEngine, SchedulerConfig
+from kvdrive.runtime.engine import AsyncEngine, EngineConfig, LLMEngine, ModelRunner, SchedulerConfig
 from kvdrive.runtime.kvcache import BudgetError
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.loader import DEMO_ALIAS, MODEL_ALIASES
 from kvdrive.runtime.server.app import ServerConfig, ServerState, create_app
 from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
 from kvdrive.runtime.server.routing_api import RoutingSource
-from kvdrive.runtime.server.schemas import EnvelopeSplit, TiersUpdate, TierUsage
+from kvdrive.runtime.server.schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +47,17 @@ class ServeOptions:
 def build_state(opts: ServeOptions) -> ServerState:
     loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, progress=opts.progress,  # type: ignore[arg-type]
                         model_id=opts.served_model_name, weights=opts.weights)
-    gen = Generator(loaded, opts.engine)
+    gen = ModelRunner(loaded, opts.engine)
     engine = LLMEngine(gen, opts.scheduler)
     aliases = (opts.model,) if opts.model in MODEL_ALIASES else ()
     cache = gen.cache
 
-    def tiers() -> list[TierUsage]:
-        out = [TierUsage(tier=u.tier, budget_bytes=u.budget_bytes, capacity_bytes=u.capacity_bytes,
+    def tiers() -> list[TierUsageBody]:
+        out = [TierUsageBody(tier=u.tier, budget_bytes=u.budget_bytes, capacity_bytes=u.capacity_bytes,
                          used_bytes=u.used_bytes - u.cached_bytes, cached_bytes=u.cached_bytes, pages=u.pages,
                          backing=u.backing, errors=u.errors) for u in cache.usage()]
         if "ssd" not in cache.store.tiers:  # every tier is always reported; this one is off
-            out.append(TierUsage(tier="ssd", budget_bytes=0, capacity_bytes=0, used_bytes=0, backing="disabled"))
+            out.append(TierUsageBody(tier="ssd", budget_bytes=0, capacity_bytes=0, used_bytes=0, backing="disabled"))
         return out
 
     def counters() -> TierCounters:
@@ -73,9 +73,9 @@ def build_state(opts: ServeOptions) -> ServerState:
 
     admin = asyncio.Lock()  # one budget change at a time
 
-    def split() -> EnvelopeSplit:
+    def split() -> EnvelopeSplitBody:
         now = cache.envelope.split()
-        return EnvelopeSplit(**asdict(now), reserve_bytes=now.reserve_bytes)
+        return EnvelopeSplitBody(**asdict(now), reserve_bytes=now.reserve_bytes)
 
     async def set_tiers(update: TiersUpdate) -> None:
         """Budgets, then the split: the memory tiers and the split between two engine steps, an SSD shrink
@@ -138,7 +138,7 @@ def serve(opts: ServeOptions) -> None:
     import torch
 
     log.info("serving %s on http://%s:%d (KV: %d pages of %d tokens over the tiers; %d compute threads)",
-             state.config.model_id, opts.host, opts.port, state.engine.engine.gen.cache.num_pages,
+             state.config.model_id, opts.host, opts.port, state.engine.engine.runner.cache.num_pages,
              opts.engine.page_size, torch.get_num_threads())
     server = _Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
                                     timeout_graceful_shutdown=max(1, round(opts.drain_seconds))))
@@ -147,5 +147,5 @@ def serve(opts: ServeOptions) -> None:
         log.info("shutting down: in-flight requests drained or aborted")
     finally:
         state.engine.shutdown()
-        state.engine.engine.gen.cache.close()  # finish write-backs, flush the SSD index
+        state.engine.engine.runner.cache.close()  # finish write-backs, flush the SSD index
         log.info("stopped")

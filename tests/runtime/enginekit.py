@@ -7,8 +7,8 @@ from pathlib import Path
 
 from kvdrive.runtime.engine import (
     EngineConfig,
-    Generator,
     LLMEngine,
+    ModelRunner,
     Request,
     RequestOutput,
     SamplingParams,
@@ -31,10 +31,10 @@ def with_reserve(layout: KVLayout, hot_bytes: int, config: EngineConfig) -> int:
 def small_engine(loaded: LoadedModel, ssd: Path, gpu_pages: int, dram_pages: int, token_budget_pages: int) -> LLMEngine:
     """Two sequences at most, a device tier of ``gpu_pages`` pages (plus their open pages), DRAM of
     ``dram_pages``, a 64 MiB SSD tier in ``ssd``."""
-    layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=token_budget_pages * PAGE)
-    gen = Generator(loaded, replace(shape, tiers=TierConfig(
+    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
         gpu_bytes=with_reserve(layout, gpu_pages * page, shape), dram_bytes=dram_pages * page, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2))

@@ -42,7 +42,7 @@ def test_a_step_the_tiers_cannot_take_is_recomputed_with_the_sametokens(hf_model
     want = {rid: tokens(o) for rid, o in run_dry(clean).items()}
 
     engine = _engine(loaded, tmp_path / "ssd")
-    store = engine.gen.cache.store
+    store = engine.runner.cache.store
     real_put = store.put
     puts = {"n": 0}
 
@@ -65,7 +65,7 @@ def test_a_step_the_tiers_cannot_take_is_recomputed_with_the_sametokens(hf_model
 def test_a_tier_that_stays_full_ends_requests_with_an_error_instead_of_looping(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
     engine = _engine(load_model(str(path), progress=False), tmp_path / "ssd")
-    store = engine.gen.cache.store
+    store = engine.runner.cache.store
     real_put = store.put
 
     def no_room(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -89,7 +89,7 @@ def test_a_request_undone_again_and_again_between_good_steps_ends_instead_of_loo
     newest of the failing step ends with an error, and the engine runs dry."""
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
     engine = _engine(load_model(str(path), progress=False), tmp_path / "ssd")
-    store = engine.gen.cache.store
+    store = engine.runner.cache.store
     real_put = store.put
     puts = {"n": 0}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdrive.runtime.engine import Generator, SamplingParams
+from kvdrive.runtime.engine import ModelRunner, SamplingParams
 from kvdrive.runtime.model import LoadedModel
 from kvdrive.runtime.model.loader import demo_model_path
 from kvdrive.runtime.prompt import ChatMessage
@@ -60,7 +60,7 @@ def test_logits_match_reference(demo: LoadedModel, reference) -> None:  # type: 
     ids = _prompt_64(demo)
     with torch.no_grad():
         expected = model(torch.tensor([ids])).logits[0].float()  # [64, V]
-    gen = Generator(demo)
+    gen = ModelRunner(demo)
     ours = gen.prefill(gen.new_sequence(), ids, all_logits=True)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1)), "top-1 token differs"
     diff = (torch.log_softmax(ours, -1) - torch.log_softmax(expected, -1)).abs().max().item()
@@ -85,14 +85,14 @@ def test_chat_template_matches_reference(demo: LoadedModel, reference) -> None: 
 
 def test_greedy_chat_answer(demo: LoadedModel) -> None:
     ids = demo.tokenizer.encode_chat([ChatMessage("user", "What is the capital of France?")])
-    out = demo.tokenizer.decode(list(Generator(demo).generate(ids, SamplingParams(max_tokens=16))))
+    out = demo.tokenizer.decode(list(ModelRunner(demo).generate(ids, SamplingParams(max_tokens=16))))
     assert out == "The capital of France is Paris."
 
 
 def test_seeded_sampling_is_reproducible(demo: LoadedModel) -> None:
     ids = demo.tokenizer.encode_chat([ChatMessage("user", "Write a short poem about the sea.")])
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
-    gen = Generator(demo)
+    gen = ModelRunner(demo)
     first, second = list(gen.generate(ids, params)), list(gen.generate(ids, params))
     other = list(gen.generate(ids, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=8)))
     assert first == second

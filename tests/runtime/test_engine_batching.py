@@ -11,8 +11,8 @@ import pytest
 from kvdrive.runtime.engine import (
     AsyncEngine,
     EngineConfig,
-    Generator,
     LLMEngine,
+    ModelRunner,
     PromptTooLongError,
     QueueFullError,
     Request,
@@ -26,10 +26,10 @@ from kvdrive.runtime.model import load_model
 
 def _engine(path, pages: int, **sched) -> LLMEngine:  # type: ignore[no-untyped-def]
     loaded = load_model(str(path), progress=False)
-    gen = Generator(loaded, EngineConfig(page_size=4))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4))
     # the gpu budget holds `pages` sealed pages plus what the running sequences reserve (open pages, step buffers)
     budget = pages * gen.cache.layout.page_bytes + reserve_bytes(gen.cache.layout, EngineConfig(page_size=4))
-    gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig(gpu_bytes=budget)))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig(gpu_bytes=budget)))
     return LLMEngine(gen, SchedulerConfig(**sched))
 
 
@@ -47,7 +47,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41], [100, 101, 102, 103, 104, 
 
 
 def _expected(path, n_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    gen = Generator(load_model(str(path), progress=False), EngineConfig(page_size=4))
+    gen = ModelRunner(load_model(str(path), progress=False), EngineConfig(page_size=4))
     return [list(gen.generate(p, SamplingParams(max_tokens=n_tokens, ignore_eos=True))) for p in PROMPTS]
 
 
@@ -58,7 +58,7 @@ def test_batched_engine_equals_one_by_one_generation(hf_model_factory) -> None:
         engine.add_request(Request(f"r{i}", tuple(p), SamplingParams(max_tokens=12, ignore_eos=True), 0.0))
     out = _run_all(engine)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == _expected(path, 12)
-    assert engine.gen.cache.free_pages == engine.gen.cache.num_pages
+    assert engine.runner.cache.free_pages == engine.runner.cache.num_pages
 
 
 def test_preemption_under_a_tiny_cache_keeps_outputs_identical(hf_model_factory) -> None:
@@ -71,7 +71,7 @@ def test_preemption_under_a_tiny_cache_keeps_outputs_identical(hf_model_factory)
     out = _run_all(engine)
     assert engine.stats().preemptions_total > 0
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == _expected(path, 20)
-    assert engine.gen.cache.used_bytes == 0
+    assert engine.runner.cache.used_bytes == 0
 
 
 def test_sequence_outgrowing_the_cache_ends_with_length(hf_model_factory) -> None:
@@ -103,10 +103,10 @@ def test_abort_frees_pages_at_once(hf_model_factory) -> None:
     engine.add_request(Request("a", (1, 2, 3, 4, 5, 6), SamplingParams(max_tokens=30, ignore_eos=True), 0.0))
     engine.step()
     engine.step()
-    assert engine.gen.cache.used_bytes > 0
+    assert engine.runner.cache.used_bytes > 0
     out = engine.abort("a")
     assert out is not None and out.finish_reason == "abort"
-    assert engine.gen.cache.used_bytes == 0 and not engine.has_work()
+    assert engine.runner.cache.used_bytes == 0 and not engine.has_work()
 
 
 async def test_async_engine_streams_concurrent_requests_and_survives_consumer_exit(hf_model_factory) -> None:
@@ -131,10 +131,10 @@ async def test_async_engine_streams_concurrent_requests_and_survives_consumer_ex
         assert results[0] == expected[0] and results[2] == expected[2] and results[3] == expected[3]
         assert results[1] == expected[1][:3]
         for _ in range(50):  # the abort reaches the engine thread between steps
-            if engine.gen.cache.used_bytes == 0:
+            if engine.runner.cache.used_bytes == 0:
                 break
             await asyncio.sleep(0.02)
-        assert engine.gen.cache.used_bytes == 0 and runner.alive
+        assert engine.runner.cache.used_bytes == 0 and runner.alive
     finally:
         runner.shutdown()
 

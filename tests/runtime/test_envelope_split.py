@@ -16,8 +16,8 @@ from enginekit import run_dry, submit, tokens, with_reserve
 
 from kvdrive.runtime.engine import (
     EngineConfig,
-    Generator,
     LLMEngine,
+    ModelRunner,
     Request,
     SamplingParams,
     SchedulerConfig,
@@ -38,12 +38,12 @@ def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
 
 def _engine(loaded: LoadedModel, ssd: Path, hot_pages: int, start: int) -> LLMEngine:
     """Four rows; ``hot_pages`` of hot tier when all four run; ``start`` running to begin with."""
-    layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     shape = EngineConfig(page_size=PAGE, max_sequences=ROWS, token_budget=8 * PAGE)
     gpu = with_reserve(layout, hot_pages * layout.page_bytes, shape)
     cfg = replace(shape, max_running=start, tiers=TierConfig(gpu_bytes=gpu, dram_bytes=32 * layout.page_bytes,
                                                              ssd_dir=str(ssd), ssd_bytes=64 << 20))
-    return LLMEngine(Generator(loaded, cfg), SchedulerConfig(max_running=start, step_token_budget=16))
+    return LLMEngine(ModelRunner(loaded, cfg), SchedulerConfig(max_running=start, step_token_budget=16))
 
 
 def _prompts(n: int, length: int) -> list[tuple[int, ...]]:
@@ -54,8 +54,8 @@ def _prompts(n: int, length: int) -> list[tuple[int, ...]]:
 def test_each_running_slot_is_one_step_buffer_of_hot_tier(tiny: LoadedModel, tmp_path: Path) -> None:
     """Starting at one running sequence, the hot tier holds three step buffers more than at four; the
     envelope (the gpu budget every report shows) is the same."""
-    four = _engine(tiny, tmp_path / "a", hot_pages=6, start=ROWS).gen.cache
-    one = _engine(tiny, tmp_path / "b", hot_pages=6, start=1).gen.cache
+    four = _engine(tiny, tmp_path / "a", hot_pages=6, start=ROWS).runner.cache
+    one = _engine(tiny, tmp_path / "b", hot_pages=6, start=1).runner.cache
     a, b = four.envelope.split(), one.envelope.split()
     assert a.envelope_bytes == b.envelope_bytes
     assert a.per_sequence_bytes == 8 * four.layout.block_bytes  # 7 selected pages + the open one, one layer
@@ -77,7 +77,7 @@ def test_the_split_moves_live_without_losing_a_sequence_or_changing_an_output(ti
     ref = {rid: tokens(o) for rid, o in run_dry(ref_engine).items()}
 
     engine = _engine(tiny, tmp_path / "live", hot_pages=24, start=3)
-    cache = engine.gen.cache
+    cache = engine.runner.cache
     submit(engine, prompts[:3], max_tokens=12)
     outs: dict[str, list[int]] = {}
     for _ in range(6):
@@ -115,13 +115,13 @@ def test_more_concurrency_than_the_hot_tier_can_give_is_refused_and_changes_noth
                                                                                    tmp_path: Path) -> None:
     """At one running sequence the hot tier holds a long prompt's pages; four step buffers would leave it
     no room for the pages that sequence needs (DRAM is off): BudgetError, and the split is as it was."""
-    layout = Generator(tiny, EngineConfig(page_size=PAGE)).cache.layout
+    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
     shape = EngineConfig(page_size=PAGE, max_sequences=ROWS, token_budget=8 * PAGE, max_running=1)
     per_seq = 8 * layout.block_bytes
     gpu = with_reserve(layout, 2 * layout.page_bytes, replace(shape, max_running=ROWS))
-    engine = LLMEngine(Generator(tiny, replace(shape, tiers=TierConfig(gpu_bytes=gpu))),
+    engine = LLMEngine(ModelRunner(tiny, replace(shape, tiers=TierConfig(gpu_bytes=gpu))),
                        SchedulerConfig(max_running=1, step_token_budget=64))
-    cache = engine.gen.cache
+    cache = engine.runner.cache
     hot = cache.envelope.split().hot_bytes
     assert hot == 2 * layout.page_bytes + 3 * per_seq
     pages = hot // layout.page_bytes  # pages of all layers the hot tier holds at one running sequence

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from kvdrive.runtime.engine import (
     EngineConfig,
-    Generator,
     LLMEngine,
+    ModelRunner,
     Request,
     SamplingParams,
     SchedulerConfig,
@@ -23,7 +23,7 @@ PROMPT = tuple((7 * i + 3) % 200 + 5 for i in range(45))
 
 
 def _engine(path) -> LLMEngine:  # type: ignore[no-untyped-def]
-    gen = Generator(load_model(str(path), progress=False),
+    gen = ModelRunner(load_model(str(path), progress=False),
                     EngineConfig(page_size=4, token_budget=12, max_sequences=2))  # selection from 12 tokens on
     return LLMEngine(gen, SchedulerConfig(max_running=2, step_token_budget=16))
 

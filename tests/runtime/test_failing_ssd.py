@@ -47,11 +47,11 @@ def test_requests_that_fit_the_memory_tiers_are_served_while_the_ssd_fails(hf_mo
     want = {rid: tokens(outs) for rid, outs in run_dry(clean).items()}
 
     engine = _engine(loaded, tmp_path / "ssd")
-    ssd = engine.gen.cache.store.tiers["ssd"]
+    ssd = engine.runner.cache.store.tiers["ssd"]
     ssd.io = DeadDisk()  # type: ignore[attr-defined]  # the disk dies before any request
     engine.add_request(Request("warm", prompts[0][:12], SamplingParams(max_tokens=2, ignore_eos=True), -1.0))
     run_dry(engine)
-    engine.gen.cache.transfers.drain()  # its write-through (a background job) has run, and failed
+    engine.runner.cache.transfers.drain()  # its write-through (a background job) has run, and failed
     assert ssd.faults.get("EIO", 0) > 0 and ssd.failing()
     _submit(engine, prompts)
     got = run_dry(engine)
@@ -72,10 +72,10 @@ def test_pages_stored_only_on_a_dead_ssd_are_recomputed_once_and_served(hf_model
     first = _engine(loaded, tmp_path / "ssd")
     _submit(first, [prompt])
     want = tokens(run_dry(first)["r0"])
-    first.gen.close()  # write-backs finish, the SSD index is flushed
+    first.runner.close()  # write-backs finish, the SSD index is flushed
 
     engine = _engine(loaded, tmp_path / "ssd")  # a restart on the same directory
-    ssd = engine.gen.cache.store.tiers["ssd"]
+    ssd = engine.runner.cache.store.tiers["ssd"]
     assert ssd.allocator.used > 0  # the prompt's pages are indexed there
     ssd.io = DeadDisk()  # type: ignore[attr-defined]
     _submit(engine, [prompt])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf_builder import load_into, write_gguf
 
-from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
 from kvdrive.runtime.model import ModelLoadError, load_model
 
 KVDRIVE = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvdrive")
@@ -19,7 +19,7 @@ KVDRIVE = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvdrive")
 
 def _logits(path: Path, ids: list[int]) -> torch.Tensor:
     loaded = load_model(str(path), progress=False)
-    gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
     return gen.prefill(gen.new_sequence(), ids, all_logits=True)
 
 

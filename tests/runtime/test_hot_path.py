@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvdrive.runtime.engine import EngineConfig, Generator, SamplingParams, TierConfig
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.kvcache import TieredKVStore
 from kvdrive.runtime.model import LoadedModel, load_model
@@ -40,7 +40,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 250, (n,), generator=g).tolist()
 
 
-def _opened(gen: Generator, n: int) -> tuple[int, int]:
+def _opened(gen: ModelRunner, n: int) -> tuple[int, int]:
     """A sequence with ``n`` prompt tokens, positioned so that the next decode step seals no page."""
     seq, _ = gen.open_sequence([])
     gen.prefill(seq, _prompt(n))
@@ -65,7 +65,7 @@ def _count_calls(store: TieredKVStore) -> dict[str, int]:
 
 
 def test_a_decode_step_whose_pages_are_all_on_the_device_tier_asks_the_store_nothing(tiny: LoadedModel) -> None:
-    gen = Generator(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
+    gen = ModelRunner(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
     seq, last = _opened(gen, 300)  # 75 pages, all on the device tier; the budget selects 7 of them
     calls = _count_calls(gen.cache.store)
     before = gen.cache.page_reads()
@@ -78,7 +78,7 @@ def test_a_decode_step_whose_pages_are_all_on_the_device_tier_asks_the_store_not
 def test_each_sparse_step_leaves_the_mass_its_pages_drew_for_the_next_steps_selection(tiny: LoadedModel) -> None:
     """After a sparse decode step, every layer's row holds the attention mass (summed over query heads) that
     the step's selected pages drew, nothing on the others; the next step replaces it."""
-    gen = Generator(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
+    gen = ModelRunner(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
     seq, last = _opened(gen, 300)
     cache, hq = gen.cache, tiny.config.num_heads
     row = torch.tensor([cache.seq(seq).row])
@@ -94,7 +94,7 @@ def test_each_sparse_step_leaves_the_mass_its_pages_drew_for_the_next_steps_sele
     gen.close()
 
 
-def _python_calls(gen: Generator, seq: int, last: int) -> int:
+def _python_calls(gen: ModelRunner, seq: int, last: int) -> int:
     prof = cProfile.Profile()
     prof.enable()
     gen.decode([(seq, last)])
@@ -107,7 +107,7 @@ def test_host_work_of_a_decode_step_does_not_grow_with_the_context(tiny: LoadedM
     context, both beyond the token budget, everything on the device tier: the counts are equal."""
     counts = []
     for n in (250, 1800):
-        gen = Generator(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
+        gen = ModelRunner(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
         seq, last = _opened(gen, n)
         _python_calls(gen, seq, last)  # first step after the prompt: lazy state settles
         seq2, last2 = seq, int(gen.decode([(seq, last)])[0].argmax())
@@ -143,12 +143,12 @@ def test_no_tier_reads_or_writes_while_the_store_lock_is_held(tiny: LoadedModel,
     """Every tier is wrapped in a double that records a read or write made with the store lock held. A
     600-token sequence decodes through tiny device and DRAM tiers (demotions, promotions, prefetch,
     write-through to SSD), with a live shrink halfway: all three tiers move bytes, none under the lock."""
-    layout = Generator(tiny, EngineConfig(page_size=PAGE)).cache.layout
+    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
     for placement in ("kvdrive", "lru"):
         shape = EngineConfig(page_size=PAGE, max_sequences=2, placement=placement, token_budget=16 * PAGE)
         reserve = reserve_bytes(layout, shape)  # the envelope's share for the rows' open pages and step buffers
-        gen = Generator(tiny, replace(shape, tiers=TierConfig(
+        gen = ModelRunner(tiny, replace(shape, tiers=TierConfig(
             gpu_bytes=10 * page + reserve, dram_bytes=24 * page, ssd_dir=str(tmp_path / placement),
             ssd_bytes=64 << 20)))
         violations, io = _guard_tiers(gen.cache.store)

@@ -18,8 +18,8 @@ import torch
 
 from kvdrive.runtime.engine import (
     EngineConfig,
-    Generator,
     LLMEngine,
+    ModelRunner,
     Request,
     SamplingParams,
     SchedulerConfig,
@@ -33,9 +33,9 @@ PAGE = 4
 
 
 def _engine(loaded: LoadedModel, ssd: Path) -> LLMEngine:
-    layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=8 * PAGE)
-    gen = Generator(loaded, replace(shape, tiers=TierConfig(
+    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
         gpu_bytes=4 * layout.page_bytes + reserve_bytes(layout, shape), dram_bytes=0, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2))
@@ -44,7 +44,7 @@ def _engine(loaded: LoadedModel, ssd: Path) -> LLMEngine:
 def test_a_request_whose_pages_stay_unreadable_ends_with_an_error(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
     engine = _engine(load_model(str(path), progress=False), tmp_path / "ssd")
-    ssd = engine.gen.cache.store.tiers["ssd"]
+    ssd = engine.runner.cache.store.tiers["ssd"]
     healthy_read = ssd.read
     g = torch.Generator().manual_seed(0)
     prompt = tuple(torch.randint(3, 250, (400,), generator=g).tolist())  # 100 pages: most of them on the ssd

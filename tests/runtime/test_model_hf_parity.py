@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
 from kvdrive.runtime.model import load_model
 
 CASES = {
@@ -30,7 +30,7 @@ CASES = {
 
 def _ours_logits(path, ids: list[int], chunk: int = 512) -> torch.Tensor:
     loaded = load_model(str(path), progress=False)
-    gen = Generator(loaded, EngineConfig(page_size=4, prefill_chunk=chunk, tiers=TierConfig()))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, prefill_chunk=chunk, tiers=TierConfig()))
     seq = gen.new_sequence()
     return gen.prefill(seq, ids, all_logits=True)
 
@@ -56,7 +56,7 @@ def test_chunked_prefill_and_decode_match_one_pass(hf_model_factory) -> None:
     torch.testing.assert_close(_ours_logits(path, ids, chunk=7), expected, atol=2e-4, rtol=1e-4)
 
     loaded = load_model(str(path), progress=False)
-    gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
     seq = gen.new_sequence()
     gen.prefill(seq, ids[:10])
     steps = [gen.decode([(seq, t)])[0] for t in ids[10:]]
@@ -67,7 +67,7 @@ def test_batched_decode_matches_single_sequences(hf_model_factory) -> None:
     """Two sequences of different lengths decoded in one batch equal each decoded alone."""
     path, ref = hf_model_factory(arch="qwen2")
     loaded = load_model(str(path), progress=False)
-    gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
     a, b = [5, 6, 7, 8, 9, 10, 11], [40, 41, 42]
     sa, sb = gen.new_sequence(), gen.new_sequence()
     gen.prefill(sa, a)

@@ -1,4 +1,4 @@
-"""Generator.generate undoes a step the tiers could not take, as the serving engine does.
+"""ModelRunner.generate undoes a step the tiers could not take, as the serving engine does.
 
 A live budget change can leave every slot of a tier pinned or needed for a moment (CacheFullError). The
 single-process loop releases the sequence, reopens it with the tokens so far (prefix reuse brings their
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdrive.runtime.engine import EngineConfig, Generator, SamplingParams, TierConfig
-from kvdrive.runtime.engine.generator import MAX_UNDONE_STEPS
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
+from kvdrive.runtime.engine.model_runner import MAX_UNDONE_STEPS
 from kvdrive.runtime.kvcache import CacheFullError
 from kvdrive.runtime.model import LoadedModel, load_model
 
@@ -32,15 +32,15 @@ def _prompt(n: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
-def _generator(tiny: LoadedModel, tmp_path: Path, name: str) -> Generator:
-    return Generator(tiny, EngineConfig(page_size=PAGE, tiers=TierConfig(ssd_dir=str(tmp_path / name),
+def _generator(tiny: LoadedModel, tmp_path: Path, name: str) -> ModelRunner:
+    return ModelRunner(tiny, EngineConfig(page_size=PAGE, tiers=TierConfig(ssd_dir=str(tmp_path / name),
                                                                           ssd_bytes=16 << 20)))
 
 
 class _Refusing:
-    """Wraps Generator.decode: raises CacheFullError on the calls numbered in ``refuse`` (1-based)."""
+    """Wraps ModelRunner.decode: raises CacheFullError on the calls numbered in ``refuse`` (1-based)."""
 
-    def __init__(self, gen: Generator, refuse: set[int]) -> None:
+    def __init__(self, gen: ModelRunner, refuse: set[int]) -> None:
         self.decode, self.refuse, self.calls, self.reopened = gen.decode, refuse, 0, 0
         self.open = gen.open_sequence
 

@@ -17,8 +17,8 @@ import torch
 
 from kvdrive.runtime.engine import (
     EngineConfig,
-    Generator,
     LLMEngine,
+    ModelRunner,
     Request,
     SamplingParams,
     SchedulerConfig,
@@ -32,7 +32,7 @@ PAGE = 4
 
 
 def _leaked(engine: LLMEngine) -> list[str]:
-    cache = engine.gen.cache
+    cache = engine.runner.cache
     store = cache.store
     with store._lock:
         needed = {b.key.digest for b in store._blocks.values() if b.needed}
@@ -43,12 +43,12 @@ def _leaked(engine: LLMEngine) -> list[str]:
 def test_no_block_stays_needed_after_its_sequences_are_gone(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
     loaded = load_model(str(path), progress=False)
-    layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
     shape = EngineConfig(page_size=PAGE, max_sequences=4, token_budget=8 * PAGE)
     reserve = reserve_bytes(layout, shape)  # the rows' open pages and step buffers, beside the hot tier
     budgets = [(24 * page + reserve, 16 * page, 80 * page), (40 * page + reserve, 8 * page, 50 * page)]
-    gen = Generator(loaded, replace(shape, tiers=TierConfig(
+    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
         gpu_bytes=budgets[0][0], dram_bytes=budgets[0][1], ssd_dir=str(tmp_path / "ssd"), ssd_bytes=budgets[0][2])))
     engine = LLMEngine(gen, SchedulerConfig(max_running=4, step_token_budget=32))
     rng = random.Random(7)
@@ -92,4 +92,4 @@ def test_no_block_stays_needed_after_its_sequences_are_gone(hf_model_factory, tm
                 live.remove(out.request_id)
         assert not _leaked(engine), f"step {step}: needed blocks of unreferenced pages {_leaked(engine)[:5]}"
     assert n > 50 and engine.stats().preemptions_total > 0  # the run did exercise preemption
-    engine.gen.cache.store.put = real_put  # type: ignore[method-assign]
+    engine.runner.cache.store.put = real_put  # type: ignore[method-assign]

@@ -20,8 +20,8 @@ import torch
 
 from kvdrive.runtime.engine import (
     EngineConfig,
-    Generator,
     LLMEngine,
+    ModelRunner,
     Request,
     SamplingParams,
     SchedulerConfig,
@@ -35,10 +35,10 @@ MEMORY_PAGES = 24  # device tier 12 pages + DRAM 12 pages
 
 
 def _engine(loaded: LoadedModel, ssd: Path, step_tokens: int = 8, **sched: float) -> LLMEngine:
-    layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=8 * PAGE)
-    gen = Generator(loaded, replace(shape, tiers=TierConfig(
+    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
         gpu_bytes=12 * page + reserve_bytes(layout, shape), dram_bytes=12 * page, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2, step_token_budget=step_tokens, **sched))  # type: ignore[arg-type]
@@ -71,17 +71,17 @@ def test_a_prompt_in_progress_is_never_read_back_from_the_ssd(hf_model_factory, 
     loaded = _loaded(hf_model_factory)
     held = _engine(loaded, tmp_path / "held")
     b_tokens = _long_prompt_beside_a_hot_decode(held)
-    cache = held.gen.cache
+    cache = held.runner.cache
     assert cache.page_reads()["ssd"] > 0  # the memory tiers overflowed: A's cold pages went to the SSD
     assert cache.prompt_store_reads == 0  # ... and none of B's pages did while B was going in
     assert cache.placer.held_pages == 0  # nothing stays held once the prompts are in
 
     # the contrast: the same run without holding (B's fresh pages are the coldest) reads B back chunk by chunk
     loose = _engine(loaded, tmp_path / "loose")
-    loose.gen.cache.placer.hold = lambda pids: None  # type: ignore[method-assign]
-    loose.gen.cache.placer.release = lambda pids: None  # type: ignore[method-assign]
+    loose.runner.cache.placer.hold = lambda pids: None  # type: ignore[method-assign]
+    loose.runner.cache.placer.release = lambda pids: None  # type: ignore[method-assign]
     assert _long_prompt_beside_a_hot_decode(loose) == b_tokens  # same exact prefill, same greedy tokens
-    assert loose.gen.cache.prompt_store_reads > 0
+    assert loose.runner.cache.prompt_store_reads > 0
 
 
 def _running_after_one_step(engine: LLMEngine, prompts: list[tuple[int, ...]]) -> int:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
 from kvdrive.runtime.model import LoadedModel, load_model
 
 WINDOW = 6
@@ -72,7 +72,7 @@ def test_sliding_layers_match_attention_over_the_whole_kv_with_the_window_mask(h
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
     loaded = _hybrid(load_model(str(path), progress=False))
     prompts = [list(range(5, 45)), list(range(60, 83))]  # 40 and 23 tokens: several windows each
-    gen = Generator(loaded, EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2,
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2,
                                          tiers=TierConfig()))
     assert gen.cache.layout.num_layers == 1  # the tiers hold the one global layer
     assert gen.cache.windows is not None and gen.cache.windows.ring.shape[2] == WINDOW + 4  # the window and a page
@@ -115,7 +115,7 @@ def test_a_reused_prefix_restores_the_window_its_prompt_left(hf_model_factory, t
     ssd = tmp_path / "ssd"
     config = EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2, tiers=TierConfig(
         ssd_dir=str(ssd), ssd_bytes=16 << 20))
-    gen = Generator(loaded, config)
+    gen = ModelRunner(loaded, config)
     doc = list(range(5, 45))  # 40 tokens: 10 pages
     first, reused = gen.open_sequence(doc)
     assert reused == 0
@@ -125,7 +125,7 @@ def test_a_reused_prefix_restores_the_window_its_prompt_left(hf_model_factory, t
     assert gen.cache.snapshots is not None and gen.cache.snapshots.saved == 2
     gen.release(first)
     gen.close()
-    gen = Generator(loaded, config)  # a restart: the pages and the snapshot come from the SSD tier's disk
+    gen = ModelRunner(loaded, config)  # a restart: the pages and the snapshot come from the SSD tier's disk
 
     follow = doc + list(range(150, 161))  # the same document, another question
     ref_logits, _ = _reference_greedy(loaded, follow, 1)
@@ -152,7 +152,7 @@ def test_without_write_through_the_disk_snapshots_are_read_and_none_added(
     loaded = _hybrid(load_model(str(path), progress=False))
     tiers = TierConfig(ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20)
     doc = list(range(5, 45))
-    gen = Generator(loaded, EngineConfig(page_size=4, max_sequences=2, tiers=tiers))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, max_sequences=2, tiers=tiers))
     seq, _ = gen.open_sequence(doc)
     gen.prefill(seq, doc)
     gen.release(seq)  # a clean release keeps the window too
@@ -160,7 +160,7 @@ def test_without_write_through_the_disk_snapshots_are_read_and_none_added(
     on_disk = sorted(p.name for p in (tmp_path / "ssd" / "windows").iterdir())
     assert len(on_disk) == 2
 
-    reader = Generator(loaded, EngineConfig(page_size=4, max_sequences=2,
+    reader = ModelRunner(loaded, EngineConfig(page_size=4, max_sequences=2,
                                             tiers=dataclasses.replace(tiers, persist=False)))
     seq, reused = reader.open_sequence(doc)
     assert reused == 36  # the last page before the final token, restored from the disk's snapshot
@@ -184,12 +184,12 @@ def test_a_ring_restored_at_one_boundary_is_never_kept_for_an_earlier_one(hf_mod
     config = EngineConfig(page_size=4, max_sequences=2, tiers=TierConfig(
         ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20))
     doc = list(range(5, 45))
-    gen = Generator(loaded, config)
+    gen = ModelRunner(loaded, config)
     seq, _ = gen.open_sequence(doc)
     gen.prefill(seq, doc)
     gen.release(seq)  # windows kept at 36 and 40 tokens
     gen.close()
-    gen = Generator(loaded, config)  # restarted: memory tiers empty, rings blank
+    gen = ModelRunner(loaded, config)  # restarted: memory tiers empty, rings blank
     seq, reused = gen.open_sequence(doc)
     assert reused == 36
     gen.release(seq)  # no step ran: the ring holds positions 30-35 only
@@ -212,7 +212,7 @@ def test_a_long_prompt_leaves_checkpoints_that_a_prompt_sharing_its_beginning_re
     config = EngineConfig(page_size=4, prefill_chunk=7, max_sequences=2, window_checkpoint=12, tiers=TierConfig(
         ssd_dir=str(tmp_path / "ssd"), ssd_bytes=16 << 20))
     doc = list(range(5, 35))  # 30 tokens of document
-    gen = Generator(loaded, config)
+    gen = ModelRunner(loaded, config)
     seq, _ = gen.open_sequence(doc + [200, 201, 202, 203, 204, 205, 206, 207, 208, 209])
     gen.prefill(seq, doc + [200, 201, 202, 203, 204, 205, 206, 207, 208, 209])
     gen.release(seq)
@@ -236,7 +236,7 @@ def test_the_default_gpu_budget_holds_the_windows_of_every_row_and_a_full_contex
     base = load_model(str(path), progress=False)
     loaded = dataclasses.replace(base, config=dataclasses.replace(base.config, sliding_window=128, sliding_layers=(0,)))
     for full in (True, False):
-        gen = Generator(loaded, EngineConfig(page_size=4, max_sequences=16, full_attention=full, tiers=TierConfig()))
+        gen = ModelRunner(loaded, EngineConfig(page_size=4, max_sequences=16, full_attention=full, tiers=TierConfig()))
         try:
             assert gen.cache.windows is not None
             windows = 16 * gen.cache.windows.bytes_per_sequence()
@@ -254,7 +254,7 @@ def test_on_a_gpu_the_default_gpu_budget_is_sized_from_its_free_memory(hf_model_
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
     loaded = load_model(str(path), device="cuda", progress=False)
     free = torch.cuda.mem_get_info()[0]
-    gen = Generator(loaded, EngineConfig(page_size=4, max_sequences=4, tiers=TierConfig()))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, max_sequences=4, tiers=TierConfig()))
     try:
         budget = gen.config.tiers.gpu_bytes
         assert budget is not None and budget <= 0.8 * free

@@ -12,8 +12,8 @@ from enginekit import with_reserve
 
 from kvdrive.runtime.engine import (
     EngineConfig,
-    Generator,
     LLMEngine,
+    ModelRunner,
     Request,
     SamplingParams,
     SchedulerConfig,
@@ -38,23 +38,23 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 TIER_FIELDS = {"gpu_bytes", "dram_bytes", "ssd_bytes", "ssd_dir", "persist"}
 
 
-def _gen(loaded: LoadedModel, hot_pages: int | None = None, **kw: object) -> Generator:
+def _gen(loaded: LoadedModel, hot_pages: int | None = None, **kw: object) -> ModelRunner:
     """A generator of two rows; ``hot_pages``: the gpu budget is that many pages of hot tier plus what the
     running sequences reserve (open pages, decode step buffers)."""
     rest = {k: v for k, v in kw.items() if k not in TIER_FIELDS}
     shape = EngineConfig(page_size=PAGE, max_sequences=2, **rest)  # type: ignore[arg-type]
     if hot_pages is not None:
-        layout = Generator(loaded, EngineConfig(page_size=PAGE)).cache.layout
+        layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
         kw["gpu_bytes"] = with_reserve(layout, hot_pages * layout.page_bytes, shape)
     tiers = TierConfig(**{k: v for k, v in kw.items() if k in TIER_FIELDS})  # type: ignore[arg-type]
-    return Generator(loaded, replace(shape, tiers=tiers))
+    return ModelRunner(loaded, replace(shape, tiers=tiers))
 
 
-def _greedy(gen: Generator, prompt: list[int], n: int = 12) -> list[int]:
+def _greedy(gen: ModelRunner, prompt: list[int], n: int = 12) -> list[int]:
     return list(gen.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
 
 
-def _decode_logits(gen: Generator, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+def _decode_logits(gen: ModelRunner, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     seq, reused = gen.open_sequence(prompt)
     out = [gen.prefill(seq, prompt[reused:])]
     for t in tokens:

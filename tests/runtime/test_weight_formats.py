@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from gguf_builder import load_into, write_gguf
 
-from kvdrive.runtime.engine import EngineConfig, Generator, TierConfig
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
 from kvdrive.runtime.model import block_kernels, load_model
 from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, read_blocks
 from kvdrive.runtime.model.gguf_loader import _dequantize
@@ -172,7 +172,7 @@ def test_requantized_float_weights_cost_what_their_format_costs(fmt: str, bound:
 def _decode_logits(path: Path, ids: list[int], weights: str) -> torch.Tensor:
     """Logits of every position computed one token at a time (decode steps: the block kernels' path)."""
     loaded = load_model(str(path), progress=False, weights=weights)
-    gen = Generator(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
     seq = gen.new_sequence()
     out = [gen.prefill(seq, ids[:1])]
     for t in ids[1:]:
@@ -220,7 +220,7 @@ def test_demo_auto_decodes_what_fp32_decodes(demo_formats: dict[str, object]) ->
 
     answers = {}
     for name, loaded in demo_formats.items():
-        gen = Generator(loaded, EngineConfig(full_attention=True))  # type: ignore[arg-type]
+        gen = ModelRunner(loaded, EngineConfig(full_attention=True))  # type: ignore[arg-type]
         ids = loaded.tokenizer.encode_chat([ChatMessage("user", "Name three colours of the rainbow.")])  # type: ignore[attr-defined]
         answers[name] = list(gen.generate(ids, SamplingParams(max_tokens=24)))
         gen.close()

@@ -1,0 +1,44 @@
+"""`/metrics` renders off the event loop: while a scrape waits (here on a tier usage held up, as by the
+store's lock during a long eviction), the server keeps answering other requests."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import httpx
+
+from kvdrive.runtime.server.app import ServerState, create_app
+from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
+
+
+def test_a_slow_scrape_does_not_stall_other_requests(tiny_state: ServerState) -> None:
+    release = threading.Event()
+    entered = threading.Event()
+    real_tiers = tiny_state.tiers
+
+    def held_up_tiers():  # type: ignore[no-untyped-def]
+        entered.set()
+        assert release.wait(30), "the scrape was never released"
+        return real_tiers()
+
+    counters = TierCounters(page_reads={"gpu": 0, "dram": 0, "ssd": 0}, transfer_bytes={}, prefetch={})
+    metrics = ServerMetrics(tiny_state.engine.engine.stats, held_up_tiers, lambda: counters)
+    app = create_app(dataclasses.replace(tiny_state, metrics=metrics))
+
+    async def scenario() -> tuple[int, str]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            scrape = asyncio.create_task(client.get("/metrics"))
+            while not entered.is_set():  # the scrape is now inside the held-up usage
+                await asyncio.sleep(0.01)
+            health = await asyncio.wait_for(client.get("/healthz"), timeout=10)
+            assert health.status_code == 200  # answered while the scrape still waits
+            assert not scrape.done()
+            release.set()
+            done = await asyncio.wait_for(scrape, timeout=30)
+            return done.status_code, done.text
+
+    status, text = asyncio.run(scenario())
+    assert status == 200 and "kvdrive_tier_capacity_bytes" in text
