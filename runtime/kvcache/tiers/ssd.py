@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -66,6 +67,8 @@ class SsdTier:
         self._lock = threading.Lock()
         self._bufs = AlignedBufferPool()
         self._runner = PieceRunner(io_threads)
+        # the index's snapshots (two fsyncs) are written here, never under this tier's or the store's lock
+        self._compactor = ThreadPoolExecutor(1, thread_name_prefix="kvdrive-ssd-index")
         self.index: SsdIndex | None = None
         try:
             os.makedirs(directory, exist_ok=True)
@@ -76,7 +79,7 @@ class SsdTier:
             geometry = {"block_bytes": block_bytes, "codec": self.codec.name, "slot_bytes": self.slot_bytes,
                         "slab_slots": self.slab_slots}
             self.index = SsdIndex(directory, geometry, journal_cap=journal_cap, durable=durable,
-                                  on_fault=self._fault)
+                                  on_fault=self._fault, background=self._compactor.submit)
             self.available = True
             self.resize(self.slots_for_budget(budget_bytes))
             self._recover()
@@ -405,12 +408,16 @@ class SsdTier:
         """Bytes the tier's files occupy on disk now (allocated blocks)."""
         total = 0
         for name in os.listdir(self.dir):
-            st = os.stat(os.path.join(self.dir, name))
+            try:
+                st = os.stat(os.path.join(self.dir, name))
+            except FileNotFoundError:  # removed meanwhile (an index snapshot put in place by its thread)
+                continue
             total += max(st.st_size, st.st_blocks * 512)
         return total
 
     def close(self) -> None:
         self._runner.shutdown()
+        self._compactor.shutdown(wait=True)
         for fd in self._fds:
             os.close(fd)
         self._fds = []

@@ -8,6 +8,14 @@ Owns crash safety of the index. Files in the tier directory:
 - ``journal.<gen>``: fixed-size records appended after a block's data write completed. Every record
   carries its own CRC; replay stops at the first bad record (a torn tail after kill -9) and
   truncates it.
+Compaction runs in two phases so that no caller waits for its fsyncs: under the tier's lock the live
+entries are copied and appends move to the next generation's journal (a file created, nothing synced);
+then, on a background thread, the snapshot naming that generation is written, fsynced and renamed and the
+old journal removed. Startup replays the snapshot's journal and every later one in order, so a crash
+between the phases loses nothing: a later journal holds exactly what came after the copy, and applying
+records to a snapshot taken at or after their time gives the same entries (each record sets one slot).
+Until the old journal is gone the new one stays under ``journal_cap``, so the journals never take more
+than the two caps ``meta_reserve_bytes`` counts.
 Ordering: data write completes -> PUT record appended -> the block is visible after a restart.
 Freeing a slot appends a DEL record first. The block's own data CRC (in the record) is verified on
 every read, so a slot overwritten without its DEL record reads as corrupt, never as the old block.
@@ -15,6 +23,7 @@ every read, so a slot overwritten without its DEL record reads as corrupt, never
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -58,13 +67,26 @@ def _unpack(raw: bytes) -> tuple[int, int, IndexEntry, int] | None:
     return op, slot, IndexEntry(BlockKey(digest, layer), dcrc), seq
 
 
+@dataclass(frozen=True)
+class _Compaction:
+    """A compaction between its phases: the generation the snapshot names and the entries it holds (a copy
+    taken under the tier's lock at the switch, or at a retry)."""
+
+    gen: int
+    entries: dict[int, IndexEntry]
+    seq: int
+
+
 class SsdIndex:
-    """slot -> IndexEntry of persisted blocks, mirrored to disk. Not thread-safe: the tier locks."""
+    """slot -> IndexEntry of persisted blocks, mirrored to disk. Not thread-safe: the tier locks (the
+    second phase of a compaction runs on ``background`` without it, touching only files)."""
 
     def __init__(self, directory: str, geometry: dict[str, object], journal_cap: int = 1 << 20,
-                 durable: bool = False, on_fault: Callable[[OSError, str], None] | None = None) -> None:
+                 durable: bool = False, on_fault: Callable[[OSError, str], None] | None = None,
+                 background: Callable[[Callable[[], None]], object] | None = None) -> None:
         """``on_fault(exc, what)``: a failed journal append is reported there (the tier counts it and
-        rate-limits its log line); without it, logged here."""
+        rate-limits its log line); without it, logged here. ``background(fn)``: runs a compaction's
+        snapshot write off the caller's thread (None: in it)."""
         self.dir = directory
         self._on_fault = on_fault
         self.journal_cap = journal_cap
@@ -75,6 +97,10 @@ class SsdIndex:
         self._seq = 0
         self._gen = 0
         self._fd = -1
+        self._background = background
+        self._pending: _Compaction | None = None  # switched, snapshot not yet in place
+        self._writing = False  # the pending snapshot is being written now
+        self._old_fd: int | None = None  # the journal the pending snapshot replaces (closed once, when it is in)
         self._check_geometry(geometry)
         self._load()
 
@@ -125,29 +151,45 @@ class SsdIndex:
             self.errors += 1
             log.error("ssd index: snapshot unreadable (%s); starting empty", exc)
             self.entries.clear()
-        for name in os.listdir(self.dir):  # journals of other generations are stale
-            if name.startswith("journal.") and name != f"journal.{self._gen}":
-                os.unlink(self._path(name))
-        jpath = self._path(f"journal.{self._gen}")
+        # the snapshot's journal, then any later one (a compaction that had not put its snapshot in place);
+        # earlier ones are stale
+        gens = sorted(int(n.split(".", 1)[1]) for n in os.listdir(self.dir)
+                      if n.startswith("journal.") and n.split(".", 1)[1].isdigit())
+        for g in gens:
+            if g < self._gen:
+                os.unlink(self._path(f"journal.{g}"))
+        chain = [self._gen, *(g for g in gens if g > self._gen)]
+        good = 0
+        for g in chain:
+            good = self._replay(self._path(f"journal.{g}"))
+        self._gen = chain[-1]
+        self._fd = os.open(self._path(f"journal.{self._gen}"), os.O_CREAT | os.O_WRONLY, 0o600)
+        os.ftruncate(self._fd, good)
+        os.lseek(self._fd, good, os.SEEK_SET)
+        if len(chain) > 1:  # a compaction was cut short: one snapshot of all of it now (startup may wait)
+            self.compact()
+        log.info("ssd index: %d persisted blocks recovered (generation %d)", len(self.entries), self._gen)
+
+    def _replay(self, jpath: str) -> int:
+        """Apply a journal's records; returns the bytes of whole, valid records (a torn tail is cut there)."""
         good = 0
         try:
             with open(jpath, "rb") as f:
                 data = f.read()
-            for off in range(0, len(data) - REC_BYTES + 1, REC_BYTES):
-                rec = _unpack(data[off : off + REC_BYTES])
-                if rec is None:
-                    break
-                self._apply(*rec)
-                good = off + REC_BYTES
-            if good != len(data):
-                self.torn_records += 1
-                log.warning("ssd index: journal %s has a torn tail at byte %d of %d; truncated", jpath, good, len(data))
         except FileNotFoundError:
-            pass
-        self._fd = os.open(jpath, os.O_CREAT | os.O_WRONLY, 0o600)
-        os.ftruncate(self._fd, good)
-        os.lseek(self._fd, good, os.SEEK_SET)
-        log.info("ssd index: %d persisted blocks recovered (generation %d)", len(self.entries), self._gen)
+            return 0
+        for off in range(0, len(data) - REC_BYTES + 1, REC_BYTES):
+            rec = _unpack(data[off : off + REC_BYTES])
+            if rec is None:
+                break
+            self._apply(*rec)
+            good = off + REC_BYTES
+        if good != len(data):
+            self.torn_records += 1
+            log.warning("ssd index: journal %s has a torn tail at byte %d of %d; truncated", jpath, good, len(data))
+            with open(jpath, "r+b") as f:
+                f.truncate(good)
+        return good
 
     def _apply(self, op: int, slot: int, entry: IndexEntry, seq: int) -> None:
         self._seq = max(self._seq, seq)
@@ -173,21 +215,19 @@ class SsdIndex:
 
     def _append(self, rec: bytes) -> bool:
         try:
-            if os.lseek(self._fd, 0, os.SEEK_CUR) + len(rec) > 2 * self.journal_cap:
-                raise OSError(errno.ENOSPC, "journal at twice its cap (compaction failing)")
+            # while the previous journal awaits its snapshot this one stays under the cap: the two caps hold
+            limit = self.journal_cap if self._pending is not None else 2 * self.journal_cap
+            if os.lseek(self._fd, 0, os.SEEK_CUR) + len(rec) > limit:
+                raise OSError(errno.ENOSPC, "journal full: its compaction has not finished or is failing")
             if os.write(self._fd, rec) != len(rec):
                 raise OSError("short journal write")
             if self.durable:
                 os.fdatasync(self._fd)
             if os.lseek(self._fd, 0, os.SEEK_CUR) > self.journal_cap:
-                self.compact()
+                self._compact_later()
             return True
         except OSError as exc:
-            self.errors += 1
-            if self._on_fault is not None:
-                self._on_fault(exc, "journal append (the block stays usable, not persisted)")
-            else:
-                log.error("ssd index: journal append failed (%s); block stays usable but is not persisted", exc)
+            self._report(exc, "journal append (the block stays usable, not persisted)")
             try:  # drop a partial record so the journal stays a whole number of records
                 pos = os.lseek(self._fd, 0, os.SEEK_CUR)
                 os.ftruncate(self._fd, pos - pos % REC_BYTES)
@@ -196,30 +236,86 @@ class SsdIndex:
                 pass
             return False
 
+    def _report(self, exc: OSError, what: str) -> None:
+        self.errors += 1
+        if self._on_fault is not None:
+            self._on_fault(exc, what)
+        else:
+            log.error("ssd index: %s failed (%s)", what, exc)
+
+    def _compact_later(self) -> None:
+        """Start a compaction, or retry a snapshot that failed; the snapshot is written on ``background``."""
+        if self._writing:
+            return
+        self._pending = self._switch() if self._pending is None else self._fresh(self._pending)
+        self._writing = True
+        pending = self._pending
+        if self._background is None:
+            self._write_snapshot(pending)
+        else:
+            self._background(lambda: self._write_snapshot(pending))
+
     def compact(self) -> None:
-        """Snapshot the live entries (atomic rename) and start an empty journal of the next generation."""
+        """Snapshot the live entries and start the next generation's journal, both in this thread."""
+        self._pending = self._switch() if self._pending is None else self._fresh(self._pending)
+        self._writing = True
+        self._write_snapshot(self._pending)
+
+    def _fresh(self, job: _Compaction) -> _Compaction:
+        """A retried snapshot takes the entries as they are now: any state at or after the switch is a valid
+        base for the new journal (and it carries frees whose records could not be appended)."""
+        return dataclasses.replace(job, entries=dict(self.entries), seq=self._seq)
+
+    def _switch(self) -> _Compaction:
+        """Phase 1 (the caller holds the tier's lock): copy the entries, move appends to a new journal."""
         gen = self._gen + 1
-        body = _SNAP.pack(_SNAP_MAGIC, gen, len(self.entries)) + b"".join(
-            _pack(OP_PUT, s, e, self._seq) for s, e in sorted(self.entries.items()))
-        tmp = self._path("index.snap.tmp")
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, body + struct.pack("<I", zlib.crc32(body)))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         newj = os.open(self._path(f"journal.{gen}"), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
-        os.replace(tmp, self._path("index.snap"))
-        dfd = os.open(self.dir, os.O_RDONLY)
+        job = _Compaction(gen, dict(self.entries), self._seq)
+        self._old_fd, self._fd, self._gen = self._fd, newj, gen
+        return job
+
+    def _write_snapshot(self, job: _Compaction) -> None:
+        """Phase 2 (no lock needed: files only): the snapshot naming ``job.gen``, atomically in place, then
+        every older journal removed. A failure keeps ``job`` pending for the next append to retry."""
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-        os.close(self._fd)
-        old, self._fd, self._gen = self._path(f"journal.{self._gen}"), newj, gen
-        os.unlink(old)
+            body = _SNAP.pack(_SNAP_MAGIC, job.gen, len(job.entries)) + b"".join(
+                _pack(OP_PUT, s, e, job.seq) for s, e in sorted(job.entries.items()))
+            tmp = self._path("index.snap.tmp")
+            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, body + struct.pack("<I", zlib.crc32(body)))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self._path("index.snap"))
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            for name in os.listdir(self.dir):
+                g = name.split(".", 1)[1] if name.startswith("journal.") else ""
+                if g.isdigit() and int(g) < job.gen:
+                    os.unlink(self._path(name))
+        except OSError as exc:
+            self._report(exc, "index snapshot (the journal keeps every record; retried)")
+            self._writing = False
+            return
+        old, self._old_fd = self._old_fd, None
+        if old is not None:
+            try:
+                os.close(old)
+            except OSError:  # the descriptor is released all the same
+                pass
+        self._pending = None
+        self._writing = False
 
     def close(self) -> None:
+        """After the background runner finished (the tier shuts it down first)."""
+        if self._old_fd is not None:  # a snapshot that kept failing: the journals replay at the next start
+            os.close(self._old_fd)
+            self._old_fd = None
+        self._pending = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
