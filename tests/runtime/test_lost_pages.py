@@ -69,8 +69,11 @@ def test_a_request_whose_pages_stay_unreadable_ends_with_an_error(hf_model_facto
         outputs += engine.step()
     assert not engine.has_work(), "the request is still looping"
     (last,) = [o for o in outputs if o.finished]
-    assert last.finish_reason == "error" and "could not be read after" in (last.error or "")
-    assert engine.stats().preemptions_total == MAX_LOST_PAGE_RESTARTS  # bounded recomputation
+    assert last.finish_reason == "error"
+    # bounded recomputation: exactly MAX_LOST_PAGE_RESTARTS for lost pages. preemptions_total also counts the
+    # preemptions a 4-page device tier may need for room (CI once saw one more), so it is only a lower bound
+    assert f"could not be read after {MAX_LOST_PAGE_RESTARTS} recomputations" in (last.error or "")
+    assert engine.stats().preemptions_total >= MAX_LOST_PAGE_RESTARTS
     assert engine.stats().running == 0
     # the disk comes back: the engine serves again
     ssd.read = healthy_read  # type: ignore[method-assign]
