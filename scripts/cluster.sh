@@ -84,7 +84,10 @@ free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 }
 
-alive() { [[ -f "$DIR/pids/$1.pid" ]] && kill -0 "$(cat "$DIR/pids/$1.pid")" 2>/dev/null; }
+alive() {  # NAME [DIR]: is that component of the cluster in DIR (default: this one) running?
+    local pids="${2:-$DIR}/pids"
+    [[ -f "$pids/$1.pid" ]] && kill -0 "$(cat "$pids/$1.pid")" 2>/dev/null
+}
 
 start() {  # NAME CMD...: a detached process, its log in DIR/logs/NAME.log
     local name="$1"
@@ -228,9 +231,7 @@ reap() {  # stop what is left of a cluster whose API server died (a killed run, 
     local owner
     [[ -f "$OWNER_FILE" ]] || return 0
     owner="$(cat "$OWNER_FILE")"
-    if [[ -f "$owner/pids/kube-apiserver.pid" ]] && kill -0 "$(cat "$owner/pids/kube-apiserver.pid")" 2>/dev/null; then
-        return 0
-    fi
+    alive kube-apiserver "$owner" && return 0
     log "the cluster in $owner was left behind by a run that died: stopping what is left of it first"
     ( down "$owner" )
 }

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvdrive.runtime.bench.model_bench import rss_bytes
 from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.kvcache.tiers import DeviceTier, DramTier, SsdTier
 from kvdrive.runtime.kvcache.tiers.aligned import AlignedBuffer
@@ -42,11 +43,6 @@ def _rate(fn: Callable[[], int]) -> float:
     t = time.perf_counter()
     n = fn()
     return n / (time.perf_counter() - t)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _memory_tier(tier: ChunkedMemoryTier, n: int, blocks: torch.Tensor, repeats: int) -> dict[str, float]:
@@ -207,15 +203,17 @@ def run_tier_bench(ssd_dir: str, out_json: str | None = None, out_png: str | Non
                 "max_io_bytes": ssd.max_io_slots * ssd.slot_bytes, "slot_bytes": ssd.slot_bytes}
     ssd.close()
 
-    before = _rss()
+    before = rss_bytes()
     dram = DramTier(bb, dram_rss_bytes // bb)
     fill = torch.randint(0, 256, (dram.chunk_slots, bb), dtype=torch.uint8)
     slots = [dram.allocator.alloc() for _ in range(dram.allocator.capacity)]
     for i in range(0, len(slots), dram.chunk_slots):
         part = slots[i : i + dram.chunk_slots]
         dram.write(part, fill[: len(part)], [], [])  # type: ignore[arg-type]
-    rss = {"dram_budget_bytes": dram_rss_bytes, "rss_growth_bytes": _rss() - before,
-           "overhead_bytes": _rss() - before - dram_rss_bytes, "backing": dram.backing}
+    after = rss_bytes()
+    growth = None if before is None or after is None else after - before
+    rss = {"dram_budget_bytes": dram_rss_bytes, "rss_growth_bytes": growth,
+           "overhead_bytes": None if growth is None else growth - dram_rss_bytes, "backing": dram.backing}
     dram.close()
     report = {"layout": {"block_bytes": bb, "page_size": layout.page_size}, "ssd_backing": ssd_desc["backing"],
               "ssd": ssd_desc, "ssd_dir": ssd_dir, "region_bytes": region_slots * bb, "repeats": repeats,

@@ -153,8 +153,7 @@ class SsdIndex:
             self.entries.clear()
         # the snapshot's journal, then any later one (a compaction that had not put its snapshot in place);
         # earlier ones are stale
-        gens = sorted(int(n.split(".", 1)[1]) for n in os.listdir(self.dir)
-                      if n.startswith("journal.") and n.split(".", 1)[1].isdigit())
+        gens = self._journal_gens()
         for g in gens:
             if g < self._gen:
                 os.unlink(self._path(f"journal.{g}"))
@@ -170,8 +169,14 @@ class SsdIndex:
             self.compact()
         log.info("ssd index: %d persisted blocks recovered (generation %d)", len(self.entries), self._gen)
 
+    def _journal_gens(self) -> list[int]:
+        """The generations of the journals in the directory, ascending."""
+        return sorted(int(g) for n in os.listdir(self.dir)
+                      if n.startswith("journal.") and (g := n.removeprefix("journal.")).isdigit())
+
     def _replay(self, jpath: str) -> int:
-        """Apply a journal's records; returns the bytes of whole, valid records (a torn tail is cut there)."""
+        """Apply a journal's records up to the first bad one; returns the bytes of the whole, valid records
+        (the caller cuts the journal it appends to there; an earlier one goes with the next snapshot)."""
         good = 0
         try:
             with open(jpath, "rb") as f:
@@ -186,9 +191,7 @@ class SsdIndex:
             good = off + REC_BYTES
         if good != len(data):
             self.torn_records += 1
-            log.warning("ssd index: journal %s has a torn tail at byte %d of %d; truncated", jpath, good, len(data))
-            with open(jpath, "r+b") as f:
-                f.truncate(good)
+            log.warning("ssd index: journal %s has a torn tail at byte %d of %d; cut there", jpath, good, len(data))
         return good
 
     def _apply(self, op: int, slot: int, entry: IndexEntry, seq: int) -> None:
@@ -247,9 +250,7 @@ class SsdIndex:
         """Start a compaction, or retry a snapshot that failed; the snapshot is written on ``background``."""
         if self._writing:
             return
-        self._pending = self._switch() if self._pending is None else self._fresh(self._pending)
-        self._writing = True
-        pending = self._pending
+        pending = self._begin()
         if self._background is None:
             self._write_snapshot(pending)
         else:
@@ -257,9 +258,13 @@ class SsdIndex:
 
     def compact(self) -> None:
         """Snapshot the live entries and start the next generation's journal, both in this thread."""
+        self._write_snapshot(self._begin())
+
+    def _begin(self) -> _Compaction:
+        """The snapshot to write now: a new compaction (phase 1 runs here), or the failed one's retry."""
         self._pending = self._switch() if self._pending is None else self._fresh(self._pending)
         self._writing = True
-        self._write_snapshot(self._pending)
+        return self._pending
 
     def _fresh(self, job: _Compaction) -> _Compaction:
         """A retried snapshot takes the entries as they are now: any state at or after the switch is a valid
@@ -293,10 +298,9 @@ class SsdIndex:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-            for name in os.listdir(self.dir):
-                g = name.split(".", 1)[1] if name.startswith("journal.") else ""
-                if g.isdigit() and int(g) < job.gen:
-                    os.unlink(self._path(name))
+            for g in self._journal_gens():
+                if g < job.gen:
+                    os.unlink(self._path(f"journal.{g}"))
         except OSError as exc:
             self._report(exc, "index snapshot (the journal keeps every record; retried)")
             self._writing = False
