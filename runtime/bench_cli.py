@@ -40,6 +40,8 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     dc = bsub.add_parser("decode", help="decode throughput of kvdrive vs the baselines, the compute floor and "
                                          "llama.cpp across the tiers")
     dc.add_argument("--model", default="demo")
+    dc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (as serve): where the model computes "
+                                                    "and the device tier lives")
     dc.add_argument("--ssd-dir", required=True, help="SSD tier directory (prompts are prefilled into it once)")
     dc.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
     dc.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
@@ -115,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         res = decode_bench.run_decode_bench(
             args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
             tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget,
-            with_llama_cpp=not args.no_llama_cpp, weights=args.weights,
+            with_llama_cpp=not args.no_llama_cpp, weights=args.weights, device=args.device,
             prefill_contexts=tuple(args.prefill_contexts if args.prefill_contexts is not None
                                    else [c for c in args.contexts if c <= 16384]))
         args.out.parent.mkdir(parents=True, exist_ok=True)

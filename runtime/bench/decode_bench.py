@@ -94,25 +94,40 @@ class DecodeBenchResult:
     llama_cpp: str  # "measured" or why not
     results: list[ModeResult] = field(default_factory=list)
     host: str = ""
+    device: str = "cpu"  # where the model computed and the device tier lived, named
     seconds: float = 0.0
     weights: str = "auto"  # --weights, and what it gave each projection (WeightPlan.summary)
     weight_bytes_per_step: int = 0  # bytes of weights one decode step reads (every weight once)
-    bandwidth_gb_s: float = 0.0  # this host's memory bandwidth, a STREAM-like copy measured in the run
+    bandwidth_gb_s: float = 0.0  # the device's memory bandwidth, a STREAM-like copy measured in the run
     weight_bound_ms: float = 0.0  # weight_bytes_per_step / bandwidth: no step can take less
     prefill: list[PrefillResult] = field(default_factory=list)  # time to first token, kvdrive and llama.cpp
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy (read + write counted), best of ``repeats``: a STREAM "copy". The
-    arrays (1 GiB each) are larger than this host's last-level cache (480 MiB), so this is DRAM."""
-    src = torch.ones(nbytes // 4)
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy on ``device`` (read + write counted), best of ``repeats``: a STREAM
+    "copy". The arrays (1 GiB each) are larger than this host's last-level cache (480 MiB) and a GPU's L2, so
+    this is DRAM (or the GPU's HBM): the memory the weights are read from each step."""
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: int, ssd_dir: str, ssd_budget: int,
@@ -269,9 +284,12 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
                      batches: tuple[int, ...] = (1, 4, 8), modes: tuple[str, ...] = MODES, steps: int = 16,
                      warmup: int = 8, token_budget: int = 1024, ssd_budget: int | None = None,
                      with_llama_cpp: bool = True, loaded: LoadedModel | None = None,
-                     weights: str = "auto", prefill_contexts: tuple[int, ...] = ()) -> DecodeBenchResult:
+                     weights: str = "auto", prefill_contexts: tuple[int, ...] = (),
+                     device: str = "cpu") -> DecodeBenchResult:
+    """``device``: a resolved torch device string (``cpu``, ``cuda``, ``cuda:N``): where the model computes
+    and the device tier lives (``loaded``, when given, decides instead)."""
     started = time.perf_counter()
-    loaded = loaded or load_model(model, weights=weights)
+    loaded = loaded or load_model(model, device=device, weights=weights)
     probe = ModelRunner(loaded, EngineConfig(max_sequences=1))
     layout, seq_reserve = probe.cache.layout, probe.cache.seq_reserve
     probe.close()
@@ -289,10 +307,11 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
     elif not llama_cpp.available():
         status = "not installed (pip install '.[bench]' builds it, ~15 min on 2 cores)"
     out = DecodeBenchResult(model=loaded.model_id, threads=threads, token_budget=token_budget, steps=steps,
-                            warmup=warmup, kv_bytes_per_token=per_token, llama_cpp=status, host=platform.node())
+                            warmup=warmup, kv_bytes_per_token=per_token, llama_cpp=status, host=platform.node(),
+                            device=_device_name(loaded.device))
     out.weights = f"{loaded.weights.requested}: {loaded.weights.summary()}"
     out.weight_bytes_per_step = sum(weight_bytes(loaded.model).values())
-    out.bandwidth_gb_s = copy_bandwidth() / 1e9
+    out.bandwidth_gb_s = copy_bandwidth(loaded.device) / 1e9
     out.weight_bound_ms = out.weight_bytes_per_step / (out.bandwidth_gb_s * 1e9) * 1e3
     # time to first token: a prompt of its own (nothing of it stored), cut to each prefill context
     fresh = filler_tokens(loaded.tokenizer, max(prefill_contexts), seed=3000) if prefill_contexts else []

@@ -21,7 +21,7 @@ from kvdrive.runtime.kvcache import KVLayout
 from kvdrive.runtime.kvcache.tiers import DeviceTier, DramTier, SsdTier
 from kvdrive.runtime.kvcache.tiers.aligned import AlignedBuffer
 from kvdrive.runtime.kvcache.tiers.checksum import CRC32_IMPL, slot_crcs
-from kvdrive.runtime.kvcache.tiers.memory import ChunkedMemoryTier
+from kvdrive.runtime.kvcache.tiers.memory import MemoryPoolTier
 from kvdrive.runtime.kvcache.tiers.ssd_io import Piece, PieceRunner, plan
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def _rate(fn: Callable[[], int]) -> float:
     return n / (time.perf_counter() - t)
 
 
-def _memory_tier(tier: ChunkedMemoryTier, n: int, blocks: torch.Tensor, repeats: int) -> dict[str, float]:
+def _memory_tier(tier: MemoryPoolTier, n: int, blocks: torch.Tensor, repeats: int) -> dict[str, float]:
     slots = list(range(n))
     for _ in slots:
         tier.allocator.alloc()
@@ -205,10 +205,11 @@ def run_tier_bench(ssd_dir: str, out_json: str | None = None, out_png: str | Non
 
     before = rss_bytes()
     dram = DramTier(bb, dram_rss_bytes // bb)
-    fill = torch.randint(0, 256, (dram.chunk_slots, bb), dtype=torch.uint8)
+    chunk = 256  # slots written per call
+    fill = torch.randint(0, 256, (chunk, bb), dtype=torch.uint8)
     slots = [dram.allocator.alloc() for _ in range(dram.allocator.capacity)]
-    for i in range(0, len(slots), dram.chunk_slots):
-        part = slots[i : i + dram.chunk_slots]
+    for i in range(0, len(slots), chunk):
+        part = slots[i : i + chunk]
         dram.write(part, fill[: len(part)], [], [])  # type: ignore[arg-type]
     after = rss_bytes()
     growth = None if before is None or after is None else after - before

@@ -1,7 +1,7 @@
 """GPU-only paths of the KV tiers: the CUDA device tier, pinned (cudaHostRegister) DRAM, SSD reads into
 device memory, the KvikIO (cuFile) SSD backend and the whole store on CUDA. Marked ``gpu``; every test
 skips cleanly without CUDA (and the KvikIO ones without kvikio). Run them on a GPU machine with
-``bench/gpu_tiers.sh`` (or ``pytest -m gpu tests/kvcache``).
+``bench/gpu_check.sh tests`` (or ``pytest -m gpu tests/kvcache``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from kvdrive.runtime.bench.decode_bench import run_decode_bench
 from kvdrive.runtime.bench.decode_report import markdown
 
@@ -18,6 +21,19 @@ def test_the_decode_bench_times_a_fresh_prompt_to_its_first_token(tmp_path: Path
     assert [(p.engine, p.context) for p in res.prefill] == [("kvdrive", 128), ("kvdrive", 256)]
     assert all(p.seconds > 0 for p in res.prefill)
     assert not (tmp_path / "ssd" / "ttft").exists()  # its own SSD tier is gone with the measurement
+    assert res.device.startswith("cpu")
     report = markdown(res)
+    assert "device cpu" in report
     assert "## Time to first token" in report
     assert "| 256 | " in report.split("## Time to first token")[1].split("##")[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_decode_bench_computes_on_the_gpu_it_is_given(tmp_path: Path) -> None:
+    res = run_decode_bench(str(tmp_path / "ssd"), "demo", contexts=(512,), batches=(2,),
+                           modes=("full-gpu", "kvdrive", "ondemand"), steps=2, warmup=1, token_budget=128,
+                           with_llama_cpp=False, device="cuda")
+    assert res.device.startswith("cuda") and "cuda" in markdown(res)
+    assert {r.mode for r in res.results} == {"full-gpu", "kvdrive", "ondemand", "floor"}
+    assert all(r.tokens_per_s > 0 for r in res.results)

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# The CUDA path on a GPU machine, stage by stage, everything written under $OUT:
+#   bench/gpu_check.sh tests tiers        # GPU-marked tests (JUnit XML + log), then the tier bandwidth benchmark
+#   bench/gpu_check.sh generate decode    # the demo model on CUDA: greedy text, then `kvdrive bench decode`
+#   bench/gpu_check.sh all                # all four
+# Stages:
+#   tests     every test marked `gpu` (CUDA device tier, pinned DRAM, SSD into device memory, KvikIO, the engine
+#             and each weight format on CUDA, the decode bench on CUDA) -> gpu-tests.log, gpu-tests.xml
+#   tiers     `kvdrive bench tiers` (POSIX O_DIRECT backend; KvikIO too when usable) -> tiers-gpu*.json/png
+#   generate  the demo model's greedy answer to one chat prompt on CUDA and on the CPU, each in its default
+#             formats and in float32 -> generate.txt (stderr: generate.log)
+#   decode    `kvdrive bench decode --device cuda`: the placements, full attention on the device and the compute
+#             floor in one run -> decode-gpu.json/md/png
+# Environment: PY (a python with torch and the project's dependencies: default .venv/bin/python, else python3);
+# OUT (default bench/results/gpu); SSD_DIR (default /tmp/kvdrive-gpu); MODEL (default demo); CONTEXTS, BATCHES,
+# MODES, STEPS, WARMUP (the decode stage); TESTS_K (a pytest -k expression for the tests stage); DEVICE (default cuda; ALLOW_CPU=1 runs every stage on a CPU host, as
+# a smoke test of this script: the GPU tests skip there); STRICT=1 fails when a GPU-marked test skipped.
+# Every stage runs even when one before it failed; the exit status counts the stages that failed.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PY:-}" ]]; then
+  if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY="$(command -v python3)"; fi
+fi
+OUT="${OUT:-$ROOT/bench/results/gpu}"
+SSD_DIR="${SSD_DIR:-/tmp/kvdrive-gpu}"
+MODEL="${MODEL:-demo}"
+DEVICE="${DEVICE:-cuda}"
+CONTEXTS="${CONTEXTS:-2048 4096 7168}"
+BATCHES="${BATCHES:-1 4 16}"
+MODES="${MODES:-full-gpu sparse-gpu kvdrive ondemand fullfetch}"
+STEPS="${STEPS:-16}"
+WARMUP="${WARMUP:-8}"
+STRICT="${STRICT:-0}"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+mkdir -p "$OUT" "$SSD_DIR"
+cd "$TMP" || exit 1  # never run python inside the repo root: its operator/ folder shadows the stdlib module
+export PYTHONUNBUFFERED=1
+failed=0
+
+kvdrive() {
+  "$PY" -c 'import sys; from kvdrive.runtime.cli import main; sys.exit(main(sys.argv[1:]))' "$@"
+}
+
+stage() {  # stage NAME: banner, and the time it started
+  echo "== $1 ($(date -u +%H:%M:%S))"
+}
+
+check_device() {
+  stage "device"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$OUT/env.txt"
+  ALLOW_CPU="${ALLOW_CPU:-0}" "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
+import importlib.util, os, platform, sys
+import torch
+ok = torch.cuda.is_available()
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| available", ok, "|", torch.cuda.get_device_name(0) if ok else "no device")
+from kvdrive.runtime.kvcache.tiers.checksum import CRC32_IMPL
+from kvdrive.runtime.kvcache.tiers.kvikio_backend import kvikio_usable
+print("kvikio installed:", importlib.util.find_spec("kvikio") is not None, "| usable:", kvikio_usable(),
+      "| crc32:", CRC32_IMPL)
+if not ok and os.environ["ALLOW_CPU"] != "1":
+    sys.exit("no CUDA device: this script is for a GPU machine (ALLOW_CPU=1 runs it anyway, GPU tests skip)")
+EOF
+}
+
+run_tests() {
+  stage "tests: every test marked gpu"
+  mapfile -t files < <(cd "$ROOT" && grep -rl --include='test_*.py' "pytest.mark.gpu" tests | sort)
+  echo "files: ${files[*]}"
+  # plugins named, not auto-loaded: the machine's own pytest plugins stay out of the run
+  (cd "$ROOT" && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -p pytest_asyncio.plugin -p pytest_timeout \
+     -p no:cacheprovider -m gpu ${TESTS_K:+-k "$TESTS_K"} -rA -q --junitxml "$OUT/gpu-tests.xml" "${files[@]}") 2>&1 \
+    | tee "$OUT/gpu-tests.log"
+  local rc=${PIPESTATUS[0]}
+  if [[ "$STRICT" == "1" ]] && grep -q "SKIPPED" "$OUT/gpu-tests.log"; then
+    echo "STRICT: some GPU tests skipped" >&2
+    rc=4
+  fi
+  return "$rc"
+}
+
+run_tiers() {
+  stage "tiers: POSIX O_DIRECT backend -> $OUT/tiers-gpu.json"
+  kvdrive bench tiers --ssd-dir "$SSD_DIR/tiers" --out "$OUT/tiers-gpu.json" > /dev/null || return 1
+  "$PY" - "$OUT/tiers-gpu.json" "$SSD_DIR/tiers" "$OUT/tiers-gpu-kvikio.json" <<'EOF'
+import json, sys
+from kvdrive.runtime.bench.tier_bench import run_tier_bench
+from kvdrive.runtime.kvcache.tiers.kvikio_backend import KvikioSsdTier, kvikio_usable
+
+def show(path):
+    r = json.load(open(path))
+    print(path, "| ssd:", r["ssd"], "| load", r["loadavg_start"])
+    for row in r["results"]:
+        print(f'  {row["batch_bytes"] >> 10:5d} KiB  gpu r/w {row["gpu"]["read_GBps"]:.2f}/{row["gpu"]["write_GBps"]:.2f}'
+              f'  dram {row["dram"]["read_GBps"]:.2f}/{row["dram"]["write_GBps"]:.2f}'
+              f'  ssd read {row["ssd"]["read_GBps"]:.2f} raw {row["raw_odirect"]["read_GBps"]:.2f}'
+              f'  ratio {row["ssd_read_vs_raw"]:.2f} (fixed dest {row["ssd_read_vs_raw_fixed_dest"]:.2f})')
+
+show(sys.argv[1])
+if kvikio_usable():
+    print("== tiers: KvikIO backend ->", sys.argv[3])
+    run_tier_bench(sys.argv[2], out_json=sys.argv[3], out_png=sys.argv[3].replace(".json", ".png"),
+                   ssd_factory=KvikioSsdTier)
+    show(sys.argv[3])
+EOF
+}
+
+run_generate() {
+  stage "generate: $MODEL, greedy, on $DEVICE and on the CPU"
+  local prompt="In two sentences, why do long prompts need a large KV cache?"
+  : > "$OUT/generate.txt"
+  : > "$OUT/generate.log"
+  # each device's default (auto weights and dtype), then float32 weights and activations on both, which agree
+  for flags in "--device $DEVICE" "--device cpu" "--device $DEVICE --weights fp32 --dtype float32" \
+               "--device cpu --weights fp32 --dtype float32"; do
+    echo "-- $flags" | tee -a "$OUT/generate.txt"
+    # shellcheck disable=SC2086  # the flags are meant to split
+    kvdrive generate --model "$MODEL" $flags --chat --prompt "$prompt" --max-tokens 48 --temperature 0 \
+      2>>"$OUT/generate.log" | tee -a "$OUT/generate.txt"
+    [[ ${PIPESTATUS[0]} -eq 0 ]] || return 1
+  done
+}
+
+run_decode() {
+  stage "decode: $MODEL on $DEVICE, contexts $CONTEXTS, batches $BATCHES, modes $MODES"
+  # shellcheck disable=SC2086  # the lists are meant to split into arguments
+  kvdrive bench decode --model "$MODEL" --device "$DEVICE" --ssd-dir "$SSD_DIR/decode" --contexts $CONTEXTS \
+    --batches $BATCHES --modes $MODES --steps "$STEPS" --warmup "$WARMUP" --no-llama-cpp \
+    --out "$OUT/decode-gpu.json" 2>&1 | tee "$OUT/decode-gpu.log" | grep -v '%|'
+  return "${PIPESTATUS[0]}"
+}
+
+stages=("$@")
+[[ ${#stages[@]} -eq 0 || "${stages[0]}" == "all" ]] && stages=(tests tiers generate decode)
+if [[ "${ALLOW_CPU:-0}" == "1" ]]; then
+  "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' || DEVICE=cpu
+fi
+check_device || exit 3
+for s in "${stages[@]}"; do
+  case "$s" in
+    tests) run_tests ;;
+    tiers) run_tiers ;;
+    generate) run_generate ;;
+    decode) run_decode ;;
+    *) echo "unknown stage $s (tests, tiers, generate, decode, all)" >&2; false ;;
+  esac
+  rc=$?
+  if [[ $rc -ne 0 ]]; then
+    echo "!! stage $s failed (exit $rc)"
+    failed=$((failed + 1))
+  fi
+done
+stage "done: $failed stage(s) failed"
+exit "$failed"
