@@ -57,8 +57,8 @@ ok = torch.cuda.is_available()
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "| available", ok, "|", torch.cuda.get_device_name(0) if ok else "no device")
 from kvdrive.runtime.kvcache.tiers.checksum import CRC32_IMPL
-from kvdrive.runtime.kvcache.tiers.kvikio_backend import kvikio_usable
-print("kvikio installed:", importlib.util.find_spec("kvikio") is not None, "| usable:", kvikio_usable(),
+from kvdrive.runtime.kvcache.tiers.kvikio_backend import kvikio_unusable_reason
+print("kvikio installed:", importlib.util.find_spec("kvikio") is not None, "| unusable:", kvikio_unusable_reason(),
       "| crc32:", CRC32_IMPL)
 if not ok and os.environ["ALLOW_CPU"] != "1":
     sys.exit("no CUDA device: this script is for a GPU machine (ALLOW_CPU=1 runs it anyway, GPU tests skip)")
@@ -87,7 +87,7 @@ run_tiers() {
   "$PY" - "$OUT/tiers-gpu.json" "$SSD_DIR/tiers" "$OUT/tiers-gpu-kvikio.json" <<'EOF'
 import json, sys
 from kvdrive.runtime.bench.tier_bench import run_tier_bench
-from kvdrive.runtime.kvcache.tiers.kvikio_backend import KvikioSsdTier, kvikio_usable
+from kvdrive.runtime.kvcache.tiers.kvikio_backend import KvikioSsdTier, kvikio_unusable_reason
 
 def show(path):
     r = json.load(open(path))
@@ -99,7 +99,7 @@ def show(path):
               f'  ratio {row["ssd_read_vs_raw"]:.2f} (fixed dest {row["ssd_read_vs_raw_fixed_dest"]:.2f})')
 
 show(sys.argv[1])
-if kvikio_usable():
+if kvikio_unusable_reason() is None:
     print("== tiers: KvikIO backend ->", sys.argv[3])
     run_tier_bench(sys.argv[2], out_json=sys.argv[3], out_png=sys.argv[3].replace(".json", ".png"),
                    ssd_factory=KvikioSsdTier)

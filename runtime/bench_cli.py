@@ -114,16 +114,20 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "decode":
         from kvdrive.runtime.bench import decode_bench, decode_report
 
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+
+        def save(res: decode_bench.DecodeBenchResult) -> None:  # after every case: a cut-short run keeps it
+            args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
+            args.out.with_suffix(".md").write_text(decode_report.markdown(res))
+
         res = decode_bench.run_decode_bench(
             args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
             tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget,
-            with_llama_cpp=not args.no_llama_cpp, weights=args.weights, device=args.device,
+            with_llama_cpp=not args.no_llama_cpp, weights=args.weights, device=args.device, on_case=save,
             prefill_contexts=tuple(args.prefill_contexts if args.prefill_contexts is not None
                                    else [c for c in args.contexts if c <= 16384]))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(decode_bench.as_dict(res), indent=2) + "\n")
+        save(res)
         report = decode_report.markdown(res)
-        args.out.with_suffix(".md").write_text(report)
         decode_report.plot(res, str(args.out.with_suffix(".png")))
         print(report)
         return 0

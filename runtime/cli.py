@@ -46,6 +46,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-budget", type=size_arg, default=None, help="bytes of the SSD tier on disk (default 1GiB)")
     p.add_argument("--ssd-compression", choices=["none", "int8"], default="none",
                    help="int8 halves the SSD tier's bytes (per page and head scales)")
+    p.add_argument("--ssd-backend", choices=["posix", "kvikio"], default="posix",
+                   help="how the SSD tier does its I/O: posix (O_DIRECT preadv/pwritev) or kvikio (cuFile/GPUDirect "
+                        "Storage; needs CUDA and the 'gpu' extra; experimental: docs/tiers.md#gpu-paths)")
     p.add_argument("--token-budget", type=int, default=1024, help="tokens each decode query attends to")
     p.add_argument("--full-attention", action="store_true", help="attend to every page (exact; no selection)")
     p.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive",
@@ -141,7 +144,8 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
         raise ValueError(f"--token-budget {args.token_budget} is below two pages of {args.page_size} tokens")
     ssd_budget = args.ssd_budget if args.ssd_budget is not None else (1 << 30 if args.ssd_dir else 0)
     tiers = TierConfig(gpu_bytes=args.gpu_budget, dram_bytes=args.dram_budget, ssd_dir=args.ssd_dir,
-                       ssd_bytes=ssd_budget, hugetlbfs_dir=args.dram_hugepage_dir, ssd_codec=args.ssd_compression)
+                       ssd_bytes=ssd_budget, hugetlbfs_dir=args.dram_hugepage_dir, ssd_codec=args.ssd_compression,
+                       ssd_backend=args.ssd_backend)
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
                         full_attention=args.full_attention, token_budget=args.token_budget,
                         max_sequences=max_sequences, max_running=max_running, kv_dtype=dtype_of(args.dtype))

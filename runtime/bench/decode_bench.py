@@ -31,6 +31,7 @@ import platform
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -285,9 +286,11 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
                      warmup: int = 8, token_budget: int = 1024, ssd_budget: int | None = None,
                      with_llama_cpp: bool = True, loaded: LoadedModel | None = None,
                      weights: str = "auto", prefill_contexts: tuple[int, ...] = (),
-                     device: str = "cpu") -> DecodeBenchResult:
+                     device: str = "cpu",
+                     on_case: Callable[[DecodeBenchResult], None] | None = None) -> DecodeBenchResult:
     """``device``: a resolved torch device string (``cpu``, ``cuda``, ``cuda:N``): where the model computes
-    and the device tier lives (``loaded``, when given, decides instead)."""
+    and the device tier lives (``loaded``, when given, decides instead). ``on_case`` is called with the
+    result so far after each measured case (so that a run cut short keeps what it measured)."""
     started = time.perf_counter()
     loaded = loaded or load_model(model, device=device, weights=weights)
     probe = ModelRunner(loaded, EngineConfig(max_sequences=1))
@@ -320,6 +323,8 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
         out.results.extend(rows)
         out.prefill.extend(ttft)
         gc.collect()
+        if on_case:
+            on_case(out)
     if fresh:
         out.prefill.extend(_kvdrive_ttft(loaded, fresh, prefill_contexts, layout, seq_reserve, ssd_dir, token_budget))
     _prefill_all(loaded, longest, contexts, ssd_dir, ssd_budget)
@@ -342,6 +347,9 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
         out.results.append(ModeResult("floor", ctx, b, b / step, 1000 * step, 1000 * step,
                                       note=f"contiguous KV of {token_budget} tokens, {kernel} attention"))
         bar.update()
+        out.seconds = time.perf_counter() - started
+        if on_case:
+            on_case(out)
     bar.close()
     out.seconds = time.perf_counter() - started
     return out

@@ -26,6 +26,7 @@ class TierConfig:
     ssd_dir: str | None = None
     hugetlbfs_dir: str | None = None
     ssd_codec: str = "none"  # none | int8
+    ssd_backend: str = "posix"  # posix | kvikio (asked for explicitly: see kvikio_backend)
     persist: bool = True  # write sealed pages through to the SSD tier (prefix reuse across restarts)
     io_threads: int = 4
 

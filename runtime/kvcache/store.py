@@ -45,7 +45,8 @@ class TieredKVStore(BlockReads):
     def __init__(self, layout: KVLayout, budgets: TierBudgets, ssd_dir: str | None = None,
                  device: torch.device | str | None = None, hugetlbfs_dir: str | None = None,
                  ssd_codec: str = "none", victim_order: VictimOrder | None = None,
-                 ssd_tier: SsdTier | None = None, io_threads: int = 4, device_extra_rows: int = 0) -> None:
+                 ssd_tier: SsdTier | None = None, io_threads: int = 4, device_extra_rows: int = 0,
+                 ssd_backend: str = "posix") -> None:
         self.layout = layout
         self.block_bytes = layout.block_bytes
         self.budgets = budgets
@@ -63,7 +64,7 @@ class TieredKVStore(BlockReads):
         if ssd_tier is None and ssd_dir is not None:
             codec = Int8Codec(layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype) \
                 if ssd_codec == "int8" else None
-            ssd_tier = _make_ssd(ssd_dir, bb, budgets.ssd_bytes, codec, io_threads)
+            ssd_tier = _make_ssd(ssd_dir, bb, budgets.ssd_bytes, codec, io_threads, ssd_backend)
         if ssd_tier is not None:
             self.tiers["ssd"] = ssd_tier
         self.misses = 0
@@ -322,12 +323,17 @@ class TieredKVStore(BlockReads):
             t.close()
 
 
-def _make_ssd(directory: str, block_bytes: int, budget: int, codec: Int8Codec | None, io_threads: int) -> Tier:
-    """The KvikIO backend when CUDA and kvikio are present, else the POSIX O_DIRECT one."""
-    from kvdrive.runtime.kvcache.tiers.kvikio_backend import kvikio_usable
+def _make_ssd(directory: str, block_bytes: int, budget: int, codec: Int8Codec | None, io_threads: int,
+              backend: str) -> Tier:
+    """The POSIX O_DIRECT backend, or KvikIO when asked for (``backend``): ValueError, with the reason, when it
+    cannot run here."""
+    if backend == "posix":
+        return SsdTier(directory, block_bytes, budget, codec=codec, io_threads=io_threads)
+    if backend != "kvikio":
+        raise ValueError(f"ssd backend {backend!r}: expected posix or kvikio")
+    from kvdrive.runtime.kvcache.tiers.kvikio_backend import KvikioSsdTier, kvikio_unusable_reason
 
-    if kvikio_usable():
-        from kvdrive.runtime.kvcache.tiers.kvikio_backend import KvikioSsdTier
-
-        return KvikioSsdTier(directory, block_bytes, budget, codec=codec, io_threads=io_threads)
-    return SsdTier(directory, block_bytes, budget, codec=codec, io_threads=io_threads)
+    reason = kvikio_unusable_reason()
+    if reason:
+        raise ValueError(f"--ssd-backend kvikio: {reason}")
+    return KvikioSsdTier(directory, block_bytes, budget, codec=codec, io_threads=io_threads)

@@ -13,8 +13,11 @@ from kvdrive.runtime.bench.decode_report import markdown
 
 
 def test_the_decode_bench_times_a_fresh_prompt_to_its_first_token(tmp_path: Path) -> None:
+    saved: list[int] = []  # rows in the result each time a case is done (the CLI writes its files then)
     res = run_decode_bench(str(tmp_path / "ssd"), "demo", contexts=(256,), batches=(1,), modes=("kvdrive",),
-                           steps=2, warmup=1, token_budget=128, with_llama_cpp=False, prefill_contexts=(128, 256))
+                           steps=2, warmup=1, token_budget=128, with_llama_cpp=False, prefill_contexts=(128, 256),
+                           on_case=lambda r: saved.append(len(r.results)))
+    assert saved == [2]
     assert {(r.mode, r.context, r.batch) for r in res.results} == {("kvdrive", 256, 1), ("floor", 256, 1)}
     kv = next(r for r in res.results if r.mode == "kvdrive")
     assert kv.tokens_per_s > 0 and kv.prefilled_tokens <= 16  # all but its last page came back from the SSD tier

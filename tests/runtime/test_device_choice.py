@@ -3,6 +3,8 @@ logged; an explicit `cuda` where there is none is a clear error, never a silent 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,6 +40,21 @@ def test_malformed_devices_are_refused() -> None:
         with pytest.raises(ValueError, match="expected one of auto, cpu, cuda or cuda:N"):
             resolve_device(bad)
     assert resolve_device("cpu").device == "cpu"
+
+
+def test_the_kvikio_ssd_backend_is_refused_with_its_reason_where_it_cannot_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """KvikIO is asked for by name (the POSIX backend is the default); where it cannot run, that is an error
+    with the reason, not a silent fall back."""
+    from kvdrive.runtime.kvcache.tiers.kvikio_backend import kvikio_unusable_reason
+
+    reason = kvikio_unusable_reason()
+    if reason is None:
+        pytest.skip("KvikIO can run here (tests/kvcache/test_gpu_tiers.py covers it)")
+    rc = main(["generate", "--ssd-dir", str(tmp_path / "ssd"), "--ssd-backend", "kvikio", "--prompt", "hi",
+               "--max-tokens", "1"])
+    assert rc == 2 and f"kvdrive: error: --ssd-backend kvikio: {reason}" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve"]).ssd_backend == "posix"
 
 
 @pytest.mark.gpu

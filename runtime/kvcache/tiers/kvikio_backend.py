@@ -1,14 +1,20 @@
 """The SSD tier through KvikIO (cuFile / GPUDirect Storage): same files, index and checksums as the
-POSIX backend, with the slab I/O done by ``kvikio.CuFile``. Chosen automatically when CUDA and kvikio
-are both present (extra ``gpu``); KvikIO cannot do any I/O without the NVIDIA driver, so the POSIX
-backend is used everywhere else.
+POSIX backend, with the slab I/O done by ``kvikio.CuFile``. Used only when asked for
+(``--ssd-backend kvikio``; needs CUDA and the ``gpu`` extra): on its first GPU machine (an H200 without
+GDS, so KvikIO's compatibility mode) it read 2.8 GB/s against the POSIX backend's 0.94 in the tier
+benchmark, but under the decode benchmark's prefill its writes failed with EPERM and a restart's
+startup check met an EOF (``bench/results/gpu/README.md``), so the POSIX backend stays the default.
+KvikIO's failures (``RuntimeError``) are raised as ``OSError`` here, so that the tier's fault handling
+(a failing tier, retries from another copy) applies to them as to a failed system call.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,8 +24,20 @@ from kvdrive.runtime.kvcache.tiers.ssd import PosixIO, SsdTier
 log = logging.getLogger(__name__)
 
 
-def kvikio_usable() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("kvikio") is not None
+def kvikio_unusable_reason() -> str | None:
+    """Why KvikIO cannot run here (None: it can)."""
+    if importlib.util.find_spec("kvikio") is None:
+        return "kvikio is not installed (pip install '.[gpu]')"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device (KvikIO needs the NVIDIA driver)"
+    return None
+
+
+def _io(what: str, fd: int, call: Callable[[], int]) -> int:
+    try:
+        return call()
+    except RuntimeError as exc:  # KvikIO reports POSIX and cuFile failures as RuntimeError
+        raise OSError(errno.EIO, f"KvikIO {what} on fd {fd}: {exc}") from exc
 
 
 class KvikioIO(PosixIO):
@@ -40,13 +58,13 @@ class KvikioIO(PosixIO):
     def preadv(self, fd: int, bufs: list[memoryview], offset: int) -> int:
         done = 0
         for b in bufs:  # the buffers are consecutive slots of one aligned staging buffer
-            done += self._file(fd).pread(b, len(b), offset + done).get()
+            done += _io("read", fd, lambda b=b, at=offset + done: self._file(fd).pread(b, len(b), at).get())
         return done
 
     def pwritev(self, fd: int, bufs: list[memoryview], offset: int) -> int:
         done = 0
         for b in bufs:
-            done += self._file(fd).pwrite(b, len(b), offset + done).get()
+            done += _io("write", fd, lambda b=b, at=offset + done: self._file(fd).pwrite(b, len(b), at).get())
         return done
 
     def close(self) -> None:
