@@ -72,6 +72,7 @@ def test_a_crash_between_the_phases_loses_no_record(tmp_path: Path) -> None:
         assert index.put(slot, IndexEntry(key, slot))
     for slot in range(0, 50, 3):
         assert index.delete(slot)
+    assert index.flush_deletes()  # the DEL records are out (the tier's index thread does this)
     assert never, "no compaction was started"
     assert len(_journals(tmp_path)) == 2  # switched, no snapshot: the state lives in both journals
     want = dict(index.entries)
@@ -109,3 +110,24 @@ def test_a_failing_snapshot_is_retried_and_the_journals_stay_within_their_caps(t
     want = dict(index.entries)
     index.close()
     assert SsdIndex(str(tmp_path), GEOMETRY, journal_cap=2 << 10).entries == want
+
+
+def test_freeing_a_slot_writes_nothing_until_its_delete_is_flushed_and_a_put_waits_for_it(tmp_path: Path) -> None:
+    """``delete`` does no I/O (the store frees SSD slots under its lock): the DEL record is appended by
+    ``flush_deletes``, or by the next PUT before its own record, so that a reused slot replays in order. A
+    crash before the flush brings the freed block back (its bytes untouched, its CRC still checked)."""
+    index = SsdIndex(str(tmp_path), GEOMETRY)
+    keys = make_keys(6)
+    for slot, key in enumerate(keys[:4]):
+        assert index.put(slot, IndexEntry(key, slot))
+    journal = tmp_path / _journals(tmp_path)[0]
+    size = journal.stat().st_size
+    assert index.delete(1) and index.delete(2) and not index.delete(9)  # 9 was never indexed
+    assert journal.stat().st_size == size and 1 not in index.entries
+    assert index.put(2, IndexEntry(keys[4], 44))  # slot 2 reused: its DEL goes out first, then the PUT
+    os.close(index._fd)  # killed before slot 1's DEL had another chance: it went out with the PUT
+    reopened = SsdIndex(str(tmp_path), GEOMETRY)
+    assert reopened.entries == {0: IndexEntry(keys[0], 0), 2: IndexEntry(keys[4], 44), 3: IndexEntry(keys[3], 3)}
+    assert reopened.delete(3)
+    os.close(reopened._fd)  # killed with slot 3's DEL pending
+    assert 3 in SsdIndex(str(tmp_path), GEOMETRY).entries

@@ -136,6 +136,9 @@ def _guard_tiers(store: TieredKVStore) -> tuple[list[str], dict[str, int]]:
     for name, tier in store.tiers.items():
         for op in ("read", "write"):
             setattr(tier, op, guard(name, op, getattr(tier, op)))
+    index = getattr(store.tiers.get("ssd"), "index", None)
+    if index is not None:  # the SSD tier's journal: a record appended is a file write too
+        index._append = guard("ssd", "journal", index._append)
     return violations, io
 
 
@@ -161,3 +164,32 @@ def test_no_tier_reads_or_writes_while_the_store_lock_is_held(tiny: LoadedModel,
         assert len(out) == 24
         assert all(n > 0 for n in io.values()), io
         assert violations == [], f"{placement}: tier I/O under the store lock: {sorted(set(violations))}"
+
+
+def test_an_ssd_tier_that_must_evict_frees_its_slots_without_journal_writes_under_the_store_lock(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    """A 1 MiB SSD tier under three 600-token prompts evicts persisted blocks; freeing each one is recorded in
+    the SSD index's journal, on the tier's index thread, never while the store's lock is held (each record was
+    a write under that lock: 458 of them in this run)."""
+    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
+    page = layout.page_bytes
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE)
+    gen = ModelRunner(tiny, replace(shape, tiers=TierConfig(
+        gpu_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page, ssd_dir=str(tmp_path / "ssd"),
+        ssd_bytes=1 << 20)))
+    store = gen.cache.store
+    ssd = store.tiers["ssd"]
+    violations, io = _guard_tiers(store)
+    for seed in range(3):
+        assert len(list(gen.generate(_prompt(600, seed=seed), SamplingParams(max_tokens=8, ignore_eos=True)))) == 8
+    capacity = ssd.allocator.capacity
+    gen.close()
+    assert 3 * 150 * tiny.config.num_layers > capacity  # more persisted blocks than the tier holds: it evicted
+    assert io["ssd"] > 0
+    assert violations == [], f"tier I/O under the store lock: {sorted(set(violations))}"
+    reopened = ModelRunner(tiny, replace(shape, tiers=TierConfig(ssd_dir=str(tmp_path / "ssd"), ssd_bytes=1 << 20)))
+    try:  # every DEL reached the journal before the tier closed: what the index holds fits the tier
+        assert len(reopened.cache.store.tiers["ssd"].recovered()) <= capacity
+        assert reopened.cache.store.tiers["ssd"].forgotten_at_start == 0
+    finally:
+        reopened.close()

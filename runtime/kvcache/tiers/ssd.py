@@ -69,6 +69,7 @@ class SsdTier:
         self._runner = PieceRunner(io_threads)
         # the index's snapshots (two fsyncs) are written here, never under this tier's or the store's lock
         self._compactor = ThreadPoolExecutor(1, thread_name_prefix="kvdrive-ssd-index")
+        self._flush_queued = False  # a flush of the index's pending DEL records is queued on that thread
         self.index: SsdIndex | None = None
         try:
             os.makedirs(directory, exist_ok=True)
@@ -244,6 +245,7 @@ class SsdTier:
             self._crc.pop(slot, None)
         self.allocator.take_many(list(self.index.entries))
         self.forgotten_at_start = len(beyond) + len(missing) + len(bad)
+        self.index.flush_deletes()  # what startup forgot is recorded before anything else
 
     def _verify(self, slots: list[int]) -> list[bool]:
         """Whether each slot's bytes match its CRC (read in chunks, into a scratch buffer)."""
@@ -398,10 +400,19 @@ class SsdTier:
         return ok
 
     def discard(self, slot: int) -> None:
+        """Free a slot's block: no I/O here (the store calls this under its lock); the index's DEL record is
+        appended on the index thread."""
         with self._lock:
             self._crc.pop(slot, None)
+            if self.index is not None and self.index.delete(slot) and not self._flush_queued:
+                self._flush_queued = True
+                self._compactor.submit(self._flush_deletes)
+
+    def _flush_deletes(self) -> None:
+        with self._lock:
+            self._flush_queued = False
             if self.index is not None:
-                self.index.delete(slot)
+                self.index.flush_deletes()
 
     @property
     def disk_bytes(self) -> int:

@@ -17,8 +17,13 @@ records to a snapshot taken at or after their time gives the same entries (each 
 Until the old journal is gone the new one stays under ``journal_cap``, so the journals never take more
 than the two caps ``meta_reserve_bytes`` counts.
 Ordering: data write completes -> PUT record appended -> the block is visible after a restart.
-Freeing a slot appends a DEL record first. The block's own data CRC (in the record) is verified on
-every read, so a slot overwritten without its DEL record reads as corrupt, never as the old block.
+Freeing a slot does no I/O (its caller may hold the store's lock): the slot leaves ``entries`` at once and
+its DEL record is appended by ``flush_deletes``, which the tier runs on its index thread, and which every
+later record waits for (a PUT appends the pending DELs before itself, so replay sees them in order). A
+crash before a DEL is out brings its block back whole (the slot untouched), or, if the slot was
+overwritten since, as a block whose data CRC fails: the record's CRC is verified on every read (and
+sampled at startup), so a slot overwritten without its DEL record reads as corrupt, never as the old
+block.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class SsdIndex:
         self.journal_cap = journal_cap
         self.durable = durable
         self.entries: dict[int, IndexEntry] = {}
+        self._dels: list[int] = []  # slots freed whose DEL record is not yet appended, in order
         self.errors = 0
         self.torn_records = 0
         self._seq = 0
@@ -204,13 +210,25 @@ class SsdIndex:
     # --- updates -----------------------------------------------------------------------------
     def put(self, slot: int, entry: IndexEntry) -> bool:
         """Record a completed block write. False (logged, counted) when the journal cannot be written."""
+        self.flush_deletes()
         self.entries[slot] = entry
         return self._append(_pack(OP_PUT, slot, entry, self._next()))
 
     def delete(self, slot: int) -> bool:
+        """Forget a slot; True when it was indexed, its DEL record then pending (no I/O here)."""
         if self.entries.pop(slot, None) is None:
+            return False
+        self._dels.append(slot)
+        return True
+
+    def flush_deletes(self) -> bool:
+        """Append the pending DEL records, in one write. False (logged, counted) when that failed: their
+        blocks then come back after a restart, whole or failing their CRC."""
+        if not self._dels:
             return True
-        return self._append(_pack(OP_DEL, slot, None, self._next()))
+        recs = b"".join(_pack(OP_DEL, slot, None, self._next()) for slot in self._dels)
+        self._dels = []
+        return self._append(recs)
 
     def _next(self) -> int:
         self._seq += 1
@@ -316,6 +334,8 @@ class SsdIndex:
 
     def close(self) -> None:
         """After the background runner finished (the tier shuts it down first)."""
+        if self._fd >= 0:
+            self.flush_deletes()
         if self._old_fd is not None:  # a snapshot that kept failing: the journals replay at the next start
             os.close(self._old_fd)
             self._old_fd = None
