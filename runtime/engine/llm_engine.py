@@ -53,8 +53,6 @@ class EngineStats:
     generated_tokens_total: int
     prompt_tokens_total: int
     preemptions_total: int
-    kv_capacity_bytes: int
-    kv_used_bytes: int
     queue_wait_seconds: float = 0.0  # requests x seconds spent queued for a running slot, since start
 
 
@@ -153,8 +151,7 @@ class LLMEngine:
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             generated_tokens_total=self._generated, prompt_tokens_total=self._prompt_tokens,
-            preemptions_total=self._preemptions, kv_capacity_bytes=self.runner.cache.capacity_bytes,
-            kv_used_bytes=self.runner.cache.used_bytes,
+            preemptions_total=self._preemptions,
             queue_wait_seconds=self._queued_seconds + len(self.scheduler.waiting) * (time.monotonic() - self._queue_tick),
         )
 

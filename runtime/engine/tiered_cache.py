@@ -368,15 +368,6 @@ class TieredKVCache:
             reads[t] = reads.get(t, 0) + n
         return reads
 
-    @property
-    def capacity_bytes(self) -> int:
-        return sum(u.capacity_bytes for u in self.usage())
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes held for running sequences (open pages and needed blocks; cached pages excluded)."""
-        return sum(u.used_bytes - u.cached_bytes for u in self.usage())
-
     def set_budgets(self, gpu_bytes: int, dram_bytes: int, ssd_bytes: int, defer_ssd_shrink: bool = False) -> bool:
         """Apply new budgets live (BudgetError, nothing changed, when impossible). Runs between steps on
         the engine thread; in-flight transfers finish first. With ``defer_ssd_shrink`` a smaller SSD budget

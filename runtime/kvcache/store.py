@@ -94,16 +94,20 @@ class TieredKVStore(BlockReads):
             return out
 
     def usage(self) -> list[TierUsage]:
+        """Each tier's budget, capacity and what it holds: one pass over the blocks, under the lock."""
         with self._lock:
+            pinned = dict.fromkeys(self.tiers, 0)
+            cached = dict.fromkeys(self.tiers, 0)
+            for b in self._blocks.values():
+                for name in b.copies:
+                    pinned[name] += b.pins > 0
+                    cached[name] += not b.needed
             out = []
             for name, t in self.tiers.items():
                 pages = t.allocator.used
-                held = [b for b in self._blocks.values() if name in b.copies]
-                pinned = sum(1 for b in held if b.pins)
-                cached = sum(1 for b in held if not b.needed)
                 out.append(TierUsage(name, self.budgets.of(name), t.allocator.capacity * t.slot_bytes,
-                                     pages * t.slot_bytes, pages, pinned, t.backing, self.page_reads[name],
-                                     t.errors, cached * t.slot_bytes))
+                                     pages * t.slot_bytes, pages, pinned[name], t.backing, self.page_reads[name],
+                                     t.errors, cached[name] * t.slot_bytes))
             return out
 
     def health(self) -> dict[TierName, str]:

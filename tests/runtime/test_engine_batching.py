@@ -24,6 +24,11 @@ from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.model import load_model
 
 
+def _held_bytes(engine: LLMEngine) -> int:
+    """KV bytes the tiers hold for running sequences (cached, reusable pages excluded)."""
+    return sum(u.used_bytes - u.cached_bytes for u in engine.runner.cache.usage())
+
+
 def _engine(path, pages: int, **sched) -> LLMEngine:  # type: ignore[no-untyped-def]
     loaded = load_model(str(path), progress=False)
     gen = ModelRunner(loaded, EngineConfig(page_size=4))
@@ -71,7 +76,7 @@ def test_preemption_under_a_tiny_cache_keeps_outputs_identical(hf_model_factory)
     out = _run_all(engine)
     assert engine.stats().preemptions_total > 0
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == _expected(path, 20)
-    assert engine.runner.cache.used_bytes == 0
+    assert _held_bytes(engine) == 0
 
 
 def test_sequence_outgrowing_the_cache_ends_with_length(hf_model_factory) -> None:
@@ -103,10 +108,10 @@ def test_abort_frees_pages_at_once(hf_model_factory) -> None:
     engine.add_request(Request("a", (1, 2, 3, 4, 5, 6), SamplingParams(max_tokens=30, ignore_eos=True), 0.0))
     engine.step()
     engine.step()
-    assert engine.runner.cache.used_bytes > 0
+    assert _held_bytes(engine) > 0
     out = engine.abort("a")
     assert out is not None and out.finish_reason == "abort"
-    assert engine.runner.cache.used_bytes == 0 and not engine.has_work()
+    assert _held_bytes(engine) == 0 and not engine.has_work()
 
 
 async def test_async_engine_streams_concurrent_requests_and_survives_consumer_exit(hf_model_factory) -> None:
@@ -131,10 +136,10 @@ async def test_async_engine_streams_concurrent_requests_and_survives_consumer_ex
         assert results[0] == expected[0] and results[2] == expected[2] and results[3] == expected[3]
         assert results[1] == expected[1][:3]
         for _ in range(50):  # the abort reaches the engine thread between steps
-            if engine.runner.cache.used_bytes == 0:
+            if _held_bytes(engine) == 0:
                 break
             await asyncio.sleep(0.02)
-        assert engine.runner.cache.used_bytes == 0 and runner.alive
+        assert _held_bytes(engine) == 0 and runner.alive
     finally:
         runner.shutdown()
 

@@ -42,3 +42,22 @@ def test_a_slow_scrape_does_not_stall_other_requests(tiny_state: ServerState) ->
 
     status, text = asyncio.run(scenario())
     assert status == 200 and "kvdrive_tier_capacity_bytes" in text
+
+
+def test_a_scrape_walks_the_block_table_once(tiny_state: ServerState) -> None:
+    """The store's usage walks every block under the store's lock: a scrape (which the router makes every
+    second per replica) asks for it once, and the walk is one pass over the blocks for all tiers."""
+    store = tiny_state.engine.engine.runner.cache.store
+    real = store.usage
+    walks: list[int] = []
+
+    def counted():  # type: ignore[no-untyped-def]
+        walks.append(1)
+        return real()
+
+    store.usage = counted  # type: ignore[method-assign]
+    try:
+        text = tiny_state.metrics.render().decode()
+    finally:
+        del store.usage
+    assert "kvdrive_tier_used_bytes" in text and len(walks) == 1
