@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import kopf
+
 from kvdrive.operator import autoscale, tuning
 from kvdrive.operator.childmeta import Names, selector_labels
 from kvdrive.operator.conditions import now_rfc3339
-from kvdrive.operator.kubeclient import ApiError, Conflict, KubeApi
+from kvdrive.operator.kubeclient import Conflict, KubeApi
 from kvdrive.operator.livestatus import (
     agreed_recommendations,
     budget_event,
@@ -39,7 +40,6 @@ from kvdrive.operator.manifests import admin_token_of, runtime_settings
 from kvdrive.operator.objects import (
     AUTOSCALER,
     CR,
-    EVENTS,
     LIVE,
     PODS,
     RECONCILER,
@@ -169,7 +169,7 @@ class LiveController:
             if result.ok:
                 memory.pods[pod.uid] = history.changed(now, decision.summary)
                 logger.info("pod %s: %s", pod.name, decision.summary)
-                await post_event(api, cr, "Normal", "ConcurrencyChanged", budget_event(pod.name, decision.summary))
+                _event(cr, "Normal", "ConcurrencyChanged", budget_event(pod.name, decision.summary))
                 continue
             if result.status == 422:  # the pod cannot: the limit is capped where it stands, and a window passes
                 summary = f"{decision.summary} -- refused (422): {result.detail}"
@@ -181,7 +181,7 @@ class LiveController:
                 memory.pods[pod.uid] = history.changed(now, summary)
                 reason = "ConcurrencyNotApplied"
             logger.warning("pod %s: %s", pod.name, summary)
-            await post_event(api, cr, "Warning", reason, budget_event(pod.name, summary))
+            _event(cr, "Warning", reason, budget_event(pod.name, summary))
 
     @staticmethod
     async def _recommend(api: KubeApi, cr: dict[str, Any], pod: _Pod, decision: tuning.Decision, memory: _Memory,
@@ -196,7 +196,7 @@ class LiveController:
         for rec in decision.recommendations:
             if (rec.tier, rec.recommended) not in before:
                 logger.info("pod %s: %s", pod.name, rec.describe())
-                await post_event(api, cr, "Normal", "TierRightSizing", recommendation_event(pod.name, rec))
+                _event(cr, "Normal", "TierRightSizing", recommendation_event(pod.name, rec))
 
     async def _autoscale(self, api: KubeApi, cr: dict[str, Any], spec: KVDriveSpec, pods: list[_Pod],
                          memory: _Memory, logger: Logger) -> dict[str, Any]:
@@ -223,13 +223,13 @@ class LiveController:
             if conflict is not None:
                 message = f"replicas {current} -> {decision.replicas} not applied: {conflict}"
                 logger.warning("%s", message)
-                await post_event(api, cr, "Warning", "ScaleConflict", message)
+                _event(cr, "Warning", "ScaleConflict", message)
                 report.update(desiredReplicas=decision.replicas, recommendation=decision.recommendation,
                               lastDecision=message[:1024])
                 return report
             reason, message = scale_event(current, decision.replicas, decision.reason)
             logger.info("%s", message)
-            await post_event(api, cr, "Normal", reason, message)
+            _event(cr, "Normal", reason, message)
             memory.last_scale_time, memory.last_decision = now_rfc3339(), message
         report.update(desiredReplicas=decision.replicas, recommendation=decision.recommendation)
         if memory.last_scale_time:
@@ -253,20 +253,7 @@ class LiveController:
         return None
 
 
-async def post_event(api: KubeApi, cr: dict[str, Any], kind: str, reason: str, message: str) -> None:
-    """A core/v1 Event on the CR (``kubectl describe kvd`` shows it); a failure to post is only logged."""
-    meta = cr["metadata"]
-    now = now_rfc3339()
-    body = {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": cr.get("apiVersion"), "kind": cr.get("kind"), "name": meta["name"],
-                           "namespace": meta["namespace"], "uid": meta.get("uid")},
-        "type": kind, "reason": reason, "message": message[:1024],
-        "source": {"component": "kvdrive-operator"}, "reportingComponent": "kvdrive-operator",
-        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-    }
-    try:
-        await api.create(EVENTS, meta["namespace"], body)
-    except ApiError as exc:
-        logging.getLogger(__name__).warning("could not post Event %s: %s", reason, exc)
+def _event(cr: dict[str, Any], kind: str, reason: str, message: str) -> None:
+    """A core/v1 Event on the CR (``kubectl describe kvd`` shows it), posted by Kopf's event poster (it
+    retries, and logs a failure: the loop goes on)."""
+    kopf.event(cr, type=kind, reason=reason, message=message)
