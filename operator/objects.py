@@ -21,7 +21,6 @@ CLAIMS = Ref("v1", "PersistentVolumeClaim", "persistentvolumeclaims")
 STORAGE_CLASSES = Ref("storage.k8s.io/v1", "StorageClass", "storageclasses")
 STATEFULSETS = Ref("apps/v1", "StatefulSet", "statefulsets")
 SECRETS = Ref("v1", "Secret", "secrets")
-EVENTS = Ref("v1", "Event", "events")
 CHILDREN = {
     "ConfigMap": Ref("v1", "ConfigMap", "configmaps"),
     "Secret": SECRETS,

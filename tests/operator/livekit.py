@@ -9,7 +9,10 @@ from typing import Any
 from kopfenv import Cluster, eventually
 
 from kvdrive.operator.handlers import CHILDREN, CR, PODS, STATEFULSETS
-from kvdrive.operator.objects import AUTOSCALER, EVENTS
+from kvdrive.operator.kubeclient import Ref
+from kvdrive.operator.objects import AUTOSCALER
+
+EVENTS = Ref("v1", "Event", "events")  # what the operator posts through kopf.event, read back here
 
 LABELS = {"app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance": "chat",
           "app.kubernetes.io/managed-by": "kvdrive-operator"}

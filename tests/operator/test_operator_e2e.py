@@ -12,9 +12,10 @@ from typing import Any
 
 from crdcheck import load_example
 from kopfenv import Cluster, eventually, never
+from livekit import EVENTS
 
 from kvdrive.operator.handlers import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS
-from kvdrive.operator.objects import EVENTS, RECONCILER
+from kvdrive.operator.objects import RECONCILER
 
 CHILD_NAMES = {
     ("ConfigMap", "chat-config"), ("Secret", "chat-admin"), ("Service", "chat"), ("Service", "chat-headless"),
