@@ -338,11 +338,18 @@ class Residency:
                 if pinned > n:
                     raise BudgetError(f"{t} tier: {pinned} pages are pinned (being read) but the new "
                                       f"budget holds {n}; retry when the reads complete")
-            for t, n in slots.items():  # grow first so that demotions have room
-                if n > self.tiers[t].allocator.capacity:
-                    got = self.tiers[t].resize(n)
-                    if got < n:
-                        log.error("%s tier grew to %d of %d pages only (see the tier's errors)", t, got, n)
+            grow = {t: n for t, n in slots.items() if n > self.tiers[t].allocator.capacity}
+            for t, n in grow.items():  # grow first so that demotions have room
+                tier = self.tiers[t]
+                if not isinstance(tier, SsdTier):  # a memory pool: reallocated and its rows copied here
+                    self._grown(t, n, tier.resize(n))
+        for t, n in grow.items():  # the SSD tier's files are sized outside the lock (disk I/O), then opened up
+            tier = self.tiers[t]
+            if isinstance(tier, SsdTier):
+                got = tier.size_files(n)
+                with self._lock:
+                    tier.allocator.resize(max(got, tier.allocator.capacity))
+                self._grown(t, n, got)
         deferred = {t for t in defer if t in slots and slots[t] < self.tiers[t].allocator.capacity}
         for t in TIER_ORDER:
             if t in slots and slots[t] < self.tiers[t].allocator.capacity and t not in deferred:
@@ -354,6 +361,11 @@ class Residency:
         log.info("tier budgets now gpu=%d dram=%d ssd=%d bytes%s", new.gpu_bytes, new.dram_bytes, new.ssd_bytes,
                  f" ({', '.join(sorted(deferred))} shrinking)" if deferred else "")
         return new
+
+    @staticmethod
+    def _grown(tier: TierName, want: int, got: int) -> None:
+        if got < want:
+            log.error("%s tier grew to %d of %d pages only (see the tier's errors)", tier, got, want)
 
     def shrink(self, tier: TierName, budget_bytes: int) -> TierBudgets:
         """Shrink one tier to ``budget_bytes`` (the half ``set_budgets`` deferred). Safe off the engine thread

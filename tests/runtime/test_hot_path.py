@@ -136,9 +136,10 @@ def _guard_tiers(store: TieredKVStore) -> tuple[list[str], dict[str, int]]:
     for name, tier in store.tiers.items():
         for op in ("read", "write"):
             setattr(tier, op, guard(name, op, getattr(tier, op)))
-    index = getattr(store.tiers.get("ssd"), "index", None)
-    if index is not None:  # the SSD tier's journal: a record appended is a file write too
-        index._append = guard("ssd", "journal", index._append)
+    ssd = store.tiers.get("ssd")
+    if ssd is not None:  # the SSD tier's journal (a record appended is a file write too) and its slab files
+        ssd.index._append = guard("ssd", "journal", ssd.index._append)  # type: ignore[union-attr]
+        ssd.io.fallocate = guard("ssd", "fallocate", ssd.io.fallocate)  # type: ignore[union-attr]
     return violations, io
 
 
@@ -170,7 +171,8 @@ def test_an_ssd_tier_that_must_evict_frees_its_slots_without_journal_writes_unde
         tiny: LoadedModel, tmp_path: Path) -> None:
     """A 1 MiB SSD tier under three 600-token prompts evicts persisted blocks; freeing each one is recorded in
     the SSD index's journal, on the tier's index thread, never while the store's lock is held (each record was
-    a write under that lock: 458 of them in this run)."""
+    a write under that lock: 458 of them in this run). Growing the tier live then sizes its slab files
+    (fallocate) outside that lock too."""
     layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE)
@@ -182,12 +184,15 @@ def test_an_ssd_tier_that_must_evict_frees_its_slots_without_journal_writes_unde
     violations, io = _guard_tiers(store)
     for seed in range(3):
         assert len(list(gen.generate(_prompt(600, seed=seed), SamplingParams(max_tokens=8, ignore_eos=True)))) == 8
+    small = ssd.allocator.capacity
+    assert 3 * 150 * tiny.config.num_layers > small  # more persisted blocks than the tier holds: it evicted
+    grown = gen.cache.store.set_budgets(ssd_bytes=2 << 20)  # a live SSD growth: its files sized outside the lock
     capacity = ssd.allocator.capacity
+    assert grown.ssd_bytes == 2 << 20 and capacity > small
     gen.close()
-    assert 3 * 150 * tiny.config.num_layers > capacity  # more persisted blocks than the tier holds: it evicted
     assert io["ssd"] > 0
     assert violations == [], f"tier I/O under the store lock: {sorted(set(violations))}"
-    reopened = ModelRunner(tiny, replace(shape, tiers=TierConfig(ssd_dir=str(tmp_path / "ssd"), ssd_bytes=1 << 20)))
+    reopened = ModelRunner(tiny, replace(shape, tiers=TierConfig(ssd_dir=str(tmp_path / "ssd"), ssd_bytes=2 << 20)))
     try:  # every DEL reached the journal before the tier closed: what the index holds fits the tier
         assert len(reopened.cache.store.tiers["ssd"].recovered()) <= capacity
         assert reopened.cache.store.tiers["ssd"].forgotten_at_start == 0

@@ -148,6 +148,17 @@ class SsdTier:
 
     def resize(self, slots: int) -> int:
         """Size the slab files for ``slots`` (used slots must be below); returns the slots now usable."""
+        usable = self.size_files(slots)
+        with self._lock:
+            for slot in self.allocator.used_at_or_above(usable):  # only at startup: forget them
+                self.allocator.release(slot)
+            self.allocator.resize(usable)
+        return usable
+
+    def size_files(self, slots: int) -> int:
+        """Create, grow or cut the slab files for ``slots`` (disk I/O, under this tier's lock only) and return
+        the slots they hold; the allocator is left as it is (``resize`` sets it; a store growing the tier
+        sets it under its own lock, after this)."""
         if not self.available:
             return 0
         ss = self.slab_slots
@@ -182,9 +193,6 @@ class SsdTier:
             for name in os.listdir(self.dir):  # stale slabs of a bigger budget before a restart
                 if name.startswith("slab-") and int(name[5:10]) >= nslabs:
                     os.unlink(os.path.join(self.dir, name))
-            for slot in self.allocator.used_at_or_above(usable):  # only at startup: forget them
-                self.allocator.release(slot)
-            self.allocator.resize(usable)
         return usable
 
     def _fit(self, fd: int, cur: int, rows: int) -> int:
