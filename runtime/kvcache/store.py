@@ -27,6 +27,7 @@ from kvdrive.runtime.kvcache.budgets import TierBudgets, TierName, TierUsage
 from kvdrive.runtime.kvcache.compression import Int8Codec
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.layout import CacheFullError, KVLayout
+from kvdrive.runtime.kvcache.live_resize import LiveResize
 from kvdrive.runtime.kvcache.reads import BlockReads
 from kvdrive.runtime.kvcache.residency import Block, Copy, Move, VictimOrder
 from kvdrive.runtime.kvcache.tiers.arena import HostArena
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Move", "TieredKVStore", "VictimOrder"]
 
 
-class TieredKVStore(BlockReads):
+class TieredKVStore(BlockReads, LiveResize):
     def __init__(self, layout: KVLayout, budgets: TierBudgets, ssd_dir: str | None = None,
                  device: torch.device | str | None = None, hugetlbfs_dir: str | None = None,
                  ssd_codec: str = "none", victim_order: VictimOrder | None = None,
