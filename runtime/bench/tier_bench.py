@@ -74,7 +74,7 @@ class _SsdReads:
         self.nbytes = n * self.sb
         self.arena = AlignedBuffer(max(self.ARENA, self.nbytes))
         self.per_arena = self.arena.nbytes // self.nbytes
-        self.fds = [os.open(ssd._slab_path(i), os.O_RDONLY | os.O_DIRECT) for i in range(len(ssd._fds))]
+        self.fds = [os.open(ssd.slabs.path(i), os.O_RDONLY | os.O_DIRECT) for i in range(len(ssd.slabs.fds))]
         self.pieces = plan(batches[0], ssd.slab_slots, ssd.max_io_slots)  # the tier's plan of every batch
         self.runner = PieceRunner(io_threads)  # a pool like the tier's, with as many threads
 
@@ -177,7 +177,7 @@ def run_tier_bench(ssd_dir: str, out_json: str | None = None, out_png: str | Non
         def raw_write(batches: list[list[int]] = usable, nbytes: int = nbytes) -> int:
             for b in batches:
                 slab, row = divmod(b[0], ssd.slab_slots)
-                os.pwritev(ssd._fds[slab], [raw_buf.mv[:nbytes]], row * ssd.slot_bytes)
+                os.pwritev(ssd.slabs.fds[slab], [raw_buf.mv[:nbytes]], row * ssd.slot_bytes)
             return len(batches) * nbytes
 
         row: dict[str, Any] = {"batch_bytes": nbytes, "pages": n}

@@ -1,8 +1,7 @@
 """The SSD tier: preallocated slab files, O_DIRECT aligned I/O, per-block CRCs.
 
-Owns the bytes on the NVMe volume: slab files ``slab-NNNNN.kv`` of ``slab_slots`` slots each
-(preallocated with posix_fallocate, so a full disk shows up when the budget is set, not mid-write),
-adjacent slots coalesced into one preadv/pwritev per piece (``ssd_io``: the caller runs the first
+Owns the bytes on the NVMe volume: slab files ``slab-NNNNN.kv`` of ``slab_slots`` slots each (their
+geometry and sizes are ``ssd_slabs.SlabFiles``), adjacent slots coalesced into one preadv/pwritev per piece (``ssd_io``: the caller runs the first
 piece, a pool the others; aligned caller memory is read into / written from directly), a CRC32 of
 every slot (``checksum``) recorded when its write completes and verified on every read (a mismatch
 is a miss, never served), and the persisted index of content-addressed blocks (``ssd_index``). The on-disk total
@@ -31,6 +30,7 @@ from kvdrive.runtime.kvcache.tiers.checksum import slot_crcs
 from kvdrive.runtime.kvcache.tiers.rows import copy_rows, gather_rows, scatter_rows
 from kvdrive.runtime.kvcache.tiers.ssd_index import REC_BYTES, IndexEntry, SsdIndex, meta_reserve_bytes
 from kvdrive.runtime.kvcache.tiers.ssd_io import IOV_MAX, Borrowed, Piece, PieceRunner, PosixIO, iovecs, plan
+from kvdrive.runtime.kvcache.tiers.ssd_slabs import SlabFiles
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +56,9 @@ class SsdTier:
         self.fault_log = FaultLog(log, "ssd")  # counts by kind (errno name, "crc"), rate-limited log lines
         self.allocator = SlotAllocator(0)
         self.available = False
-        self.direct = False
-        self.align = 4096
-        self.slot_bytes = -(-self.codec.payload_bytes // 4096) * 4096
-        self.slab_slots = 1
+        self.slabs = SlabFiles(directory, self.io, journal_cap, self.codec.payload_bytes)
         self.max_io_slots = 1
         self._crc: dict[int, int] = {}  # slot -> CRC32 of the slot's bytes, set when its write completed
-        self._found: dict[int, int] = {}  # slab -> its size in bytes when first opened (-1: it did not exist)
-        self._fds: list[int] = []
         self._lock = threading.Lock()
         self._bufs = AlignedBufferPool()
         self._runner = PieceRunner(io_threads)
@@ -73,9 +68,7 @@ class SsdTier:
         self.index: SsdIndex | None = None
         try:
             os.makedirs(directory, exist_ok=True)
-            self.align, self.direct = self._probe()
-            self.slot_bytes = -(-self.codec.payload_bytes // self.align) * self.align
-            self.slab_slots = max(1, slab_bytes // self.slot_bytes)
+            self.slabs.configure(self.codec.payload_bytes, slab_bytes)
             self.max_io_slots = max(1, min(IOV_MAX, max_io_bytes // self.slot_bytes))
             geometry = {"block_bytes": block_bytes, "codec": self.codec.name, "slot_bytes": self.slot_bytes,
                         "slab_slots": self.slab_slots}
@@ -88,7 +81,7 @@ class SsdTier:
             self._fault(exc, f"opening {directory}")
             log.error("ssd tier unavailable (%s): serving from gpu and dram only", exc)
         log.info("ssd tier %s: %d slots of %d bytes (codec %s, %s, align %d)", directory, self.allocator.capacity,
-                 self.slot_bytes, self.codec.name, "O_DIRECT" if self.direct else "buffered", self.align)
+                 self.slot_bytes, self.codec.name, "O_DIRECT" if self.direct else "buffered", self.slabs.align)
 
     @property
     def faults(self) -> dict[str, int]:
@@ -109,42 +102,24 @@ class SsdTier:
     def backing(self) -> str:
         return f"posix-{'odirect' if self.direct else 'buffered'}:{self.dir}"
 
-    # --- setup -------------------------------------------------------------------------------
-    def _probe(self) -> tuple[int, bool]:
-        """(alignment, O_DIRECT works) for this directory's filesystem."""
-        path = os.path.join(self.dir, ".probe")
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, 8192)
-        finally:
-            os.close(fd)
-        buf = AlignedBuffer(4096)
-        try:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            except OSError:
-                log.warning("ssd tier: O_DIRECT unsupported in %s; using buffered I/O (page cache)", self.dir)
-                return 4096, False
-            try:
-                os.preadv(fd, [buf.mv[:512]], 512)
-                return 512, True
-            except OSError:
-                return 4096, True
-            finally:
-                os.close(fd)
-        finally:
-            os.unlink(path)
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot on disk: a block's payload padded to the filesystem's alignment."""
+        return self.slabs.slot_bytes
 
+    @property
+    def slab_slots(self) -> int:
+        return self.slabs.slab_slots
+
+    @property
+    def direct(self) -> bool:
+        """Whether the slabs are opened O_DIRECT (the filesystem allows it)."""
+        return self.slabs.direct
+
+    # --- setup -------------------------------------------------------------------------------
     def slots_for_budget(self, budget_bytes: int) -> int:
         fixed = meta_reserve_bytes(0, self.journal_cap)
         return max(0, (budget_bytes - fixed) // (self.slot_bytes + 2 * REC_BYTES))
-
-    def _slab_path(self, i: int) -> str:
-        return os.path.join(self.dir, f"slab-{i:05d}.kv")
-
-    def _open(self, i: int) -> int:
-        flags = os.O_CREAT | os.O_RDWR | (os.O_DIRECT if self.direct else 0)
-        return os.open(self._slab_path(i), flags, 0o600)
 
     def resize(self, slots: int) -> int:
         """Size the slab files for ``slots`` (used slots must be below); returns the slots now usable."""
@@ -161,60 +136,8 @@ class SsdTier:
         sets it under its own lock, after this)."""
         if not self.available:
             return 0
-        ss = self.slab_slots
-        want = [min(ss, slots - i * ss) for i in range(-(-slots // ss))]
-        usable, nslabs = 0, 0
         with self._lock:
-            for i, rows in enumerate(want):
-                cur = 0
-                try:
-                    if i >= len(self._fds):
-                        existed = os.path.exists(self._slab_path(i))
-                        self._fds.append(self._open(i))
-                        self._found.setdefault(i, os.fstat(self._fds[i]).st_size if existed else -1)
-                    fd, size = self._fds[i], rows * self.slot_bytes
-                    cur = os.fstat(fd).st_size
-                    if cur > size:
-                        os.ftruncate(fd, size)
-                    elif cur < size:
-                        self.io.fallocate(fd, 0, size)
-                except OSError as exc:
-                    self._fault(exc, f"sizing slab {i} to {rows} slots")
-                    if i < len(self._fds):  # keep what the slab had, plus what still fits on the disk
-                        got = self._fit(self._fds[i], cur, rows)
-                        if got:
-                            usable, nslabs = usable + got, i + 1
-                            log.warning("ssd tier: slab %d holds %d of %d slots (disk full)", i, got, rows)
-                    break
-                usable, nslabs = usable + rows, i + 1
-            for i in range(len(self._fds) - 1, nslabs - 1, -1):
-                os.close(self._fds.pop(i))
-                os.unlink(self._slab_path(i))
-            for name in os.listdir(self.dir):  # stale slabs of a bigger budget before a restart
-                if name.startswith("slab-") and int(name[5:10]) >= nslabs:
-                    os.unlink(os.path.join(self.dir, name))
-        return usable
-
-    def _fit(self, fd: int, cur: int, rows: int) -> int:
-        """After ENOSPC: grow the slab to what the filesystem still has room for; returns its slots. The
-        failed attempt may have left blocks allocated (ext4 keeps what posix_fallocate got before it ran
-        out): cut back to ``cur`` first, so that they count as free room."""
-        try:
-            os.ftruncate(fd, cur)
-        except OSError:
-            pass
-        st = os.statvfs(self.dir)
-        room = st.f_bavail * st.f_frsize - meta_reserve_bytes(rows, self.journal_cap)
-        size = min(rows * self.slot_bytes, max(cur, cur + room) // self.slot_bytes * self.slot_bytes)
-        try:
-            if size > cur:
-                self.io.fallocate(fd, 0, size)
-            else:
-                os.ftruncate(fd, size)
-        except OSError:
-            size = cur - cur % self.slot_bytes
-            os.ftruncate(fd, size)
-        return size // self.slot_bytes
+            return self.slabs.size(slots, self._fault)
 
     def _recover(self) -> None:
         """Startup: the index checked against the slabs before any block is trusted. Entries beyond the
@@ -224,7 +147,7 @@ class SsdTier:
         assert self.index is not None
         cap, ss = self.allocator.capacity, self.slab_slots
         beyond = [s for s in self.index.entries if s >= cap]
-        missing = [s for s in self.index.entries if s < cap and self._found.get(s // ss, -1) < (s % ss + 1) * self.slot_bytes]
+        missing = [s for s in self.index.entries if s < cap and not self.slabs.found_holds(s)]
         for slot in beyond + missing:
             self.index.delete(slot)
         if missing:
@@ -292,7 +215,7 @@ class SsdTier:
         sb, pos = self.slot_bytes, piece.pos
         iov = iovecs(buf.mv, pos, sb)
         off, n = piece.row * sb, len(pos) * sb
-        fd = self._fds[piece.slab]
+        fd = self.slabs.fds[piece.slab]
         if write:
             crcs = self._crcs(buf.mv, pos)
             done = self.io.pwritev(fd, iov, off)
@@ -364,7 +287,7 @@ class SsdTier:
         """Whether ``t`` can be the I/O buffer itself: aligned contiguous CPU bytes, stored as they are."""
         return (t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous()
                 and self.slot_bytes == self.codec.payload_bytes == self.block_bytes
-                and t.data_ptr() % self.align == 0)
+                and t.data_ptr() % self.slabs.align == 0)
 
     def read(self, slots: list[int], out: torch.Tensor) -> list[bool]:
         """Load blocks into out [n, block_bytes]; False for a block that is unreadable or fails its CRC
@@ -425,21 +348,12 @@ class SsdTier:
     @property
     def disk_bytes(self) -> int:
         """Bytes the tier's files occupy on disk now (allocated blocks)."""
-        total = 0
-        for name in os.listdir(self.dir):
-            try:
-                st = os.stat(os.path.join(self.dir, name))
-            except FileNotFoundError:  # removed meanwhile (an index snapshot put in place by its thread)
-                continue
-            total += max(st.st_size, st.st_blocks * 512)
-        return total
+        return self.slabs.disk_bytes()
 
     def close(self) -> None:
         self._runner.shutdown()
         self._compactor.shutdown(wait=True)
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        self.slabs.close()
         if self.index is not None:
             self.index.close()
 
