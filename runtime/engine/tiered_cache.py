@@ -349,7 +349,7 @@ class TieredKVCache:
         for u in self.store.usage():
             if u.tier == "gpu":  # the gpu budget is the envelope: the hot tier and the running sequences' reserve
                 u = TierUsage(u.tier, u.budget_bytes + reserve, u.capacity_bytes + reserve,
-                              u.used_bytes + tails, u.pages, u.pinned_pages, u.backing, u.page_reads, u.errors,
+                              u.used_bytes + tails, u.pages, u.backing, u.page_reads, u.errors,
                               u.cached_bytes)
             out.append(u)
         return out

@@ -48,7 +48,6 @@ class TierUsage:
     capacity_bytes: int  # slots actually available x bytes per page (<= budget)
     used_bytes: int  # pages stored x bytes per page (<= capacity)
     pages: int
-    pinned_pages: int
     backing: str  # e.g. "cpu", "cuda:0", "hugetlbfs:/mnt/huge", "anon-thp", "posix-odirect:/nvme"
     page_reads: int  # pages served from this tier
     errors: int  # I/O faults and corrupt pages counted by the tier

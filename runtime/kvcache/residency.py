@@ -87,6 +87,9 @@ class Residency:
         self.index = index
         self._lock = threading.RLock()
         self._blocks: dict[BlockKey, Block] = {}
+        # per tier, kept as copies come and go and ``needed`` flips (what usage() reports, without a walk):
+        self._copies_in: dict[TierName, int] = {}  # blocks with a copy (ready or reserved) in the tier
+        self._needed_in: dict[TierName, int] = {}  # ... of them needed by a running sequence
         self._owner: dict[tuple[TierName, int], BlockKey] = {}
         self._clock = 0
         self._owner_thread: int | None = None
@@ -113,24 +116,39 @@ class Residency:
         self._blocks[key] = b
         return b
 
+    def _set_copy(self, b: Block, tier: TierName, copy: Copy) -> None:
+        """Every copy of a block is set here (and removed in ``_drop``): the per-tier counts follow."""
+        if tier not in b.copies:
+            self._copies_in[tier] = self._copies_in.get(tier, 0) + 1
+            self._needed_in[tier] = self._needed_in.get(tier, 0) + b.needed
+        b.copies[tier] = copy
+
+    def _set_needed(self, b: Block, needed: bool) -> None:
+        if b.needed != needed:
+            for tier in b.copies:
+                self._needed_in[tier] += 1 if needed else -1
+            b.needed = needed
+
     def _reserve(self, b: Block, tier: TierName) -> int | None:
         """A free slot of ``tier`` for a not-yet-readable copy of ``b`` (no eviction)."""
         slot = self.tiers[tier].allocator.alloc()
         if slot is not None:
             self._owner[(tier, slot)] = b.key
-            b.copies[tier] = Copy(slot, False)
+            self._set_copy(b, tier, Copy(slot, False))
         return slot
 
     def _publish(self, b: Block, tier: TierName, slot: int) -> None:
         old = b.copies.get(tier)
         if old is not None and old.ready and old.slot != slot and tier in MEMORY_TIERS:  # moved within the tier
             self.index.unplace(tier, b.pid, b.key.layer, old.slot)
-        b.copies[tier] = Copy(slot, True)
+        self._set_copy(b, tier, Copy(slot, True))
         if tier in MEMORY_TIERS:
             self.index.place(tier, b.pid, b.key.layer, slot)
 
     def _drop(self, b: Block, tier: TierName) -> None:
         c = b.copies.pop(tier)
+        self._copies_in[tier] -= 1
+        self._needed_in[tier] -= b.needed
         if c.ready and tier in MEMORY_TIERS:
             if self._owner_thread is not None and threading.get_ident() != self._owner_thread:
                 raise RuntimeError(f"a published {tier} copy of {b.key} dropped off the owner thread")

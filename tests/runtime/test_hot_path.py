@@ -198,3 +198,53 @@ def test_an_ssd_tier_that_must_evict_frees_its_slots_without_journal_writes_unde
         assert reopened.cache.store.tiers["ssd"].forgotten_at_start == 0
     finally:
         reopened.close()
+
+
+def _walked(store: TieredKVStore) -> dict[str, tuple[int, int]]:
+    """(blocks with a copy, of them not needed) per tier, counted by walking the block table."""
+    out = {t: (0, 0) for t in store.tiers}
+    for b in store._blocks.values():
+        for t in b.copies:
+            held, cached = out[t]
+            out[t] = (held + 1, cached + (not b.needed))
+    return out
+
+
+def test_usage_comes_from_counters_that_agree_with_the_block_table(tiny: LoadedModel, tmp_path: Path) -> None:
+    """``usage()`` reads per-tier counters kept as copies come and go and ``needed`` flips, so a scrape does
+    not walk the blocks under the store's lock. Through demotions, promotions, prefetch, write-through, a
+    live shrink, sequences ending and a restart, the counters equal a walk of the block table."""
+    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
+    page = layout.page_bytes
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE)
+    tiers = TierConfig(gpu_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page,
+                       ssd_dir=str(tmp_path / "ssd"), ssd_bytes=1 << 20)
+
+    def check(gen: ModelRunner) -> None:
+        store = gen.cache.store
+        with store._lock:  # the transfer workers change blocks meanwhile: one consistent instant
+            walked, usage = _walked(store), store.usage()
+            counted = dict(store._copies_in)
+        for u in usage:
+            held, cached = walked[u.tier]
+            assert (counted.get(u.tier, 0), u.cached_bytes) == (held, cached * store.tiers[u.tier].slot_bytes)
+
+    gen = ModelRunner(tiny, replace(shape, tiers=tiers))
+    seen_cached = 0
+    for seed in range(3):
+        for i, _ in enumerate(gen.generate(_prompt(600, seed=seed), SamplingParams(max_tokens=12, ignore_eos=True))):
+            if i % 4 == 0:
+                check(gen)
+            if seed == 1 and i == 6:
+                gen.cache.set_budgets(6 * page + reserve_bytes(layout, shape), 16 * page, 1 << 20)
+        check(gen)  # the sequence ended: its pages are cached now
+        seen_cached += sum(u.cached_bytes for u in gen.cache.store.usage())
+    gen.close()
+    assert seen_cached > 0
+    again = ModelRunner(tiny, replace(shape, tiers=tiers))  # recovered SSD blocks: held, none needed
+    try:
+        check(again)
+        ssd = next(u for u in again.cache.store.usage() if u.tier == "ssd")
+        assert ssd.cached_bytes == ssd.used_bytes > 0
+    finally:
+        again.close()

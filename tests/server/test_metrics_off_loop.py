@@ -44,9 +44,10 @@ def test_a_slow_scrape_does_not_stall_other_requests(tiny_state: ServerState) ->
     assert status == 200 and "kvdrive_tier_capacity_bytes" in text
 
 
-def test_a_scrape_walks_the_block_table_once(tiny_state: ServerState) -> None:
-    """The store's usage walks every block under the store's lock: a scrape (which the router makes every
-    second per replica) asks for it once, and the walk is one pass over the blocks for all tiers."""
+def test_a_scrape_asks_the_store_for_its_usage_once(tiny_state: ServerState) -> None:
+    """A scrape (the router makes one every second per replica) asks the store for its usage once (it asked
+    3 times); usage reads counters under the store's lock, never a walk of the blocks
+    (tests/runtime/test_hot_path.py checks the counters)."""
     store = tiny_state.engine.engine.runner.cache.store
     real = store.usage
     walks: list[int] = []
