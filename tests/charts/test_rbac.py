@@ -28,10 +28,11 @@ from kopfenv import Cluster, eventually, run_operator
 
 from kvdrive.operator import router_manifests
 from kvdrive.operator.kubeclient import KubeApi, Ref
-from kvdrive.operator.objects import CHILDREN, CLAIMS, CR, EVENTS, PODS, STATEFULSETS
+from kvdrive.operator.objects import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS
 from kvdrive.operator.spec import parse_cr
 
 REPO = Path(__file__).resolve().parents[2]
+EVENTS = Ref("v1", "Event", "events")  # what the operator posts (through kopf), read back here
 KUBECLIENT_VERBS = {"get": {"get"}, "list": {"list"}, "create": {"create"}, "apply": {"patch"}, "delete": {"delete"}}
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
 

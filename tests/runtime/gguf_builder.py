@@ -109,3 +109,30 @@ def load_into(model: torch.nn.Module, weights: dict[str, Any]) -> None:
         for name, p in model.state_dict().items():
             if name in weights:
                 p.copy_(torch.from_numpy(np.asarray(weights[name])))
+
+
+def written_reference(path: Path, ref: torch.nn.Module, qtype: str) -> tuple[list[int], torch.Tensor]:
+    """Write ``ref`` (a transformers Llama) to ``path`` as GGUF in ``qtype``, give ``ref`` the values the file
+    holds, and return 12 token ids with ``ref``'s fp32 logits at every position ([12, V])."""
+    load_into(ref, write_gguf(path, ref, qtype=qtype))
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        return ids, ref(torch.tensor([ids])).logits[0].float()
+
+
+def decoded_logits(path: Path, ids: list[int], weights: str, device: str = "cpu") -> torch.Tensor:
+    """The engine's logits at every position of ``ids``, one decode step a token (the decode path), on the
+    CPU: [len(ids), V]."""
+    from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
+    from kvdrive.runtime.model import load_model
+
+    loaded = load_model(str(path), device=device, progress=False, weights=weights)
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
+    try:
+        seq = gen.new_sequence()
+        out = [gen.prefill(seq, ids[:1]).reshape(-1)]
+        for t in ids[1:]:
+            out.append(gen.decode([(seq, t)])[0].reshape(-1))
+        return torch.stack(out).float().cpu()
+    finally:
+        gen.close()

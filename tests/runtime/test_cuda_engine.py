@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from enginekit import run_dry, small_engine, submit, tokens, with_reserve
-from gguf_builder import load_into, write_gguf
+from gguf_builder import decoded_logits, written_reference
 
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import LoadedModel, load_model
@@ -167,21 +167,8 @@ def test_a_quantized_gguf_decodes_on_cuda_close_to_its_fp32_reference(qtype: str
     """The file's blocks on CUDA (auto: tinygemm int4 for Q4) against transformers in fp32 with the values the
     file holds: bf16 activations cost some precision, so the bar is on the greedy tokens and a loose KL."""
     _, ref = hf_model_factory(arch="llama", tie=False, hidden_size=128, intermediate_size=256)
-    held = write_gguf(tmp_path / "tiny.gguf", ref, qtype=qtype)
-    load_into(ref, held)
-    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0].float()
-    loaded = load_model(str(tmp_path / "tiny.gguf"), device="cuda", progress=False, weights=weights)
-    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
-    try:
-        seq = gen.new_sequence()
-        out = [gen.prefill(seq, ids[:1]).reshape(-1)]
-        for t in ids[1:]:
-            out.append(gen.decode([(seq, t)])[0])
-        got = torch.stack(out).float().cpu()
-    finally:
-        gen.close()
+    ids, expected = written_reference(tmp_path / "tiny.gguf", ref, qtype)
+    got = decoded_logits(tmp_path / "tiny.gguf", ids, weights, device="cuda")
     kl = torch.nn.functional.kl_div(got.log_softmax(-1), expected.log_softmax(-1), log_target=True,
                                     reduction="batchmean")
     assert float(kl) < 5e-3, float(kl)

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf_builder import load_into, write_gguf
+from gguf_builder import decoded_logits, written_reference
 
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
+from kvdrive.runtime.engine import EngineConfig, ModelRunner
 from kvdrive.runtime.model import block_kernels, load_model
 from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, read_blocks
 from kvdrive.runtime.model.gguf_loader import _dequantize
@@ -169,17 +169,6 @@ def test_requantized_float_weights_cost_what_their_format_costs(fmt: str, bound:
         assert torch.equal(requantize(w, fmt).dequantize(), block_kernels.dequantize(layer.packed))
 
 
-def _decode_logits(path: Path, ids: list[int], weights: str) -> torch.Tensor:
-    """Logits of every position computed one token at a time (decode steps: the block kernels' path)."""
-    loaded = load_model(str(path), progress=False, weights=weights)
-    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig()))
-    seq = gen.new_sequence()
-    out = [gen.prefill(seq, ids[:1])]
-    for t in ids[1:]:
-        out.append(gen.decode([(seq, t)])[0])
-    return torch.stack([o.reshape(-1) for o in out])
-
-
 @pytest.mark.parametrize("qtype,weights", [("Q4_1", "auto"), ("Q4_0", "int4"), ("Q8_0", "auto"),
                                            ("Q5_1", "int8"), ("Q4_1", "int8")])
 @pytest.mark.parametrize("tie", [False, True])
@@ -188,12 +177,8 @@ def test_decode_in_the_files_blocks_matches_the_reference(qtype: str, weights: s
     """A tiny llama written as GGUF (llama.cpp's q/k row order included) decodes in its blocks to what
     transformers computes in fp32 with the same weights."""
     _, ref = hf_model_factory(arch="llama", tie=tie, hidden_size=64, intermediate_size=96)
-    held = write_gguf(tmp_path / "tiny.gguf", ref, qtype=qtype)
-    load_into(ref, held)
-    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0)).tolist()
-    with torch.no_grad():
-        expected = ref(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(_decode_logits(tmp_path / "tiny.gguf", ids, weights), expected, atol=3e-4, rtol=1e-3)
+    ids, expected = written_reference(tmp_path / "tiny.gguf", ref, qtype)
+    torch.testing.assert_close(decoded_logits(tmp_path / "tiny.gguf", ids, weights), expected, atol=3e-4, rtol=1e-3)
 
 
 @pytest.fixture(scope="module")
