@@ -308,11 +308,16 @@ class Reconciler:
 Connect = Callable[..., "kopf.ConnectionInfo | None | Any"]
 
 
+def _post_event(cr: dict[str, Any], kind: str, reason: str, message: str) -> None:
+    """The live loop's Events, posted by Kopf's event poster (it retries, and logs a failure)."""
+    kopf.event(cr, type=kind, reason=reason, message=message)
+
+
 def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> kopf.OperatorRegistry:
     """A fresh registry with every handler; ``connect`` is the login (tests log in to their own API server)."""
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler()
-    live = LiveController(reconciler.session)
+    live = LiveController(reconciler.session, _post_event)
 
     @kopf.on.login(registry=registry)
     async def log_in(**kwargs: Any) -> kopf.ConnectionInfo | None:

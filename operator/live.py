@@ -21,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import kopf
-
 from kvdrive.operator import autoscale, tuning
 from kvdrive.operator.childmeta import Names, selector_labels
 from kvdrive.operator.conditions import now_rfc3339
@@ -54,6 +52,7 @@ from kvdrive.operator.quantity import to_bytes
 from kvdrive.operator.spec import KVDriveSpec, SpecError, parse_cr
 
 IDLE_SECONDS = 30.0  # period of a CR that cannot be read or parsed
+PostEvent = Callable[[dict[str, Any], str, str, str], None]  # (cr, Normal | Warning, reason, message)
 SSD_GRANULE = 1 << 20  # recommended SSD sizes are whole MiB (DRAM: whole hugepages)
 Logger = logging.Logger | logging.LoggerAdapter
 
@@ -79,8 +78,11 @@ class _Pod:
 class LiveController:
     """Runs rounds for any number of CRs; ``session`` gives the Kubernetes API once logged in."""
 
-    def __init__(self, session: Callable[[], KubeApi | None], clock: Callable[[], float] = time.monotonic) -> None:
-        self._session, self._clock = session, clock
+    def __init__(self, session: Callable[[], KubeApi | None], post_event: PostEvent,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``post_event(cr, type, reason, message)``: a core/v1 Event on the CR (``kubectl describe kvd``
+        shows it); handlers.py passes Kopf's poster, which retries and logs a failure."""
+        self._session, self._event, self._clock = session, post_event, clock
         self._pods = PodClient()
         self._memory: dict[tuple[str, str], _Memory] = {}
 
@@ -169,7 +171,7 @@ class LiveController:
             if result.ok:
                 memory.pods[pod.uid] = history.changed(now, decision.summary)
                 logger.info("pod %s: %s", pod.name, decision.summary)
-                _event(cr, "Normal", "ConcurrencyChanged", budget_event(pod.name, decision.summary))
+                self._event(cr, "Normal", "ConcurrencyChanged", budget_event(pod.name, decision.summary))
                 continue
             if result.status == 422:  # the pod cannot: the limit is capped where it stands, and a window passes
                 summary = f"{decision.summary} -- refused (422): {result.detail}"
@@ -181,11 +183,10 @@ class LiveController:
                 memory.pods[pod.uid] = history.changed(now, summary)
                 reason = "ConcurrencyNotApplied"
             logger.warning("pod %s: %s", pod.name, summary)
-            _event(cr, "Warning", reason, budget_event(pod.name, summary))
+            self._event(cr, "Warning", reason, budget_event(pod.name, summary))
 
-    @staticmethod
-    async def _recommend(api: KubeApi, cr: dict[str, Any], pod: _Pod, decision: tuning.Decision, memory: _Memory,
-                         logger: Logger) -> None:
+    async def _recommend(self, api: KubeApi, cr: dict[str, Any], pod: _Pod, decision: tuning.Decision,
+                         memory: _Memory, logger: Logger) -> None:
         """Remember the pod's right-sizing recommendations when they change (tier and size); one Normal
         Event per new one. Nothing is changed on the pod."""
         history = memory.pods[pod.uid]
@@ -196,7 +197,7 @@ class LiveController:
         for rec in decision.recommendations:
             if (rec.tier, rec.recommended) not in before:
                 logger.info("pod %s: %s", pod.name, rec.describe())
-                _event(cr, "Normal", "TierRightSizing", recommendation_event(pod.name, rec))
+                self._event(cr, "Normal", "TierRightSizing", recommendation_event(pod.name, rec))
 
     async def _autoscale(self, api: KubeApi, cr: dict[str, Any], spec: KVDriveSpec, pods: list[_Pod],
                          memory: _Memory, logger: Logger) -> dict[str, Any]:
@@ -223,13 +224,13 @@ class LiveController:
             if conflict is not None:
                 message = f"replicas {current} -> {decision.replicas} not applied: {conflict}"
                 logger.warning("%s", message)
-                _event(cr, "Warning", "ScaleConflict", message)
+                self._event(cr, "Warning", "ScaleConflict", message)
                 report.update(desiredReplicas=decision.replicas, recommendation=decision.recommendation,
                               lastDecision=message[:1024])
                 return report
             reason, message = scale_event(current, decision.replicas, decision.reason)
             logger.info("%s", message)
-            _event(cr, "Normal", reason, message)
+            self._event(cr, "Normal", reason, message)
             memory.last_scale_time, memory.last_decision = now_rfc3339(), message
         report.update(desiredReplicas=decision.replicas, recommendation=decision.recommendation)
         if memory.last_scale_time:
@@ -251,9 +252,3 @@ class LiveController:
                 return "; ".join(str(f) for f in exc.fields)
             await api.apply(STATEFULSETS, namespace, body, AUTOSCALER, force=True)
         return None
-
-
-def _event(cr: dict[str, Any], kind: str, reason: str, message: str) -> None:
-    """A core/v1 Event on the CR (``kubectl describe kvd`` shows it), posted by Kopf's event poster (it
-    retries, and logs a failure: the loop goes on)."""
-    kopf.event(cr, type=kind, reason=reason, message=message)
