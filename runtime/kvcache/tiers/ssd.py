@@ -248,6 +248,8 @@ class SsdTier:
             return
         if not self.available:
             raise TierIOError(errno.EROFS, "ssd tier unavailable")
+        if self.index is not None and self.index.pending_deletes():  # a freed slot's DEL record goes out before
+            self._flush_deletes()  # any new bytes land in a slot (a reused one would read as corrupt after a crash)
         n, sb, pb = len(slots), self.slot_bytes, self.codec.payload_bytes
         if self._zero_copy(blocks):  # write straight from the caller's aligned memory
             buf: AlignedBuffer | Borrowed = Borrowed(blocks)
@@ -332,7 +334,8 @@ class SsdTier:
 
     def discard(self, slot: int) -> None:
         """Free a slot's block: no I/O here (the store calls this under its lock); the index's DEL record is
-        appended on the index thread."""
+        appended on the index thread, or by the next ``write`` before its data (never under the store's
+        lock), so a slot is never rewritten while its old entry could still be replayed."""
         with self._lock:
             self._crc.pop(slot, None)
             if self.index is not None and self.index.delete(slot) and not self._flush_queued:

@@ -18,12 +18,12 @@ Until the old journal is gone the new one stays under ``journal_cap``, so the jo
 than the two caps ``meta_reserve_bytes`` counts.
 Ordering: data write completes -> PUT record appended -> the block is visible after a restart.
 Freeing a slot does no I/O (its caller may hold the store's lock): the slot leaves ``entries`` at once and
-its DEL record is appended by ``flush_deletes``, which the tier runs on its index thread, and which every
-later record waits for (a PUT appends the pending DELs before itself, so replay sees them in order). A
-crash before a DEL is out brings its block back whole (the slot untouched), or, if the slot was
-overwritten since, as a block whose data CRC fails: the record's CRC is verified on every read (and
-sampled at startup), so a slot overwritten without its DEL record reads as corrupt, never as the old
-block.
+its DEL record is appended by ``flush_deletes``, which the tier runs on its index thread and before it
+writes any block's data (so no slot is rewritten while its old entry could still be replayed), and which
+every later record waits for (a PUT appends the pending DELs before itself, so replay sees them in
+order). A crash before a DEL is out brings its block back whole: its slot was not written since. Were a
+slot ever overwritten without its DEL record, the block's data CRC (in the record, verified on every
+read and sampled at startup) would read it as corrupt, never as the old block.
 """
 
 from __future__ import annotations
@@ -220,6 +220,10 @@ class SsdIndex:
             return False
         self._dels.append(slot)
         return True
+
+    def pending_deletes(self) -> int:
+        """DEL records not yet appended."""
+        return len(self._dels)
 
     def flush_deletes(self) -> bool:
         """Append the pending DEL records, in one write. False (logged, counted) when that failed: their
