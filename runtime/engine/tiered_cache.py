@@ -68,8 +68,9 @@ class TieredKVCache:
         self.envelope.envelope_bytes = gpu
         self.store = TieredKVStore(
             layout, self._store_budgets(gpu, tiers.dram_bytes, tiers.ssd_bytes), ssd_dir=tiers.ssd_dir,
-            device=device, hugetlbfs_dir=tiers.hugetlbfs_dir, ssd_codec=tiers.ssd_codec, ssd_backend=tiers.ssd_backend,
-            io_threads=tiers.io_threads, device_extra_rows=config.max_sequences * layout.num_layers)
+            device=device, hugetlbfs_dir=tiers.hugetlbfs_dir, ssd_codec=tiers.ssd_codec,
+            ssd_backend=tiers.ssd_backend, io_threads=tiers.io_threads,
+            device_extra_rows=config.max_sequences * layout.num_layers)
         self.placer = Placer(self.policy, self.store)
         # a hybrid model's prefix reuse restores the sliding layers' window from snapshots (window_snapshots)
         self.snapshots = WindowSnapshots(

@@ -325,5 +325,3 @@ class Residency:
                         self._drop(b, m.src)
                 elif m.dst in b.copies and b.copies[m.dst].slot == m.dst_slot:
                     self._drop(b, m.dst)  # a reservation never published: safe from any thread
-
-    # --- live budgets ----------------------------------------------------------------------------

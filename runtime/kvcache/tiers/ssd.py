@@ -1,12 +1,13 @@
 """The SSD tier: preallocated slab files, O_DIRECT aligned I/O, per-block CRCs.
 
-Owns the bytes on the NVMe volume: slab files ``slab-NNNNN.kv`` of ``slab_slots`` slots each (their
-geometry and sizes are ``ssd_slabs.SlabFiles``), adjacent slots coalesced into one preadv/pwritev per piece (``ssd_io``: the caller runs the first
-piece, a pool the others; aligned caller memory is read into / written from directly), a CRC32 of
-every slot (``checksum``) recorded when its write completes and verified on every read (a mismatch
-is a miss, never served), and the persisted index of content-addressed blocks (``ssd_index``). The on-disk total
-(slabs + index files) never exceeds the byte budget. Faults (ENOSPC, EIO, read-only) are logged,
-counted in ``faults`` and surface as TierIOError / a miss; the tier keeps serving what it can.
+Owns the bytes on the NVMe volume: slab files ``slab-NNNNN.kv`` of ``slab_slots`` slots each (their geometry
+and sizes are ``ssd_slabs.SlabFiles``), adjacent slots coalesced into one preadv/pwritev per piece
+(``ssd_io``: the caller runs the first piece, a pool the others; aligned caller memory is read into / written
+from directly), a CRC32 of every slot (``checksum``) recorded when its write completes and verified on every
+read (a mismatch is a miss, never served), and the persisted index of content-addressed blocks
+(``ssd_index``). The on-disk total (slabs + index files) never exceeds the byte budget. Faults (ENOSPC, EIO,
+read-only) are logged, counted in ``faults`` and surface as TierIOError / a miss; the tier keeps serving what
+it can.
 """
 
 from __future__ import annotations
