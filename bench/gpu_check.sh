@@ -9,11 +9,14 @@
 #   tiers     `kvdrive bench tiers` (POSIX O_DIRECT backend; KvikIO too when usable) -> tiers-gpu*.json/png
 #   generate  the demo model's greedy answer to one chat prompt on CUDA and on the CPU, each in its default
 #             formats and in float32 -> generate.txt (stderr: generate.log)
+#   profile   where a fresh prompt's prefill spends its time on $DEVICE: wall time per chunk with every page
+#             on the device tier, then under the decode bench's kvdrive budgets (SSD write-back), then
+#             cProfile and torch.profiler tables of the latter -> profile-prefill.txt
 #   decode    `kvdrive bench decode --device cuda`: the placements, full attention on the device and the compute
 #             floor in one run -> decode-gpu.json/md/png
 # Environment: PY (a python with torch and the project's dependencies: default .venv/bin/python, else python3);
 # OUT (default bench/results/gpu); SSD_DIR (default /tmp/kvdrive-gpu); MODEL (default demo); CONTEXTS, BATCHES,
-# MODES, STEPS, WARMUP (the decode stage); TESTS_K (a pytest -k expression for the tests stage); DEVICE (default cuda; ALLOW_CPU=1 runs every stage on a CPU host, as
+# MODES, STEPS, WARMUP (the decode stage); PROFILE_CTX (the profile stage's prompt, default 7168 tokens); TESTS_K (a pytest -k expression for the tests stage); DEVICE (default cuda; ALLOW_CPU=1 runs every stage on a CPU host, as
 # a smoke test of this script: the GPU tests skip there); STRICT=1 fails when a GPU-marked test skipped.
 # Every stage runs even when one before it failed; the exit status counts the stages that failed.
 set -uo pipefail
@@ -123,6 +126,75 @@ run_generate() {
   done
 }
 
+run_profile() {
+  stage "profile: a fresh ${PROFILE_CTX:-7168}-token prefill of $MODEL on $DEVICE"
+  "$PY" - "$MODEL" "$DEVICE" "${PROFILE_CTX:-7168}" "$SSD_DIR/profile" <<'EOF' 2>&1 | tee "$OUT/profile-prefill.txt"
+import cProfile, io, pstats, shutil, sys, time
+import torch
+from kvdrive.runtime.bench.texts import filler_tokens
+from kvdrive.runtime.engine import ModelRunner
+from kvdrive.runtime.engine.kv_state import EngineConfig, TierConfig
+from kvdrive.runtime.model import load_model
+
+model, device, ctx, root = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+loaded = load_model(model, device=device)
+sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+probe = ModelRunner(loaded, EngineConfig(max_sequences=1))
+total = ctx * (probe.cache.layout.page_bytes // probe.cache.layout.page_size)
+probe.close()
+
+def config(where: str) -> EngineConfig:
+    if where == "device":
+        return EngineConfig(tiers=TierConfig(gpu_bytes=3 * total + (256 << 20)), max_sequences=1)
+    return EngineConfig(tiers=TierConfig(gpu_bytes=int(total * 0.1) + (64 << 20), dram_bytes=total // 4,
+                                         ssd_dir=root, ssd_bytes=2 * total + (64 << 20)), max_sequences=1)
+
+def prefill(where: str, seed: int, profile=None) -> None:
+    shutil.rmtree(root, ignore_errors=True)
+    gen = ModelRunner(loaded, config(where))
+    toks = filler_tokens(loaded.tokenizer, ctx, seed=seed)
+    chunk = gen.config.prefill_chunk
+    try:
+        seq, reused = gen.open_sequence(toks)
+        assert reused == 0, reused
+        times = []
+        for i in range(0, len(toks), chunk):
+            sync()
+            t0 = time.perf_counter()
+            if profile is not None:
+                profile.enable()
+            gen.prefill(seq, toks[i:i + chunk])
+            sync()
+            if profile is not None:
+                profile.disable()
+            times.append(time.perf_counter() - t0)
+        print(f"{where:7s} {len(toks)} tokens in {sum(times):.2f} s; per {chunk}-token chunk (ms):",
+              " ".join(f"{t * 1e3:.0f}" for t in times), flush=True)
+    finally:
+        gen.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+prefill("device", 1)  # warm-up: kernels, allocator
+for where in ("device", "tiered"):
+    prefill(where, 4000)
+prof = cProfile.Profile()
+prefill("tiered", 4001, profile=prof)
+s = io.StringIO()
+st = pstats.Stats(prof, stream=s).strip_dirs()
+st.sort_stats("cumulative").print_stats(45)
+st.sort_stats("tottime").print_stats(30)
+print(s.getvalue(), flush=True)
+cuda = device.startswith("cuda")
+acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+with torch.profiler.profile(activities=acts) as tp:
+    prefill("tiered", 4002)
+table = tp.key_averages()
+print(table.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30, max_name_column_width=60))
+print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+EOF
+  return "${PIPESTATUS[0]}"
+}
+
 run_decode() {
   stage "decode: $MODEL on $DEVICE, contexts $CONTEXTS, batches $BATCHES, modes $MODES"
   # shellcheck disable=SC2086  # the lists are meant to split into arguments
@@ -143,8 +215,9 @@ for s in "${stages[@]}"; do
     tests) run_tests ;;
     tiers) run_tiers ;;
     generate) run_generate ;;
+    profile) run_profile ;;
     decode) run_decode ;;
-    *) echo "unknown stage $s (tests, tiers, generate, decode, all)" >&2; false ;;
+    *) echo "unknown stage $s (tests, tiers, generate, profile, decode, all)" >&2; false ;;
   esac
   rc=$?
   if [[ $rc -ne 0 ]]; then
