@@ -9,6 +9,8 @@
 #   tiers     `kvdrive bench tiers` (POSIX O_DIRECT backend; KvikIO too when usable) -> tiers-gpu*.json/png
 #   generate  the demo model's greedy answer to one chat prompt on CUDA and on the CPU, each in its default
 #             formats and in float32 -> generate.txt (stderr: generate.log)
+#   attention a 512-token prompt chunk's attention, the fused lower-right kernel against the explicit mask,
+#             at the demo model's heads -> attention-gpu.txt
 #   profile   where a fresh prompt's prefill spends its time on $DEVICE: wall time per chunk with every page
 #             on the device tier, then under the decode bench's kvdrive budgets (SSD write-back), then
 #             cProfile and torch.profiler tables of the latter -> profile-prefill.txt
@@ -126,6 +128,42 @@ run_generate() {
   done
 }
 
+run_attention() {
+  stage "attention: a 512-token chunk continuing T tokens on $DEVICE, fused lower-right kernel vs explicit mask"
+  "$PY" - "$DEVICE" <<'EOF' 2>&1 | tee "$OUT/attention-gpu.txt"
+import sys, time
+import torch
+from kvdrive.runtime.attention import causal_attention
+
+device = torch.device(sys.argv[1])
+sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+hq, hkv, d, n = 9, 3, 64, 512  # the demo model's heads
+print(f"{'dtype':9s} {'T':>6s} {'explicit ms':>12s} {'fused ms':>9s} {'speedup':>8s} {'max |diff|':>10s}")
+for dtype in (torch.bfloat16, torch.float32):
+    for t in (1024, 4096, 7168, 16384):
+        q = torch.randn(n, hq, d, device=device, dtype=dtype)
+        k, v = (torch.randn(hkv, t, d, device=device, dtype=dtype) for _ in range(2))
+        pos = torch.arange(t - n, t, device=device)
+        ms, outs = [], []
+        for fused in (False, True):
+            outs.append(causal_attention(q, k, v, pos, fused=fused))  # warm-up
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                causal_attention(q, k, v, pos, fused=fused)
+            sync()
+            ms.append((time.perf_counter() - t0) * 100)
+        diff = (outs[0].float() - outs[1].float()).abs().max().item()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            causal_attention(q, k, v, pos)
+        ran = sorted({e.key for e in prof.key_averages() if e.key.startswith(("aten::_scaled_dot", "aten::_efficient",
+                                                                             "aten::_flash"))})
+        print(f"{str(dtype)[6:]:9s} {t:6d} {ms[0]:12.2f} {ms[1]:9.2f} {ms[0] / ms[1]:7.1f}x {diff:10.2e}  {ran}",
+              flush=True)
+EOF
+  return "${PIPESTATUS[0]}"
+}
+
 run_profile() {
   stage "profile: a fresh ${PROFILE_CTX:-7168}-token prefill of $MODEL on $DEVICE"
   "$PY" - "$MODEL" "$DEVICE" "${PROFILE_CTX:-7168}" "$SSD_DIR/profile" <<'EOF' 2>&1 | tee "$OUT/profile-prefill.txt"
@@ -215,9 +253,10 @@ for s in "${stages[@]}"; do
     tests) run_tests ;;
     tiers) run_tiers ;;
     generate) run_generate ;;
+    attention) run_attention ;;
     profile) run_profile ;;
     decode) run_decode ;;
-    *) echo "unknown stage $s (tests, tiers, generate, profile, decode, all)" >&2; false ;;
+    *) echo "unknown stage $s (tests, tiers, generate, attention, profile, decode, all)" >&2; false ;;
   esac
   rc=$?
   if [[ $rc -ne 0 ]]; then

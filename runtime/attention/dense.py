@@ -1,9 +1,16 @@
 """Exact (dense) causal attention over a sequence's gathered K/V, with grouped-query heads.
 
-A prompt chunk that continues a sequence attends through an explicit mask, which PyTorch's CPU kernel
-materialises together with the scores ([Hq, N, T] floats each). The queries are therefore processed in
-row tiles sized so that one tile's scores stay under ``SCORE_TILE_BYTES``: prefill working memory is
-bounded by a constant instead of growing with chunk size x context length.
+A prompt chunk that continues a sequence (its N queries are the last N of the T positions) has a
+bottom-right aligned causal mask. On CUDA that mask is passed as ``causal_lower_right``, which the fused
+flash / memory-efficient kernels take without materialising it. Given as an explicit boolean mask, SDPA
+falls back to its math kernel, which upcasts bf16 to fp32 and materialises the scores: on an H200 that
+made a 7,168-token prefill of the demo model 2 s of mostly attention (bench/results/gpu/). The fused
+kernels also take only 4-D inputs, so every call here adds a batch dimension of one.
+
+Elsewhere (the CPU, or positions that are not one contiguous run ending at T-1) the mask is explicit, and
+PyTorch's CPU kernel materialises it together with the scores ([Hq, N, T] floats each). The queries are
+therefore processed in row tiles sized so that one tile's scores stay under ``SCORE_TILE_BYTES``: prefill
+working memory is bounded by a constant instead of growing with chunk size x context length.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 SCORE_TILE_BYTES = 16 << 20  # scores of one query tile: Hq x rows x T x 4 bytes at most
 
@@ -22,9 +30,11 @@ def causal_attention(
     v: torch.Tensor,  # [Hkv, T, D]
     q_positions: torch.Tensor,  # [N] absolute positions of the queries
     tile_bytes: int = SCORE_TILE_BYTES,
+    fused: bool | None = None,  # the fused lower-right kernel for a contiguous chunk (None: on CUDA only)
 ) -> torch.Tensor:  # [N, Hq, D]
     n, t = q.shape[0], k.shape[1]
-    qh, kh, vh = q.transpose(0, 1), k, v  # [H, N|T, D]
+    # [1, H, N|T, D]: SDPA's fused CUDA kernels take 4-D inputs only (3-D ones always run the math kernel)
+    qh, kh, vh = q.transpose(0, 1)[None], k[None], v[None]
     scale = 1.0 / math.sqrt(q.shape[-1])
     if kh.dtype != qh.dtype:
         kh, vh = kh.to(qh.dtype), vh.to(qh.dtype)
@@ -32,14 +42,25 @@ def causal_attention(
         out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
     elif n == t:  # fresh prefill: queries are positions 0..T-1 (fused causal kernel, no mask)
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    elif (q.is_cuda if fused is None else fused) and _ends_the_sequence(q_positions, t):
+        g = qh.shape[1] // kh.shape[1]  # the fused lower-right path takes equal head counts
+        kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)  # [1, Hq, T, D]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, t), scale=scale)
     else:
-        rows = max(1, tile_bytes // (qh.shape[0] * t * 4))
+        rows = max(1, tile_bytes // (qh.shape[1] * t * 4))
         tiles = []
         for a in range(0, n, rows):
             pos = q_positions[a : a + rows]
             end = min(t, int(pos.max()) + 1)  # keys after the tile's last position are masked anyway
             mask = torch.arange(end, device=q.device)[None, :] <= pos[:, None]  # [rows, end]
-            tiles.append(F.scaled_dot_product_attention(qh[:, a : a + rows], kh[:, :end], vh[:, :end],
+            tiles.append(F.scaled_dot_product_attention(qh[:, :, a : a + rows], kh[:, :, :end], vh[:, :, :end],
                                                         attn_mask=mask, scale=scale, enable_gqa=True))
-        out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
-    return out.transpose(0, 1)
+        out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=2)
+    return out[0].transpose(0, 1)
+
+
+def _ends_the_sequence(q_positions: torch.Tensor, t: int) -> bool:
+    """Whether the queries' positions ([N], increasing) are exactly T-N..T-1 (one sync, per layer)."""
+    n = q_positions.shape[0]
+    first, last = (int(x) for x in q_positions[[0, -1]].tolist())
+    return first == t - n and last == t - 1

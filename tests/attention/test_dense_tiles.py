@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from kvdrive.runtime.attention import causal_attention
@@ -35,3 +36,34 @@ def test_a_single_row_tile_still_sees_exactly_its_own_prefix() -> None:
     pos = torch.arange(7, 12)
     out = causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), pos, tile_bytes=1)
     assert torch.allclose(out, _reference(q, k, v, pos), atol=1e-5)
+
+
+def test_the_fused_lower_right_path_equals_the_explicit_mask() -> None:
+    """The path CUDA takes for a chunk continuing its sequence (forced here on the CPU) gives the same
+    result; positions that do not end the sequence keep the explicit mask, and are still exact."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(64, 6, 32), torch.randn(400, 2, 32), torch.randn(400, 2, 32)
+    kh, vh = k.transpose(0, 1), v.transpose(0, 1)
+    pos = torch.arange(336, 400)
+    fused = causal_attention(q, kh, vh, pos, fused=True)
+    assert torch.allclose(fused, _reference(q, k, v, pos), atol=1e-5)
+    gaps = torch.arange(0, 128, 2)  # not one run ending at T-1: only the explicit mask is right
+    assert torch.allclose(causal_attention(q, kh[:, :127], vh[:, :127], gaps, fused=True),
+                          _reference(q, k[:127], v[:127], gaps), atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_on_cuda_a_continuing_chunk_attends_through_the_fused_kernel_exactly(dtype: torch.dtype) -> None:
+    """The demo model's shapes (9 query heads over 3 KV heads, 64 dims): a 512-token chunk continuing a
+    2,048-token sequence, on CUDA, against the explicit softmax on the CPU in float32."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(512, 9, 64), torch.randn(2048, 3, 64), torch.randn(2048, 3, 64)
+    pos = torch.arange(1536, 2048)
+    dev = [x.to("cuda", dtype) for x in (q, k.transpose(0, 1), v.transpose(0, 1))]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = causal_attention(dev[0], dev[1], dev[2], pos.cuda()).float().cpu()
+    assert torch.allclose(out, _reference(q, k, v, pos), atol=3e-2 if dtype == torch.bfloat16 else 1e-4)
+    kernels = {e.key for e in prof.key_averages() if "scaled_dot_product" in e.key or "attention_forward" in e.key}
+    assert not any("math" in name for name in kernels), kernels  # a fused kernel ran, not the math fallback
