@@ -6,7 +6,8 @@ list pods, get the admin Secret, apply the StatefulSet's replicas as the ``AUTOS
 apply its part of the CR's status as ``LIVE``), read each pod's ``/metrics`` with a timeout, let
 ``tuning.decide`` and ``autoscale.decide`` judge, apply each pod's concurrency limit (the split of its
 fixed device envelope) through ``PUT /admin/tiers`` and replicas on the StatefulSet, post an Event for
-every change and every new right-sizing recommendation with the numbers behind it, and write
+every change and every new right-sizing recommendation with the numbers behind it (a change whose PUT got
+no answer in time is a Warning, then a ``ConcurrencyChanged`` once the pod's metrics show it), and write
 ``status.pods``, ``status.budgets``, ``status.maxRunning``, ``status.recommendations`` and
 ``status.autoscaling``. The memory it keeps (metric histories, past recommendations) is per controller
 instance.
@@ -150,6 +151,7 @@ class LiveController:
         """Decide each pod's concurrency limit and apply the changes; report new recommendations."""
         limits, policy = tuning.limits_from_spec(spec), tuning.policy_from_spec(spec)
         sizes, granules = tuning.tier_sizes(spec), {"dram": to_bytes(spec.tiers.dram.huge_page_size), "ssd": SSD_GRANULE}
+        self._confirm(cr, pods, memory, logger)
         decisions = {p.uid: tuning.decide(memory.pods[p.uid], limits, policy, sizes, granules) for p in pods}
         for pod in pods:
             await self._recommend(api, cr, pod, decisions[pod.uid], memory, logger)
@@ -161,11 +163,12 @@ class LiveController:
         if token is None:
             logger.warning("no admin token in Secret %s: cannot change concurrency", Names(meta["name"]).secret)
             return
-        for pod in changing:
+        # all at once: each PUT may wait for its pod's next engine step, up to applyTimeoutSeconds
+        targets = [(p, n) for p in changing if (n := decisions[p.uid].new_max_running) is not None]
+        results = await asyncio.gather(*(self._pods.set_running(p.url, token, n, spec.tuning.apply_timeout_seconds)
+                                         for p, n in targets))
+        for (pod, _), result in zip(targets, results, strict=True):
             decision = decisions[pod.uid]
-            assert decision.new_max_running is not None  # decision.changed
-            result = await self._pods.set_running(pod.url, token, decision.new_max_running,
-                                                  spec.tuning.scrape_timeout_seconds)
             now, history = self._clock(), memory.pods[pod.uid]
             memory.changed_at[pod.uid] = now_rfc3339()
             if result.ok:
@@ -177,13 +180,28 @@ class LiveController:
                 summary = f"{decision.summary} -- refused (422): {result.detail}"
                 memory.pods[pod.uid] = history.refused(decision, now, summary)
                 reason = "ConcurrencyRefused"
+            elif result.status == 0:  # no answer: the pod may apply it later, which its metrics will show
+                summary = f"{decision.summary} -- not applied: {result.detail}"
+                memory.pods[pod.uid] = history.unanswered(decision, now, summary)
+                reason = "ConcurrencyNotApplied"
             else:
-                code = f" (HTTP {result.status})" if result.status else ""
-                summary = f"{decision.summary} -- not applied{code}: {result.detail}"
+                summary = f"{decision.summary} -- not applied (HTTP {result.status}): {result.detail}"
                 memory.pods[pod.uid] = history.changed(now, summary)
                 reason = "ConcurrencyNotApplied"
             logger.warning("pod %s: %s", pod.name, summary)
             self._event(cr, "Warning", reason, budget_event(pod.name, summary))
+
+    def _confirm(self, cr: dict[str, Any], pods: list[_Pod], memory: _Memory, logger: Logger) -> None:
+        """A change that got no answer in time but that the pod's metrics now show took effect: say so."""
+        for pod in pods:
+            history = memory.pods[pod.uid]
+            metrics = history.scrapes[-1].metrics if history.scrapes else None
+            if history.unconfirmed is None or metrics is None or metrics.max_running != history.unconfirmed:
+                continue
+            memory.pods[pod.uid] = history.confirmed()
+            summary = f"{history.unconfirmed_change} (applied after its request's timeout)"
+            logger.info("pod %s: %s", pod.name, summary)
+            self._event(cr, "Normal", "ConcurrencyChanged", budget_event(pod.name, summary))
 
     async def _recommend(self, api: KubeApi, cr: dict[str, Any], pod: _Pod, decision: tuning.Decision,
                          memory: _Memory, logger: Logger) -> None:

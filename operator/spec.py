@@ -131,6 +131,7 @@ class Tuning(_Model):
     enabled: bool = True
     interval_seconds: int = Field(default=30, ge=1, le=3600)
     scrape_timeout_seconds: int = Field(default=5, ge=1, le=60)
+    apply_timeout_seconds: int = Field(default=30, ge=1, le=300)
     stabilization_intervals: int = Field(default=3, ge=1, le=100)
     concurrency: ConcurrencyBounds = ConcurrencyBounds()
 

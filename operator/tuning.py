@@ -91,12 +91,23 @@ class PodHistory:
     last_change: str | None = None
     running_ceiling: int | None = None  # learned from the pod refusing a growth
     recommendations: tuple[Recommendation, ...] = ()  # the last ones reported (an Event only when they change)
+    unconfirmed: int | None = None  # a max_running asked for that got no answer in time (it may apply later)
+    unconfirmed_change: str | None = None  # that change's summary, for the Event once the pod shows it
 
     def add(self, scrape: Scrape, keep: int) -> PodHistory:
         return replace(self, scrapes=(*self.scrapes, scrape)[-keep:])
 
     def changed(self, time: float, summary: str) -> PodHistory:
-        return replace(self, last_change_time=time, last_change=summary)
+        return replace(self, last_change_time=time, last_change=summary, unconfirmed=None, unconfirmed_change=None)
+
+    def unanswered(self, decision: Decision, time: float, summary: str) -> PodHistory:
+        """No answer in time: the pod may still apply the change at its next engine step."""
+        return replace(self, last_change_time=time, last_change=summary, unconfirmed=decision.new_max_running,
+                       unconfirmed_change=decision.summary)
+
+    def confirmed(self) -> PodHistory:
+        """The pod's metrics show the unanswered change: it took effect."""
+        return replace(self, last_change=self.unconfirmed_change, unconfirmed=None, unconfirmed_change=None)
 
     def refused(self, decision: Decision, time: float, summary: str) -> PodHistory:
         """The pod answered 422: it cannot run more than it did; wait a window before trying anything."""

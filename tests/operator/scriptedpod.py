@@ -2,7 +2,7 @@
 
 The real end-to-end test uses real `kvdrive serve` processes; this one lets a test say exactly what a
 pod reports (tier fill, fetch waits, a queue, the split of its device envelope, a scrape that hangs, a
-change the pod refuses) and see what it was told. Like the runtime, it splits a fixed device envelope
+change the pod refuses or applies only after its client gave up) and see what it was told. Like the runtime, it splits a fixed device envelope
 (the gpu budget) between the hot KV tier and ``per_sequence`` bytes per sequence it may run at once,
 and moves that split on ``PUT /admin/tiers {"max_running": N}``.
 """
@@ -38,6 +38,7 @@ class ScriptedPod:
     queued_seconds: float = 0.0  # requests x seconds queued (kvdrive_queue_wait_seconds_total)
     hang: bool = False  # /metrics never answers (a timeout)
     refuse: str | None = None  # PUT /admin/tiers answers 422 with this reason
+    apply_delay: float = 0.0  # a PUT applies (and answers) this late, as a runtime busy with a long step does
     token: str = ""
     puts: list[dict[str, int]] = field(default_factory=list)
     scrapes: int = 0
@@ -99,10 +100,14 @@ class ScriptedPod:
         if running is not None and not 1 <= int(running) <= self.max_sequences:
             message = f"max_running must be in [1, {self.max_sequences}] (--max-sequences), not {running}"
             return web.json_response({"error": {"message": message}}, status=422)
-        self.budgets = {tier: int(body.get(f"{tier}_bytes", budget)) for tier, budget in self.budgets.items()}
-        self.max_running = running
+        await asyncio.shield(self._apply(body, running))  # applied even when the client stops waiting
         return web.json_response({"max_running": self.max_running, "gpu_hot_bytes": self.hot_bytes,
                                   "sequence_reserve_bytes": self.reserve_bytes})
+
+    async def _apply(self, body: dict[str, Any], running: int | None) -> None:
+        await asyncio.sleep(self.apply_delay)
+        self.budgets = {tier: int(body.get(f"{tier}_bytes", budget)) for tier, budget in self.budgets.items()}
+        self.max_running = running
 
     async def start(self) -> str:
         app = web.Application()

@@ -157,6 +157,33 @@ async def test_a_refused_change_is_a_warning_and_is_not_retried(operator: Cluste
     assert entry["maxRunning"] == 4 and "refused (422)" in entry["lastChange"]
 
 
+async def test_a_change_applied_after_its_timeout_is_a_warning_then_confirmed_by_the_pods_metrics(
+        operator: Cluster, pods: list[ScriptedPod]) -> None:
+    """A runtime applies a new limit between two engine steps; under load its answer can come after the
+    operator stopped waiting (the e2e cluster saw a 3 s timeout miss one). The Warning says so at once, and
+    once the pod's metrics show the new limit a ConcurrencyChanged Event and the status say it took."""
+    pod, _ = pods
+    pod.running, pod.waiting = 4, 6
+    pod.read_rates = {"gpu": 50.0}
+    pod.apply_delay = 2.5  # past applyTimeoutSeconds (1 s)
+    await deploy(operator, pods, live_cr(applyTimeoutSeconds=1))
+    warned = await eventually(lambda: events(operator, "ConcurrencyNotApplied"), timeout=15, what="a Warning Event")
+    assert warned[0]["type"] == "Warning"
+    assert warned[0]["message"].startswith("pod chat-0: max_running 4 -> 8: requests queued")
+    assert "-- not applied: PUT /admin/tiers: no answer within 1s" in warned[0]["message"]
+    changed = await eventually(lambda: events(operator, "ConcurrencyChanged"), timeout=15, what="the confirmation")
+    assert changed[0]["type"] == "Normal" and changed[0]["message"].startswith("pod chat-0: max_running 4 -> 8: ")
+    assert changed[0]["message"].endswith("(applied after its request's timeout)")
+    assert pod.max_running == 8 and pod.puts[0] == {"max_running": 8}
+
+    async def confirmed() -> dict | None:
+        entry = pod_status(await status(operator), "chat-0")
+        return entry if entry and entry.get("maxRunning") == 8 and "not applied" not in entry["lastChange"] else None
+
+    entry = await eventually(confirmed, timeout=10, what="status.pods[] with the confirmed change")
+    assert entry["lastChange"].startswith("max_running 4 -> 8: requests queued")
+
+
 async def test_an_idle_tier_is_recommended_smaller_once_in_status_and_one_event(
         operator: Cluster, pods: list[ScriptedPod]) -> None:
     pod, _ = pods
