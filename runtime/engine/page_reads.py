@@ -60,11 +60,11 @@ class PageReader:
         flat = pids.view(-1)
         arena = store.arena
         if arena is not None:  # CPU host: one mapping holds both pools; ``row`` merges their slots
-            rows = store.index.row[layer].index_select(0, flat).view(b, p)
+            rows = store.index.rows()[layer].index_select(0, flat).view(b, p)
             hit = rows >= 0
             src, source = torch.where(hit, rows, gpu.zero_slot), arena.table  # type: ignore[attr-defined]
         else:
-            ds = store.index.slot["gpu"][layer].index_select(0, flat).view(b, p)
+            ds = store.index.slots("gpu")[layer].index_select(0, flat).view(b, p)
             hit = ds >= 0
             src, source = torch.where(hit, ds, gpu.zero_slot), gpu.pool  # type: ignore[attr-defined]
         if tails is not None:
@@ -106,7 +106,7 @@ class PageReader:
         store = self.store
         dram = store.tiers["dram"]
         if dram.allocator.capacity:
-            dm = store.index.slot["dram"][layer].index_select(0, pids.view(-1)).view(self.batch, self.pages)
+            dm = store.index.slots("dram")[layer].index_select(0, pids.view(-1)).view(self.batch, self.pages)
             dhit = miss & (dm >= 0)
             bi, ki = dhit.nonzero(as_tuple=True)
             m = int(bi.numel())

@@ -211,7 +211,7 @@ class Placer:
         destination tier -> keys, as admission allows (hottest first)."""
         if not self.policy.prefetch or pids.numel() == 0:
             return {}
-        gpu, dram = self.index.slot["gpu"], self.index.slot["dram"]
+        gpu, dram = self.index.slots("gpu"), self.index.slots("dram")
         width = gpu.shape[1]
         flat = torch.unique(layers * width + pids)
         in_dram = dram.view(-1)[flat] >= 0
