@@ -83,6 +83,7 @@ class SeqKV:
     settled: bool = True  # its last step finished (False from ``begin`` until ``finish_step``)
     window_from: int = 0  # hybrid models: the first position whose sliding-layer KV its ring was given
     window_kept: int = 0  # hybrid models: the boundary (in tokens) of its latest window snapshot
+    unloaded: int = 0  # leading pages matched in the tiers at open and not read yet (``load_prefix``)
 
 
 @dataclass(frozen=True)

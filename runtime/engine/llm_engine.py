@@ -112,8 +112,8 @@ class LLMEngine:
         return cache.pages_needed(seq.seq_id, n) + self._reserved <= cache.free_pages
 
     def allocate(self, seq: SequenceState, n: int) -> int:
-        if seq.seq_id is None:  # first chunk: open the sequence; stored prefix pages need no compute
-            seq.seq_id, reused = self.runner.open_sequence(seq.tokens)
+        if seq.seq_id is None:  # first chunk: open the sequence; stored prefix pages (read in the step's load
+            seq.seq_id, reused = self.runner.open_sequence(seq.tokens, load=False)  # phase) need no compute
             seq.num_computed += reused
             if seq.cached_tokens is None:  # what the client is told: its first admission (not a recompute's)
                 seq.cached_tokens = min(reused, len(seq.request.prompt_ids))
@@ -179,6 +179,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         self.last_step = StepShape(t1 - t0, 0.0, sum(c.num_tokens for c in chunks if not c.decode),
                                    sum(c.decode for c in chunks))
+        chunks = self._load(chunks)
         if not chunks:
             return outputs
         hidden = self._run(chunks, outputs)
@@ -187,6 +188,25 @@ class LLMEngine:
             return outputs
         self.pacer.observe(self.last_step.forward_s, self.last_step.prompt_tokens)
         return outputs + self._postprocess(chunks, hidden)
+
+    def _load(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """The step's load phase: read the stored prefix pages that the plan's newly opened sequences matched
+        (the scheduler only looked them up). A sequence whose pages could not all be read (corrupt, lost) is
+        put back at the head of the queue, unopened: admitted again, it matches only what is still stored
+        and computes the rest. The other chunks run."""
+        kept = []
+        for c in chunks:
+            seq = c.seq
+            if seq.seq_id is None or self.runner.load_prefix(seq.seq_id):
+                kept.append(c)
+                continue
+            log.warning("%s: stored prefix pages unreadable at load; admitted again", seq.request.request_id)
+            self._release_pages(seq)
+            seq.num_computed = 0
+            if not seq.num_generated:  # still its first admission: the client hears of the next one's reuse
+                seq.cached_tokens = None
+            self.scheduler.requeue(seq)
+        return kept
 
     def _run(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput]) -> torch.Tensor | None:
         """The forward pass of the step's chunks: hidden states [N, H], or None when a needed page was lost.

@@ -90,11 +90,18 @@ class ModelRunner:
     def new_sequence(self) -> int:
         return self.open_sequence(())[0]
 
-    def open_sequence(self, prompt: Sequence[int]) -> tuple[int, int]:
-        """A new sequence; returns (seq_id, prompt tokens whose KV was reused from the tiers)."""
+    def open_sequence(self, prompt: Sequence[int], load: bool = True) -> tuple[int, int]:
+        """A new sequence; returns (seq_id, prompt tokens whose KV is reused from the tiers). ``load=False``
+        looks the stored prefix up without reading it (the scheduler's call); ``load_prefix`` then reads it
+        before the sequence's first step."""
         seq_id = next(self._ids)
-        matched = self.cache.add_sequence(seq_id, list(prompt))
+        matched = self.cache.add_sequence(seq_id, list(prompt), load=load)
         return seq_id, matched
+
+    def load_prefix(self, seq_id: int) -> bool:
+        """Read the stored prefix ``open_sequence(..., load=False)`` matched; False when it came short (the
+        sequence then holds fewer tokens than it was opened with: see ``TieredKVCache.load_prefix``)."""
+        return self.cache.load_prefix(seq_id)
 
     def release(self, seq_id: int) -> None:
         self.cache.free(seq_id)

@@ -11,9 +11,10 @@ How the prompt budget is shared is the policy:
   ``max_bypass`` later ones; then admission is first come, first served until it is in.
 - ``fifo``: prompts in arrival order, each taking what budget is left. The scheduler both
 checks and allocates: a ``KVAllocator`` answers ``can_admit`` / ``can_allocate`` and then ``allocate``s
-(opening a new sequence with prefix reuse, which may shorten what it still has to feed), so the chunks
-it returns are final. When the KV cache cannot hold a decode, the most recently admitted sequence is
-preempted (its pages freed, its tokens recomputed later).
+(opening a new sequence on its stored prefix, which may shorten what it still has to feed). Planning
+does no I/O: an allocation only looks the stored prefix up and references its pages; the step's load
+phase (``LLMEngine._load``) reads them. When the KV cache cannot hold a decode, the most recently
+admitted sequence is preempted (its pages freed, its tokens recomputed later).
 """
 
 from __future__ import annotations

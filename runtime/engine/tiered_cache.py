@@ -146,18 +146,21 @@ class TieredKVCache:
         return self.store.tiers["gpu"].extra_base  # type: ignore[attr-defined]
 
     # --- sequences ---------------------------------------------------------------------------------
-    def add_sequence(self, seq_id: int, prompt: list[int] | None = None) -> int:
-        """Open a sequence; reuse stored pages of the longest stored prefix of ``prompt`` (at least one
-        prompt token is left to compute). Returns the number of prompt tokens already in the cache."""
+    def add_sequence(self, seq_id: int, prompt: list[int] | None = None, load: bool = True) -> int:
+        """Open a sequence on the longest stored prefix of ``prompt`` (at least one prompt token is left to
+        compute). Returns the number of prompt tokens already in the cache. ``load``: read those pages now;
+        otherwise they are only looked up and referenced (no tier I/O: the scheduler's call), and
+        ``load_prefix`` reads them before the sequence's first forward step."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not self._rows:
             raise RuntimeError(f"{self.config.max_sequences} sequences already hold open pages")
         seq = SeqKV(row=heapq.heappop(self._rows))
         self._seqs[seq_id] = seq
-        matched = self._reuse_prefix(seq, prompt or [])
+        matched = self._match_prefix(seq, prompt or [])
         self.placer.hold(seq.pids)  # every chunk of the prompt attends to them: kept up until it is in
-        self.prefix_hit_pages += matched
+        if load and not self.load_prefix(seq_id):
+            return seq.length
         return matched * self.layout.page_size
 
     def stored_prefix(self, prompt: list[int]) -> list[bytes]:
@@ -176,29 +179,47 @@ class TieredKVCache:
                 digests.pop()
         return digests
 
-    def _reuse_prefix(self, seq: SeqKV, prompt: list[int]) -> int:
-        s = self.layout.page_size
+    def _match_prefix(self, seq: SeqKV, prompt: list[int]) -> int:
+        """Reference the stored prefix pages of ``prompt`` for ``seq`` (reads nothing); returns how many."""
         digests = self.stored_prefix(prompt)
         if not digests:
             return 0
         pids = [self._ref(d) for d in digests]  # referenced first: nothing we read can be evicted as unneeded
         self._grow(seq.row + 1, len(digests))
         seq.digests, seq.pids = list(digests), pids
-        kept = self._load_prefix(seq)
+        self.page_table[seq.row, : len(pids)] = torch.tensor(pids, dtype=torch.int64, device=self.device)
+        seq.tokens = list(prompt[: len(digests) * self.layout.page_size])
+        seq.length = len(seq.tokens)
+        seq.unloaded = len(digests)
+        return len(digests)
+
+    def load_prefix(self, seq_id: int) -> bool:
+        """Read the pages ``add_sequence`` matched and did not read: summarise them and place them as a
+        prefill would have (a hybrid model's window too). False when some could not be read (corrupt, lost,
+        or a window snapshot gone): the sequence is cut back to the pages before it, and its caller must
+        treat the tokens after them as not computed."""
+        seq = self._seqs[seq_id]
+        matched = seq.unloaded
+        if not matched:
+            return True
+        seq.unloaded = 0
+        kept = self._read_prefix(seq)
         if kept and self.keeper is not None and not self.keeper.restore(seq, kept):
             kept = 0
-        for d in digests[kept:]:
+        self.prefix_hit_pages += kept
+        if kept == matched:
+            log.info("prefix reuse: %d prompt tokens already stored", seq.length)
+            return True
+        self.placer.release(seq.pids[kept:])
+        for d in seq.digests[kept:]:
             self._unref(d)
         del seq.digests[kept:], seq.pids[kept:]
-        if not kept:
-            return 0
-        self.page_table[seq.row, :kept] = torch.tensor(seq.pids, dtype=torch.int64, device=self.device)
-        seq.tokens = list(prompt[: kept * s])
+        del seq.tokens[kept * self.layout.page_size :]
         seq.length = len(seq.tokens)
-        log.info("prefix reuse: %d of %d prompt tokens already stored", seq.length, len(prompt))
-        return kept
+        log.warning("prefix reuse: %d of %d matched pages readable; the rest is recomputed", kept, matched)
+        return False
 
-    def _load_prefix(self, seq: SeqKV, chunk: int = 32) -> int:
+    def _read_prefix(self, seq: SeqKV, chunk: int = 32) -> int:
         """Read the stored prefix pages once, page-major in chunks: summarise their keys and place them as
         a prefill of these tokens would have left them. Returns how many leading pages were readable (a
         corrupt or lost page ends the prefix there)."""

@@ -1,0 +1,109 @@
+"""The scheduler only looks a stored prefix up; the step's load phase reads it.
+
+A request whose prompt was served before is admitted on its stored pages: planning the step reads no tier
+(the pages are matched and referenced), then the step's load phase reads them, and the answer is the
+one computed from scratch. When a matched page can no longer be read at load (lost from every tier between
+the lookup and the read), the request goes back to the head of the queue unopened, is admitted again on
+what is still stored, and still answers exactly; the other request in the step runs on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from enginekit import PAGE, run_dry, small_engine, tokens
+
+from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
+from kvdrive.runtime.model import LoadedModel, load_model
+
+
+@pytest.fixture
+def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
+    return load_model(str(path), progress=False)
+
+
+def _prompt(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def _answer(engine: LLMEngine, rid: str, prompt: tuple[int, ...]) -> tuple[list[int], int]:
+    engine.add_request(Request(rid, prompt, SamplingParams(max_tokens=8, ignore_eos=True), 0.0))
+    outs = run_dry(engine)[rid]
+    return tokens(outs), outs[-1].cached_tokens
+
+
+def _count_reads(engine: LLMEngine) -> list[int]:
+    """Every tier read and store fetch, counted in one list (its length)."""
+    seen: list[int] = []
+    store = engine.runner.cache.store
+
+    def spy(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            seen.append(1)
+            return fn(*a, **kw)
+        return wrapped
+
+    store.fetch = spy(store.fetch)  # type: ignore[method-assign]
+    for tier in store.tiers.values():
+        tier.read = spy(tier.read)  # type: ignore[method-assign]
+    return seen
+
+
+def test_planning_reads_nothing_and_the_load_phase_reads_the_prefix(tiny: LoadedModel, tmp_path: Path) -> None:
+    doc = _prompt(60 * PAGE, seed=1)
+    fresh, _ = _answer(small_engine(tiny, tmp_path / "cold", 64, 0, 16), "cold", doc)
+    engine = small_engine(tiny, tmp_path / "ssd", 8, 8, 16)  # most of the stored pages sit on the SSD tier
+    first, cached = _answer(engine, "a", doc)
+    assert first == fresh and cached == 0
+    reads = _count_reads(engine)
+    in_plan: list[int] = []
+    plan = engine.scheduler.plan
+
+    def watched_plan(*a: Any, **kw: Any) -> Any:
+        before = len(reads)
+        chunks = plan(*a, **kw)
+        in_plan.append(len(reads) - before)
+        return chunks
+
+    engine.scheduler.plan = watched_plan  # type: ignore[method-assign]
+    again, cached = _answer(engine, "b", doc)
+    assert cached >= 50 * PAGE  # admitted on its stored pages ...
+    assert in_plan and set(in_plan) == {0}  # ... which no plan read ...
+    assert len(reads) > 0  # ... the load phase did
+    assert again == fresh
+
+
+def test_a_prefix_page_lost_before_the_load_is_recomputed_and_the_other_request_runs_on(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    doc, other = _prompt(40 * PAGE, seed=2), _prompt(10 * PAGE, seed=3)
+    engine = small_engine(tiny, tmp_path / "ssd", 8, 8, 16)
+    fresh, _ = _answer(engine, "a", doc)
+    cache, store = engine.runner.cache, engine.runner.cache.store
+    load = cache.load_prefix
+    lost: list[int] = []
+
+    def losing_load(seq_id: int) -> bool:
+        seq = cache.seq(seq_id)
+        if seq.unloaded and not lost:  # page 20 of the match goes from every tier between lookup and read
+            with store._lock:
+                for layer in range(cache.layout.num_layers):
+                    b = store._blocks[store.key_of(seq.pids[20], layer)]
+                    for tier in list(b.copies):
+                        store._drop(b, tier)
+            lost.append(seq_id)
+        return load(seq_id)
+
+    cache.load_prefix = losing_load  # type: ignore[method-assign]
+    engine.add_request(Request("b", doc, SamplingParams(max_tokens=8, ignore_eos=True), 1.0))
+    engine.add_request(Request("c", other, SamplingParams(max_tokens=8, ignore_eos=True), 2.0))
+    outs = run_dry(engine)
+    assert lost, "the scenario needs a load to lose a page"
+    assert tokens(outs["b"]) == fresh and outs["b"][-1].finish_reason == "length"
+    assert 0 < outs["b"][-1].cached_tokens <= 20 * PAGE  # admitted again on the pages before the lost one
+    assert len(tokens(outs["c"])) == 8 and outs["c"][-1].finish_reason == "length"
+    assert engine.stats().preemptions_total == 0  # put back unopened: not a preemption for room
