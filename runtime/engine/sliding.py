@@ -16,7 +16,7 @@ about which slots are in the window:
 
 The ring is indexed by the sequence's row (as the page table is), so a row reused by a new sequence
 needs no clearing: slots at or past a position the new sequence has not reached are masked by position.
-Prefix reuse of a hybrid model therefore needs the window too; see ``TieredKVCache.stored_prefix``.
+Prefix reuse of a hybrid model therefore needs the window too; see ``PrefixPages.stored_prefix`` (prefix_reuse.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The engine's KV cache over the three tiers: sequences, their page tables, prefix reuse, budgets.
+"""The engine's KV cache over the three tiers: sequences, their page tables, budgets.
 
 Each sequence is a list of *sealed* pages (full pages, content-addressed: digest = hash of the model
 fingerprint and all tokens up to the page end) plus an open page being filled. A sealed page is stored
 as one block per layer in the ``TieredKVStore`` (gpu -> dram -> ssd) and summarised (key min/max) for
 page selection. Sealed pages are shared between sequences with identical token prefixes (reference
 counts; a block is ``needed`` while any running sequence references it) and written through to the SSD
-tier, whose index survives restarts, so a prompt seen before is not recomputed.
+tier, whose index survives restarts, so a prompt seen before is not recomputed: the page references and
+prefix reuse are ``PrefixPages`` (``prefix_reuse.py``).
 
 Hot-path state is tensors indexed by the sequence's *row*: its page ids (``page_table [rows, Pcap]``), its
 summaries (``SummaryTable``) and its open page, which lives in the device pool's tail rows (one per row
@@ -27,6 +28,7 @@ import torch
 from kvdrive.runtime.attention import SelectionConfig, SummaryTable
 from kvdrive.runtime.engine.envelope import Envelope, step_columns
 from kvdrive.runtime.engine.kv_state import EngineConfig, PageLostError, SeqKV, StepSeq
+from kvdrive.runtime.engine.prefix_reuse import PrefixPages
 from kvdrive.runtime.engine.promotions import PromotionQueue
 from kvdrive.runtime.engine.sliding import SlidingWindows
 from kvdrive.runtime.engine.window_snapshots import WindowKeeper, WindowSnapshots
@@ -84,13 +86,12 @@ class TieredKVCache:
         self.transfers = TransferEngine(self.store, workers=1)
         self.envelope.bind(self.store, self.transfers.drain)
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device)
+        self.prefix = PrefixPages(layout, self.root, self.store, self.placer, self.summaries, self.keeper)
         self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}
         self._rows = list(range(config.max_sequences))  # free rows, lowest first
-        self._refs: dict[bytes, list[int]] = {}  # digest -> [sequences referencing it, page id]
         self.fetch_wait_seconds = 0.0
         self.decode_steps = 0
-        self.prefix_hit_pages = 0
         self.pages_lost = 0
         self.prompt_store_reads = 0  # blocks prompt chunks read back through the store (they had spilled)
         self.hot_reads = {"gpu": 0, "dram": 0}  # pages the decode loop read in place from the memory tiers
@@ -123,7 +124,7 @@ class TieredKVCache:
         that while the SSD tier fails (EIO, a full disk) requests run as the memory tiers allow and the
         others wait, instead of being admitted into pages no tier can take."""
         healthy = self.store.healthy_capacity_blocks // self.layout.num_layers
-        return max(0, healthy - len(self._refs))
+        return max(0, healthy - self.prefix.referenced)
 
     def pages_needed(self, seq_id: int | None, n: int) -> int:
         s = self.layout.page_size
@@ -164,27 +165,15 @@ class TieredKVCache:
         return matched * self.layout.page_size
 
     def stored_prefix(self, prompt: list[int]) -> list[bytes]:
-        """Digests of the longest run of ``prompt``'s leading pages stored in the tiers (all layers), leaving
-        at least one token to compute. Reads nothing."""
-        s, L = self.layout.page_size, self.layout.num_layers
-        digests, prev = [], self.root
-        for p in range((len(prompt) - 1) // s):
-            prev = chain_digest(prev, prompt[p * s : (p + 1) * s])
-            keys = [BlockKey(prev, layer) for layer in range(L)]
-            if prev not in self._refs and any(t is None for t in self.store.where_many(keys)):
-                break
-            digests.append(prev)
-        if self.keeper is not None:  # a hybrid model: only up to a boundary whose window was kept
-            while digests and not self.keeper.has(digests[-1]):
-                digests.pop()
-        return digests
+        """Digests of the longest run of ``prompt``'s leading pages stored in the tiers (reads nothing)."""
+        return self.prefix.stored_prefix(prompt)
 
     def _match_prefix(self, seq: SeqKV, prompt: list[int]) -> int:
         """Reference the stored prefix pages of ``prompt`` for ``seq`` (reads nothing); returns how many."""
-        digests = self.stored_prefix(prompt)
+        digests = self.prefix.stored_prefix(prompt)
         if not digests:
             return 0
-        pids = [self._ref(d) for d in digests]  # referenced first: nothing we read can be evicted as unneeded
+        pids = [self.prefix.ref(d) for d in digests]  # referenced first: nothing we read can be evicted as unneeded
         self._grow(seq.row + 1, len(digests))
         seq.digests, seq.pids = list(digests), pids
         self.page_table[seq.row, : len(pids)] = torch.tensor(pids, dtype=torch.int64, device=self.device)
@@ -194,70 +183,10 @@ class TieredKVCache:
         return len(digests)
 
     def load_prefix(self, seq_id: int) -> bool:
-        """Read the pages ``add_sequence`` matched and did not read: summarise them and place them as a
-        prefill would have (a hybrid model's window too). False when some could not be read (corrupt, lost,
-        or a window snapshot gone): the sequence is cut back to the pages before it, and its caller must
-        treat the tokens after them as not computed."""
-        seq = self._seqs[seq_id]
-        matched = seq.unloaded
-        if not matched:
-            return True
-        seq.unloaded = 0
-        kept = self._read_prefix(seq)
-        if kept and self.keeper is not None and not self.keeper.restore(seq, kept):
-            kept = 0
-        self.prefix_hit_pages += kept
-        if kept == matched:
-            log.info("prefix reuse: %d prompt tokens already stored", seq.length)
-            return True
-        self.placer.release(seq.pids[kept:])
-        for d in seq.digests[kept:]:
-            self._unref(d)
-        del seq.digests[kept:], seq.pids[kept:]
-        del seq.tokens[kept * self.layout.page_size :]
-        seq.length = len(seq.tokens)
-        log.warning("prefix reuse: %d of %d matched pages readable; the rest is recomputed", kept, matched)
-        return False
-
-    def _read_prefix(self, seq: SeqKV, chunk: int = 32) -> int:
-        """Read the stored prefix pages once, page-major in chunks: summarise their keys and place them as
-        a prefill of these tokens would have left them. Returns how many leading pages were readable (a
-        corrupt or lost page ends the prefix there)."""
-        lay = self.layout
-        for p0 in range(0, len(seq.digests), chunk):
-            part = seq.digests[p0 : p0 + chunk]
-            for layer in range(lay.num_layers):
-                keys = [BlockKey(d, layer) for d in part]
-                raw, served = self.store.fetch(keys)  # needed reads: counted per tier
-                good = served.index(None) if None in served else len(part)
-                if good:
-                    kv = lay.typed(raw[:good])  # [good, 2, Hkv, S, D]
-                    self.summaries.set(layer, seq.row, p0, kv[:, 0])
-                    self.store.admit(keys[:good], raw[:good], self.placer.initial_tier, served[:good])
-                if good < len(part):
-                    log.warning("stored prefix page %d unreadable; recomputing from there", p0 + good)
-                    return p0 + good
-        return len(seq.digests)
-
-    def _keys(self, digest: bytes) -> list[BlockKey]:
-        return [BlockKey(digest, layer) for layer in range(self.layout.num_layers)]
-
-    def _ref(self, d: bytes) -> int:
-        ref = self._refs.get(d)
-        if ref is None:
-            ref = self._refs[d] = [0, self.store.ref_page(d)]
-            self.store.set_needed(self._keys(d), True)
-        ref[0] += 1
-        return ref[1]
-
-    def _unref(self, d: bytes) -> None:
-        ref = self._refs[d]
-        ref[0] -= 1
-        if ref[0]:
-            return
-        del self._refs[d]
-        self.store.set_needed(self._keys(d), False)  # stays cached (and persisted) until evicted
-        self.store.unref_page(ref[1])
+        """Read the pages ``add_sequence`` matched and did not read (``PrefixPages.load``). False when some
+        could not be read: the sequence is cut back to the pages before it, and its caller must treat the
+        tokens after them as not computed."""
+        return self.prefix.load(self._seqs[seq_id])
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id)
@@ -266,7 +195,7 @@ class TieredKVCache:
         if seq.prefilling:
             self.placer.release(seq.pids)
         for d in seq.digests:
-            self._unref(d)
+            self.prefix.unref(d)
         heapq.heappush(self._rows, seq.row)
 
     def _grow(self, rows: int, pages: int) -> None:
@@ -303,7 +232,7 @@ class TieredKVCache:
         for p in range(start // s, seq.length // s):
             prev = chain_digest(prev, seq.tokens[p * s : (p + 1) * s], salt)
             new.append(prev)
-        pids = [self._ref(d) for d in new]
+        pids = [self.prefix.ref(d) for d in new]
         first = len(seq.digests)
         seq.digests.extend(new)
         seq.pids.extend(pids)
@@ -330,7 +259,7 @@ class TieredKVCache:
         ``layer`` (k [n, Hkv, S, D], blocks [n, block_bytes]), or page ``first`` of every layer when ``layer``
         is None (k [L, Hkv, S, D], blocks [L, block_bytes])."""
         if layer is None:
-            keys = self._keys(seq.digests[first])
+            keys = self.prefix.keys(seq.digests[first])
             self.summaries.set_all_layers(seq.row, first, k)
             pids = seq.pids[first : first + 1]
         else:
@@ -364,6 +293,11 @@ class TieredKVCache:
                 self.placer.ledger.issued([m.block.key for m in moves], self.transfers.run(moves))
 
     # --- tiers -------------------------------------------------------------------------------------
+    @property
+    def prefix_hit_pages(self) -> int:
+        """Pages reused from the tiers instead of recomputed."""
+        return self.prefix.hit_pages
+
     def usage(self) -> list[TierUsage]:
         out = []
         reserve = self.envelope.reserve()
@@ -381,7 +315,7 @@ class TieredKVCache:
         counts once): ``global`` (their sealed pages and open pages) and ``sliding`` (the window rings of a
         hybrid model; 0 otherwise)."""
         sliding = len(self._seqs) * self.windows.bytes_per_sequence() if self.windows is not None else 0
-        return {"global": (len(self._refs) + len(self._seqs)) * self.layout.page_bytes, "sliding": sliding}
+        return {"global": (self.prefix.referenced + len(self._seqs)) * self.layout.page_bytes, "sliding": sliding}
 
     def page_reads(self) -> dict[str, int]:
         """Needed pages read, by the tier they were found in (in place by the decode loop, or by the store)."""

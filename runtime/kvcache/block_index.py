@@ -52,7 +52,6 @@ class BlockIndex:
         self._slot_writes: dict[tuple[TierName, int, int], int] = {}
         self._owner_writes: dict[tuple[TierName, int], int] = {}
         self._flush_lock = threading.Lock()  # pending writes: recorded and applied one thread at a time
-        self.flushes = 0  # batches applied (each a few device writes, whatever their size)
 
     def __len__(self) -> int:
         """Page ids in use."""
@@ -152,7 +151,6 @@ class BlockIndex:
             owner_writes, self._owner_writes = self._owner_writes, {}
             if not slot_writes and not owner_writes:
                 return  # another reader applied them meanwhile
-            self.flushes += 1
             dev = self.device
             for t in MEMORY_TIERS:
                 entries = [(layer, pid, v) for (tier, layer, pid), v in slot_writes.items() if tier == t]

@@ -36,7 +36,7 @@ def _leaked(engine: LLMEngine) -> list[str]:
     store = cache.store
     with store._lock:
         needed = {b.key.digest for b in store._blocks.values() if b.needed}
-    referenced = set(cache._refs)
+    referenced = set(cache.prefix._refs)
     return [d.hex()[:12] for d in needed - referenced]
 
 
