@@ -82,7 +82,7 @@ def at_length(loaded, tokens: int, ssd_dir: str) -> dict[str, object]:  # type: 
     cfg = loaded.config
     ids = filler_tokens(loaded.tokenizer, tokens, seed=5)
     gen = ModelRunner(loaded, EngineConfig(full_attention=True, max_sequences=1, tiers=TierConfig(
-        gpu_bytes=None, dram_bytes=0, ssd_dir=ssd_dir, ssd_bytes=1 << 30)))
+        envelope_bytes=None, dram_bytes=0, ssd_dir=ssd_dir, ssd_bytes=1 << 30)))
     seq = gen.new_sequence()
     chunk = gen.config.prefill_chunk
     t0 = time.perf_counter()

@@ -44,7 +44,7 @@ def main() -> None:
     loaded = load_model("demo")
     tok = loaded.tokenizer
     ssd = tempfile.mkdtemp(dir=args.workdir)
-    gen = ModelRunner(loaded, EngineConfig(tiers=TierConfig(gpu_bytes=32 * MiB, dram_bytes=64 * MiB, ssd_dir=ssd,
+    gen = ModelRunner(loaded, EngineConfig(tiers=TierConfig(envelope_bytes=32 * MiB, dram_bytes=64 * MiB, ssd_dir=ssd,
                                                           ssd_bytes=256 * MiB, io_threads=2), max_sequences=8))
     engine = LLMEngine(gen, SchedulerConfig(max_running=8, step_token_budget=256, step_seconds=args.step_seconds))
     for i in range(args.docs):

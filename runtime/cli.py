@@ -143,7 +143,7 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
     if args.token_budget < 2 * args.page_size:
         raise ValueError(f"--token-budget {args.token_budget} is below two pages of {args.page_size} tokens")
     ssd_budget = args.ssd_budget if args.ssd_budget is not None else (1 << 30 if args.ssd_dir else 0)
-    tiers = TierConfig(gpu_bytes=args.gpu_budget, dram_bytes=args.dram_budget, ssd_dir=args.ssd_dir,
+    tiers = TierConfig(envelope_bytes=args.gpu_budget, dram_bytes=args.dram_budget, ssd_dir=args.ssd_dir,
                        ssd_bytes=ssd_budget, hugetlbfs_dir=args.dram_hugepage_dir, ssd_codec=args.ssd_compression,
                        ssd_backend=args.ssd_backend)
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,

@@ -141,9 +141,9 @@ def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: in
                          max_sequences=batch)
     tails = reserve_bytes(layout, shape, window_bytes=seq_reserve - page_bytes)
     if mode in ("full-gpu", "sparse-gpu"):
-        tiers = TierConfig(gpu_bytes=int(total * 1.1) + tails + 4 * page_bytes, ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
+        tiers = TierConfig(envelope_bytes=int(total * 1.1) + tails + 4 * page_bytes, ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
     else:
-        tiers = TierConfig(gpu_bytes=max(int(total * 0.10), 2 * page_bytes) + tails, dram_bytes=int(total * 0.25),
+        tiers = TierConfig(envelope_bytes=max(int(total * 0.10), 2 * page_bytes) + tails, dram_bytes=int(total * 0.25),
                            ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
     return EngineConfig(tiers=tiers, placement=placement, token_budget=token_budget, max_sequences=batch)
 

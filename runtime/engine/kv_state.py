@@ -20,7 +20,8 @@ class PageLostError(RuntimeError):
 class TierConfig:
     """Byte budgets and backings of the three tiers."""
 
-    gpu_bytes: int | None = None  # device tier for KV, open pages included; None: one full-context sequence
+    envelope_bytes: int | None = None  # the device envelope: hot KV tier + running sequences' reserve (open
+    # pages, decode step buffers); None: one full-context sequence. The CLI, HTTP API and CRD call it the gpu budget
     dram_bytes: int = 0
     ssd_bytes: int = 0
     ssd_dir: str | None = None

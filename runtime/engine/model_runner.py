@@ -46,10 +46,10 @@ class ModelRunner:
         fingerprint = f"{loaded.fingerprint}|{layout.fingerprint()}"
         windows = SlidingWindows(cfg.sliding_layers, cfg.sliding_window, c.page_size, c.max_sequences,
                                  cfg.num_kv_heads, cfg.head_dim, layout.dtype, self.device) if cfg.sliding_layers else None
-        if c.tiers.gpu_bytes is None:  # one full-context sequence plus what the envelope reserves
+        if c.tiers.envelope_bytes is None:  # one full-context sequence plus what the envelope reserves
             window_bytes = windows.bytes_per_sequence() if windows is not None else 0
             gpu = default_envelope_bytes(layout, c, cfg.context_length, window_bytes, self.device)
-            c = self.config = replace(c, tiers=replace(c.tiers, gpu_bytes=gpu))
+            c = self.config = replace(c, tiers=replace(c.tiers, envelope_bytes=gpu))
         self.cache = TieredKVCache(layout, c, self.device, fingerprint, windows, cfg.global_layers)
         self._ids = itertools.count()
         self.heap = HeapTrimmer()

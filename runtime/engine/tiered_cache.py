@@ -66,7 +66,7 @@ class TieredKVCache:
         self.tail_reserve = config.max_sequences * self.seq_reserve
         self.envelope = Envelope(self.tail_reserve, step_columns(config), layout.block_bytes, config.max_sequences,
                                  config.start_running, device)
-        gpu = tiers.gpu_bytes if tiers.gpu_bytes is not None else self.envelope.reserve() + layout.page_bytes
+        gpu = tiers.envelope_bytes if tiers.envelope_bytes is not None else self.envelope.reserve() + layout.page_bytes
         self.envelope.envelope_bytes = gpu
         self.store = TieredKVStore(
             layout, self._store_budgets(gpu, tiers.dram_bytes, tiers.ssd_bytes), ssd_dir=tiers.ssd_dir,
@@ -99,8 +99,9 @@ class TieredKVCache:
                  ", ".join(f"{u.tier} {u.capacity_bytes >> 20} MiB ({u.backing})" for u in self.store.usage()),
                  self.policy.name, "sparse" if self.policy.sparse else "full", config.token_budget)
 
-    def _store_budgets(self, gpu: int, dram: int, ssd: int) -> TierBudgets:
-        return TierBudgets(gpu_bytes=self.envelope.hot_bytes(gpu), dram_bytes=dram, ssd_bytes=ssd)
+    def _store_budgets(self, envelope: int, dram: int, ssd: int) -> TierBudgets:
+        """The store's tier budgets: its gpu tier is the envelope's hot part."""
+        return TierBudgets(gpu_bytes=self.envelope.hot_bytes(envelope), dram_bytes=dram, ssd_bytes=ssd)
 
     def _table(self, rows: int, pages: int) -> torch.Tensor:
         with torch.inference_mode(False):
@@ -324,19 +325,19 @@ class TieredKVCache:
             reads[t] = reads.get(t, 0) + n
         return reads
 
-    def set_budgets(self, gpu_bytes: int, dram_bytes: int, ssd_bytes: int, defer_ssd_shrink: bool = False) -> bool:
+    def set_budgets(self, envelope_bytes: int, dram_bytes: int, ssd_bytes: int, defer_ssd_shrink: bool = False) -> bool:
         """Apply new budgets live (BudgetError, nothing changed, when impossible). Runs between steps on
         the engine thread; in-flight transfers finish first. With ``defer_ssd_shrink`` a smaller SSD budget
         is left to ``shrink_ssd`` (off the engine thread); returns whether one is pending."""
         if "ssd" not in self.store.tiers and ssd_bytes:
             raise BudgetError("the server has no SSD tier (start it with --ssd-dir to use one)")
-        for tier, want, limit in (("gpu", gpu_bytes, self._memory_limit(self.device)),
+        for tier, want, limit in (("gpu", envelope_bytes, self._memory_limit(self.device)),
                                   ("dram", dram_bytes, self._memory_limit(torch.device("cpu"))),
                                   ("ssd", ssd_bytes, self._disk_limit())):
             if want > limit:
                 raise BudgetError(f"{tier} budget {want} bytes exceeds the {limit} bytes this host has for it")
-        b = self._store_budgets(gpu_bytes, dram_bytes, ssd_bytes)
-        if self.envelope.pending is not None and gpu_bytes != self.envelope.envelope_bytes:
+        b = self._store_budgets(envelope_bytes, dram_bytes, ssd_bytes)
+        if self.envelope.pending is not None and envelope_bytes != self.envelope.envelope_bytes:
             raise BudgetError(f"max_running is still shrinking to {self.envelope.pending} (sequences are "
                               "finishing); change the gpu budget after that")
         self.transfers.drain()
@@ -344,7 +345,7 @@ class TieredKVCache:
         has_ssd = "ssd" in self.store.tiers
         now = self.store.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if has_ssd else None,
                                      defer=frozenset({"ssd"}) if defer_ssd_shrink else frozenset())
-        self.envelope.envelope_bytes = gpu_bytes
+        self.envelope.envelope_bytes = envelope_bytes
         return has_ssd and now.ssd_bytes != b.ssd_bytes
 
     def shrink_ssd(self, ssd_bytes: int) -> None:

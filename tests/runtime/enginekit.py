@@ -35,7 +35,7 @@ def small_engine(loaded: LoadedModel, ssd: Path, gpu_pages: int, dram_pages: int
     page = layout.page_bytes
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=token_budget_pages * PAGE)
     gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
-        gpu_bytes=with_reserve(layout, gpu_pages * page, shape), dram_bytes=dram_pages * page, ssd_dir=str(ssd),
+        envelope_bytes=with_reserve(layout, gpu_pages * page, shape), dram_bytes=dram_pages * page, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2))
 

@@ -37,7 +37,7 @@ def _runner(loaded: LoadedModel, hot_pages: int | None = None, dram_pages: int =
     layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
     gpu = None if hot_pages is None else with_reserve(layout, hot_pages * page, shape)
-    tiers = TierConfig(gpu_bytes=gpu, dram_bytes=dram_pages * page, ssd_dir=None if ssd is None else str(ssd),
+    tiers = TierConfig(envelope_bytes=gpu, dram_bytes=dram_pages * page, ssd_dir=None if ssd is None else str(ssd),
                        ssd_bytes=0 if ssd is None else 64 << 20)
     return ModelRunner(loaded, replace(shape, tiers=tiers))
 

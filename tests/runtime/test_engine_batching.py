@@ -34,7 +34,7 @@ def _engine(path, pages: int, **sched) -> LLMEngine:  # type: ignore[no-untyped-
     gen = ModelRunner(loaded, EngineConfig(page_size=4))
     # the gpu budget holds `pages` sealed pages plus what the running sequences reserve (open pages, step buffers)
     budget = pages * gen.cache.layout.page_bytes + reserve_bytes(gen.cache.layout, EngineConfig(page_size=4))
-    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig(gpu_bytes=budget)))
+    gen = ModelRunner(loaded, EngineConfig(page_size=4, tiers=TierConfig(envelope_bytes=budget)))
     return LLMEngine(gen, SchedulerConfig(**sched))
 
 

@@ -41,7 +41,7 @@ def _engine(loaded: LoadedModel, ssd: Path, hot_pages: int, start: int) -> LLMEn
     layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     shape = EngineConfig(page_size=PAGE, max_sequences=ROWS, token_budget=8 * PAGE)
     gpu = with_reserve(layout, hot_pages * layout.page_bytes, shape)
-    cfg = replace(shape, max_running=start, tiers=TierConfig(gpu_bytes=gpu, dram_bytes=32 * layout.page_bytes,
+    cfg = replace(shape, max_running=start, tiers=TierConfig(envelope_bytes=gpu, dram_bytes=32 * layout.page_bytes,
                                                              ssd_dir=str(ssd), ssd_bytes=64 << 20))
     return LLMEngine(ModelRunner(loaded, cfg), SchedulerConfig(max_running=start, step_token_budget=16))
 
@@ -119,7 +119,7 @@ def test_more_concurrency_than_the_hot_tier_can_give_is_refused_and_changes_noth
     shape = EngineConfig(page_size=PAGE, max_sequences=ROWS, token_budget=8 * PAGE, max_running=1)
     per_seq = 8 * layout.block_bytes
     gpu = with_reserve(layout, 2 * layout.page_bytes, replace(shape, max_running=ROWS))
-    engine = LLMEngine(ModelRunner(tiny, replace(shape, tiers=TierConfig(gpu_bytes=gpu))),
+    engine = LLMEngine(ModelRunner(tiny, replace(shape, tiers=TierConfig(envelope_bytes=gpu))),
                        SchedulerConfig(max_running=1, step_token_budget=64))
     cache = engine.runner.cache
     hot = cache.envelope.split().hot_bytes

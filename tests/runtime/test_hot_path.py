@@ -153,7 +153,7 @@ def test_no_tier_reads_or_writes_while_the_store_lock_is_held(tiny: LoadedModel,
         shape = EngineConfig(page_size=PAGE, max_sequences=2, placement=placement, token_budget=16 * PAGE)
         reserve = reserve_bytes(layout, shape)  # the envelope's share for the rows' open pages and step buffers
         gen = ModelRunner(tiny, replace(shape, tiers=TierConfig(
-            gpu_bytes=10 * page + reserve, dram_bytes=24 * page, ssd_dir=str(tmp_path / placement),
+            envelope_bytes=10 * page + reserve, dram_bytes=24 * page, ssd_dir=str(tmp_path / placement),
             ssd_bytes=64 << 20)))
         violations, io = _guard_tiers(gen.cache.store)
         out = []
@@ -177,7 +177,7 @@ def test_an_ssd_tier_that_must_evict_frees_its_slots_without_journal_writes_unde
     page = layout.page_bytes
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE)
     gen = ModelRunner(tiny, replace(shape, tiers=TierConfig(
-        gpu_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page, ssd_dir=str(tmp_path / "ssd"),
+        envelope_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page, ssd_dir=str(tmp_path / "ssd"),
         ssd_bytes=1 << 20)))
     store = gen.cache.store
     ssd = store.tiers["ssd"]
@@ -217,7 +217,7 @@ def test_usage_comes_from_counters_that_agree_with_the_block_table(tiny: LoadedM
     layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE)
-    tiers = TierConfig(gpu_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page,
+    tiers = TierConfig(envelope_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page,
                        ssd_dir=str(tmp_path / "ssd"), ssd_bytes=1 << 20)
 
     def check(gen: ModelRunner) -> None:

@@ -36,7 +36,7 @@ def _engine(loaded: LoadedModel, ssd: Path) -> LLMEngine:
     layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=8 * PAGE)
     gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
-        gpu_bytes=4 * layout.page_bytes + reserve_bytes(layout, shape), dram_bytes=0, ssd_dir=str(ssd),
+        envelope_bytes=4 * layout.page_bytes + reserve_bytes(layout, shape), dram_bytes=0, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2))
 

@@ -49,7 +49,7 @@ def test_no_block_stays_needed_after_its_sequences_are_gone(hf_model_factory, tm
     reserve = reserve_bytes(layout, shape)  # the rows' open pages and step buffers, beside the hot tier
     budgets = [(24 * page + reserve, 16 * page, 80 * page), (40 * page + reserve, 8 * page, 50 * page)]
     gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
-        gpu_bytes=budgets[0][0], dram_bytes=budgets[0][1], ssd_dir=str(tmp_path / "ssd"), ssd_bytes=budgets[0][2])))
+        envelope_bytes=budgets[0][0], dram_bytes=budgets[0][1], ssd_dir=str(tmp_path / "ssd"), ssd_bytes=budgets[0][2])))
     engine = LLMEngine(gen, SchedulerConfig(max_running=4, step_token_budget=32))
     rng = random.Random(7)
     store, ssd = gen.cache.store, gen.cache.store.tiers["ssd"]

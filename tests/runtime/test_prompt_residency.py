@@ -39,7 +39,7 @@ def _engine(loaded: LoadedModel, ssd: Path, step_tokens: int = 8, **sched: float
     page = layout.page_bytes
     shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=8 * PAGE)
     gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
-        gpu_bytes=12 * page + reserve_bytes(layout, shape), dram_bytes=12 * page, ssd_dir=str(ssd),
+        envelope_bytes=12 * page + reserve_bytes(layout, shape), dram_bytes=12 * page, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2, step_token_budget=step_tokens, **sched))  # type: ignore[arg-type]
 

@@ -256,7 +256,7 @@ def test_on_a_gpu_the_default_gpu_budget_is_sized_from_its_free_memory(hf_model_
     free = torch.cuda.mem_get_info()[0]
     gen = ModelRunner(loaded, EngineConfig(page_size=4, max_sequences=4, tiers=TierConfig()))
     try:
-        budget = gen.config.tiers.gpu_bytes
+        budget = gen.config.tiers.envelope_bytes
         assert budget is not None and budget <= 0.8 * free
         assert gen.request_limit() == 256
     finally:

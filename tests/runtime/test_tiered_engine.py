@@ -35,7 +35,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 250, (n,), generator=g).tolist()
 
 
-TIER_FIELDS = {"gpu_bytes", "dram_bytes", "ssd_bytes", "ssd_dir", "persist"}
+TIER_FIELDS = {"envelope_bytes", "dram_bytes", "ssd_bytes", "ssd_dir", "persist"}
 
 
 def _gen(loaded: LoadedModel, hot_pages: int | None = None, **kw: object) -> ModelRunner:
@@ -45,7 +45,7 @@ def _gen(loaded: LoadedModel, hot_pages: int | None = None, **kw: object) -> Mod
     shape = EngineConfig(page_size=PAGE, max_sequences=2, **rest)  # type: ignore[arg-type]
     if hot_pages is not None:
         layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
-        kw["gpu_bytes"] = with_reserve(layout, hot_pages * layout.page_bytes, shape)
+        kw["envelope_bytes"] = with_reserve(layout, hot_pages * layout.page_bytes, shape)
     tiers = TierConfig(**{k: v for k, v in kw.items() if k in TIER_FIELDS})  # type: ignore[arg-type]
     return ModelRunner(loaded, replace(shape, tiers=tiers))
 
