@@ -22,7 +22,7 @@ def header(result: DecodeBenchResult) -> str:
             f"SSD all; llama.cpp: {result.llama_cpp}; host {result.host}, device {result.device}\n\n"
             f"Weights {result.weights}: {result.weight_bytes_per_step / 1e6:.0f} MB read per decode step; the "
             f"device's copy bandwidth {result.bandwidth_gb_s:.1f} GB/s (STREAM-like, 1 GiB arrays), so no step takes less "
-            f"than {result.weight_bound_ms:.1f} ms (the weights' bound, beside the 'model' column below)")
+            f"than {result.weight_bound_ms:.3g} ms (the weights' bound, beside the 'model' column below)")
 
 
 def table(result: DecodeBenchResult) -> str:

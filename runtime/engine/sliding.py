@@ -92,9 +92,14 @@ class SlidingWindows:
             av = torch.cat([ring[:, 1], v.to(ring.dtype)]).transpose(0, 1)
         else:
             ak, av = k.transpose(0, 1), v.transpose(0, 1)
-        qh = q.transpose(0, 1).to(ak.dtype)  # [Hq, n, D]
+        # 4-D, as SDPA's fused kernels take (3-D inputs always run its math kernel): PyTorch's CPU flash kernel
+        # takes the mask and grouped heads; on CUDA the memory-efficient kernel takes the mask, not grouped heads
+        qh, ak, av = q.transpose(0, 1).to(ak.dtype)[None], ak[None], av[None]  # [1, H, n | C + n, D]
+        if q.is_cuda:
+            g = qh.shape[1] // ak.shape[1]
+            ak, av = ak.repeat_interleave(g, dim=1), av.repeat_interleave(g, dim=1)
         out = F.scaled_dot_product_attention(qh, ak, av, attn_mask=visible, scale=1.0 / math.sqrt(q.shape[-1]),
-                                             enable_gqa=True)  # [Hq, n, D]
+                                             enable_gqa=not q.is_cuda)[0]  # [Hq, n, D]
         keep = min(n, c)
         slots = torch.arange(start + n - keep, start + n, device=self.device) % c
         self.ring[row, j, slots] = torch.stack([k[n - keep :], v[n - keep :]], dim=1).to(self.ring.dtype)
