@@ -125,14 +125,20 @@ class AsyncEngine:
         while not self._stop.is_set():
             try:
                 self._turn()
-            except Exception as exc:
-                self.step_failures += 1
-                log.exception("engine turn failed outside the step; ending the running requests")
-                try:
-                    for out in self.engine.fail_all(f"internal engine error: {exc}"):
-                        self._deliver(out.request_id, out)
-                except Exception:
-                    log.exception("ending the running requests failed too")
+            except Exception as exc:  # a command's or a step's: the one place a turn's failure is handled
+                self._fail_running(exc)
+
+    def _fail_running(self, exc: Exception) -> None:
+        """End every request with an error naming ``exc`` (logged with its traceback); the thread lives on."""
+        self.step_failures += 1
+        log.exception("engine turn failed; ending the running requests")
+        try:
+            outputs = self.engine.fail_all(f"internal engine error: {exc}")
+        except Exception:
+            log.exception("ending the running requests failed too")
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
 
     def _turn(self) -> None:
         """Commands, then one engine step when there is work."""
@@ -148,12 +154,7 @@ class AsyncEngine:
             self._wake.wait(0.5)
             self._wake.clear()
             return
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # never let the engine thread die
-            self.step_failures += 1
-            log.exception("engine step failed; ending the running requests")
-            outputs = self.engine.fail_all(f"internal engine error: {exc}")
+        outputs = self.engine.step()
         for out in outputs:
             self._deliver(out.request_id, out)
         took = time.perf_counter() - started

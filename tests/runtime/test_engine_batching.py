@@ -215,3 +215,38 @@ async def test_an_error_outside_the_step_ends_the_running_requests_and_never_the
         assert sum(len(o.new_token_ids) for o in after) == 5 and after[-1].finish_reason == "length"
     finally:
         runner.shutdown()
+
+
+async def test_an_error_inside_the_step_ends_the_running_requests_and_the_next_request_runs(
+        hf_model_factory, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A step that raises (a bug, a tier failing in a way nothing handles) goes through the same one handler
+    as any other failed turn: the running requests end with an error naming it, the thread lives on."""
+    path, _ = hf_model_factory(arch="llama")
+    engine = _engine(path, pages=64)
+    runner = AsyncEngine(engine)
+    runner.start()
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_step():  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the forward pass failed (test)")
+        return real_step()
+
+    try:
+        monkeypatch.setattr(engine, "step", failing_step)
+        with caplog.at_level(logging.ERROR, logger="kvdrive.runtime.engine.async_engine"):
+            outs = [o async for o in runner.generate(Request("a", tuple(PROMPTS[0]),
+                                                             SamplingParams(max_tokens=50, ignore_eos=True),
+                                                             time.perf_counter()))]
+        assert outs[-1].finished and outs[-1].finish_reason == "error"
+        assert "internal engine error: the forward pass failed (test)" in (outs[-1].error or "")
+        assert runner.alive and runner.step_failures == 1
+        assert any("engine turn failed" in r.message and r.exc_info for r in caplog.records)
+        after = [o async for o in runner.generate(Request("b", tuple(PROMPTS[1]),
+                                                          SamplingParams(max_tokens=5, ignore_eos=True),
+                                                          time.perf_counter()))]
+        assert sum(len(o.new_token_ids) for o in after) == 5 and after[-1].finish_reason == "length"
+    finally:
+        runner.shutdown()
