@@ -204,15 +204,9 @@ async def test_an_error_outside_the_step_ends_the_running_requests_and_never_the
                 return [o async for o in long]
 
             outs += await asyncio.wait_for(rest(), 30)  # a dead engine thread never ends the stream
-        assert outs[-1].finished and outs[-1].finish_reason == "error"
-        assert "internal engine error: releasing the pages failed (test)" in (outs[-1].error or "")
-        assert runner.alive and runner.step_failures == 1
-        assert any("engine turn failed" in r.message and r.exc_info for r in caplog.records)
+        _ended_by(outs, runner, caplog, "releasing the pages failed (test)")
         monkeypatch.setattr(engine, "abort", real_abort)
-        after = [o async for o in runner.generate(Request("after", tuple(PROMPTS[2]),
-                                                          SamplingParams(max_tokens=5, ignore_eos=True),
-                                                          time.perf_counter()))]
-        assert sum(len(o.new_token_ids) for o in after) == 5 and after[-1].finish_reason == "length"
+        await _serves_the_next(runner, PROMPTS[2])
     finally:
         runner.shutdown()
 
@@ -240,13 +234,21 @@ async def test_an_error_inside_the_step_ends_the_running_requests_and_the_next_r
             outs = [o async for o in runner.generate(Request("a", tuple(PROMPTS[0]),
                                                              SamplingParams(max_tokens=50, ignore_eos=True),
                                                              time.perf_counter()))]
-        assert outs[-1].finished and outs[-1].finish_reason == "error"
-        assert "internal engine error: the forward pass failed (test)" in (outs[-1].error or "")
-        assert runner.alive and runner.step_failures == 1
-        assert any("engine turn failed" in r.message and r.exc_info for r in caplog.records)
-        after = [o async for o in runner.generate(Request("b", tuple(PROMPTS[1]),
-                                                          SamplingParams(max_tokens=5, ignore_eos=True),
-                                                          time.perf_counter()))]
-        assert sum(len(o.new_token_ids) for o in after) == 5 and after[-1].finish_reason == "length"
+        _ended_by(outs, runner, caplog, "the forward pass failed (test)")
+        await _serves_the_next(runner, PROMPTS[1])
     finally:
         runner.shutdown()
+
+
+def _ended_by(outs: list, runner: AsyncEngine, caplog, error: str) -> None:  # type: ignore[no-untyped-def,type-arg]
+    """The request ended with an error naming ``error``, logged with its traceback; the thread lives on."""
+    assert outs[-1].finished and outs[-1].finish_reason == "error"
+    assert f"internal engine error: {error}" in (outs[-1].error or "")
+    assert runner.alive and runner.step_failures == 1
+    assert any("engine turn failed" in r.message and r.exc_info for r in caplog.records)
+
+
+async def _serves_the_next(runner: AsyncEngine, prompt: list[int]) -> None:
+    after = [o async for o in runner.generate(Request("after", tuple(prompt), SamplingParams(max_tokens=5, ignore_eos=True),
+                                                      time.perf_counter()))]
+    assert sum(len(o.new_token_ids) for o in after) == 5 and after[-1].finish_reason == "length"
