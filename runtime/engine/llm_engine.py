@@ -165,8 +165,8 @@ class LLMEngine:
 
     def _release_pages(self, seq: SequenceState) -> None:
         if seq.seq_id is not None:
-            self.runner.release(seq.seq_id)
-            seq.seq_id = None
+            seq_id, seq.seq_id = seq.seq_id, None  # cleared first: a release that raises never leaves a dangling id
+            self.runner.release(seq_id)
 
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule (allocating), run the forward pass, postprocess (sample, emit)."""
@@ -294,10 +294,19 @@ class LLMEngine:
         return []
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """End every request with an error (after an unexpected failure in a step)."""
+        """End every request with an error (after an unexpected failure in a step). Every request ends, even
+        when releasing one's pages raises too (logged): a request left behind would wedge every later step."""
         outs = []
         for seq in list(self._seqs.values()):
-            outs.append(self._fail(seq, message))
+            try:
+                outs.append(self._fail(seq, message))
+            except Exception:
+                log.exception("%s: releasing its pages failed; ending it anyway", seq.request.request_id)
+                self.scheduler.remove(seq)
+                self._seqs.pop(seq.request.request_id, None)
+                outs.append(RequestOutput(seq.request.request_id, (), "", len(seq.request.prompt_ids),
+                                          seq.num_generated, finished=True, finish_reason="error", error=message,
+                                          cached_tokens=seq.cached_tokens or 0))
         return outs
 
     def _emit(self, chunk: ScheduledChunk, logits: torch.Tensor) -> RequestOutput:

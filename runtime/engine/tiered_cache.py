@@ -191,13 +191,15 @@ class TieredKVCache:
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id)
-        if self.keeper is not None and seq.settled:  # a step that failed may have left its window half written
-            self.keeper.keep(seq)
-        if seq.prefilling:
-            self.placer.release(seq.pids)
-        for d in seq.digests:
-            self.prefix.unref(d)
-        heapq.heappush(self._rows, seq.row)
+        try:
+            if self.keeper is not None and seq.settled:  # a step that failed may have left its window half written
+                self.keeper.keep(seq)
+            if seq.prefilling:
+                self.placer.release(seq.pids)
+            for d in seq.digests:
+                self.prefix.unref(d)
+        finally:
+            heapq.heappush(self._rows, seq.row)  # its row is free whatever failed above
 
     def _grow(self, rows: int, pages: int) -> None:
         """Room in the row-indexed tensors for ``rows`` rows of ``pages`` pages (between steps)."""

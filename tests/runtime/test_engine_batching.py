@@ -252,3 +252,40 @@ async def _serves_the_next(runner: AsyncEngine, prompt: list[int]) -> None:
     after = [o async for o in runner.generate(Request("after", tuple(prompt), SamplingParams(max_tokens=5, ignore_eos=True),
                                                       time.perf_counter()))]
     assert sum(len(o.new_token_ids) for o in after) == 5 and after[-1].finish_reason == "length"
+
+
+async def test_a_release_that_fails_while_ending_the_requests_still_ends_every_one(
+        hf_model_factory, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """After a failed step every request is ended; when releasing one's pages raises as well, it is still
+    ended (the cluster e2e once saw the engine wedged: a request left behind failed every later turn)."""
+    path, _ = hf_model_factory(arch="llama")
+    engine = _engine(path, pages=64)
+    runner = AsyncEngine(engine)
+    runner.start()
+    real_step, real_release = engine.step, engine.runner.release
+    calls = {"step": 0, "release": 0}
+
+    def failing_step():  # type: ignore[no-untyped-def]
+        calls["step"] += 1
+        if calls["step"] == 3:
+            raise RuntimeError("the forward pass failed (test)")
+        return real_step()
+
+    def failing_release(seq_id: int) -> None:
+        calls["release"] += 1
+        if calls["release"] == 1:
+            raise KeyError(seq_id)
+        real_release(seq_id)
+
+    try:
+        monkeypatch.setattr(engine, "step", failing_step)
+        monkeypatch.setattr(engine.runner, "release", failing_release)
+        with caplog.at_level(logging.ERROR, logger="kvdrive.runtime.engine.async_engine"):
+            outs = [o async for o in runner.generate(Request("a", tuple(PROMPTS[0]),
+                                                             SamplingParams(max_tokens=50, ignore_eos=True),
+                                                             time.perf_counter()))]
+        _ended_by(outs, runner, caplog, "the forward pass failed (test)")
+        assert engine.stats().running == 0 and calls["release"] == 1
+        await _serves_the_next(runner, PROMPTS[1])
+    finally:
+        runner.shutdown()
