@@ -191,22 +191,23 @@ class LLMEngine:
 
     def _load(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The step's load phase: read the stored prefix pages that the plan's newly opened sequences matched
-        (the scheduler only looked them up). A sequence whose pages could not all be read (corrupt, lost) is
-        put back at the head of the queue, unopened: admitted again, it matches only what is still stored
-        and computes the rest. The other chunks run."""
-        kept = []
+        (the scheduler only looked them up). When some could not be read (corrupt, lost, or not stored yet:
+        a page another running sequence is still computing counts as stored at lookup), the sequence keeps
+        what was read and its chunk starts there instead, so those tokens are computed in this step."""
+        out = []
         for c in chunks:
             seq = c.seq
             if seq.seq_id is None or self.runner.load_prefix(seq.seq_id):
-                kept.append(c)
+                out.append(c)
                 continue
-            log.warning("%s: stored prefix pages unreadable at load; admitted again", seq.request.request_id)
-            self._release_pages(seq)
-            seq.num_computed = 0
-            if not seq.num_generated:  # still its first admission: the client hears of the next one's reuse
-                seq.cached_tokens = None
-            self.scheduler.requeue(seq)
-        return kept
+            stored = self.runner.cache.length(seq.seq_id)
+            log.info("%s: %d of %d matched prompt tokens readable; computing the rest", seq.request.request_id,
+                     stored, seq.num_computed)
+            seq.num_computed = stored
+            if seq.cached_tokens is not None:
+                seq.cached_tokens = min(seq.cached_tokens, stored)
+            out.append(ScheduledChunk.of(seq, min(c.num_tokens, len(seq.pending))))
+        return out
 
     def _run(self, chunks: list[ScheduledChunk], outputs: list[RequestOutput]) -> torch.Tensor | None:
         """The forward pass of the step's chunks: hidden states [N, H], or None when a needed page was lost.

@@ -13,7 +13,7 @@ How the prompt budget is shared is the policy:
 checks and allocates: a ``KVAllocator`` answers ``can_admit`` / ``can_allocate`` and then ``allocate``s
 (opening a new sequence on its stored prefix, which may shorten what it still has to feed). Planning
 does no I/O: an allocation only looks the stored prefix up and references its pages; the step's load
-phase (``LLMEngine._load``) reads them. When the KV cache cannot hold a decode, the most recently
+phase (``LLMEngine._load``) reads them, and starts a chunk earlier when some could not be read. When the KV cache cannot hold a decode, the most recently
 admitted sequence is preempted (its pages freed, its tokens recomputed later).
 """
 

@@ -3,8 +3,8 @@
 A request whose prompt was served before is admitted on its stored pages: planning the step reads no tier
 (the pages are matched and referenced), then the step's load phase reads them, and the answer is the
 one computed from scratch. When a matched page can no longer be read at load (lost from every tier between
-the lookup and the read), the request goes back to the head of the queue unopened, is admitted again on
-what is still stored, and still answers exactly; the other request in the step runs on.
+the lookup and the read), the request keeps the pages before it, its chunk starts there in the same step,
+and it still answers exactly; the other request in the step runs on.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_planning_reads_nothing_and_the_load_phase_reads_the_prefix(tiny: Loaded
     assert again == fresh
 
 
-def test_a_prefix_page_lost_before_the_load_is_recomputed_and_the_other_request_runs_on(
+def test_a_prefix_page_lost_before_the_load_is_computed_in_the_same_step_and_the_other_request_runs_on(
         tiny: LoadedModel, tmp_path: Path) -> None:
     doc, other = _prompt(40 * PAGE, seed=2), _prompt(10 * PAGE, seed=3)
     engine = small_engine(tiny, tmp_path / "ssd", 8, 8, 16)
@@ -104,6 +104,20 @@ def test_a_prefix_page_lost_before_the_load_is_recomputed_and_the_other_request_
     outs = run_dry(engine)
     assert lost, "the scenario needs a load to lose a page"
     assert tokens(outs["b"]) == fresh and outs["b"][-1].finish_reason == "length"
-    assert 0 < outs["b"][-1].cached_tokens <= 20 * PAGE  # admitted again on the pages before the lost one
+    assert outs["b"][-1].cached_tokens == 20 * PAGE  # the pages before the lost one, read in the same step
     assert len(tokens(outs["c"])) == 8 and outs["c"][-1].finish_reason == "length"
-    assert engine.stats().preemptions_total == 0  # put back unopened: not a preemption for room
+    assert engine.stats().preemptions_total == 0
+
+
+def test_a_request_matching_pages_another_is_still_computing_answers_exactly(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Pages a running prompt has referenced count as stored at lookup before their KV is written: a second
+    request on the same document, admitted while the first is still in its prefill, reads what is there,
+    computes the rest in its own chunk, and both answer as from scratch."""
+    doc = _prompt(300 * PAGE, seed=4)
+    fresh, _ = _answer(small_engine(tiny, tmp_path / "cold", 64, 64, 16), "cold", doc)
+    engine = small_engine(tiny, tmp_path / "ssd", 64, 64, 16)
+    engine.add_request(Request("a", doc, SamplingParams(max_tokens=8, ignore_eos=True), 0.0))
+    engine.step()  # a's first chunk: its pages are referenced, most not written yet
+    engine.add_request(Request("b", doc, SamplingParams(max_tokens=8, ignore_eos=True), 1.0))
+    outs = run_dry(engine)
+    assert tokens(outs["a"]) == fresh and tokens(outs["b"]) == fresh
