@@ -301,13 +301,9 @@ class LLMEngine:
         for seq in list(self._seqs.values()):
             try:
                 outs.append(self._fail(seq, message))
-            except Exception:
+            except Exception:  # _release_pages cleared its id before raising: ending it again releases nothing
                 log.exception("%s: releasing its pages failed; ending it anyway", seq.request.request_id)
-                self.scheduler.remove(seq)
-                self._seqs.pop(seq.request.request_id, None)
-                outs.append(RequestOutput(seq.request.request_id, (), "", len(seq.request.prompt_ids),
-                                          seq.num_generated, finished=True, finish_reason="error", error=message,
-                                          cached_tokens=seq.cached_tokens or 0))
+                outs.append(self._fail(seq, message))
         return outs
 
     def _emit(self, chunk: ScheduledChunk, logits: torch.Tensor) -> RequestOutput:

@@ -14,7 +14,7 @@ owns the hot path (see ``Residency``), so a slot read here names that block's by
 itself frees it. Mutations run under the store lock.
 
 Writes are batched. ``place`` and ``unplace`` record the new values on the host (the last write to an
-entry wins), and every reader takes the tables through ``slots``, ``rows``, ``owners`` or ``residents``,
+entry wins), and every reader takes the tables through ``slots``, ``rows`` or ``residents``,
 which first apply what is pending: one ``index_put_`` per table, on the device's default stream (where
 the decode loop reads them). Written one scalar at a time, each value was a pageable host-to-device copy
 and a stream synchronisation on CUDA: about 65,000 of each in one 7,168-token prefill of the demo model
