@@ -9,11 +9,13 @@
    - --clients streaming clients: --long-clients send ~1.5K-token documents (each distinct), one sends the
      3 fixed prompts greedily in turn (compared with the reference), the rest short chat questions;
    - each request of the others disconnects at a random moment with probability --disconnect;
-   - PUT /admin/tiers every --retune seconds, alternating two budget sets.
+   - PUT /admin/tiers every --retune seconds, alternating two budget sets;
+   - GET /metrics every second, as the router scrapes each replica.
 3. Reported: HTTP 5xx and error chunks, completed requests, TTFT and inter-token latency p50/p99 for
    short and long prompts, tier bytes held for running sequences before and after (the idle baseline),
    fixed-prompt outputs identical to the reference, the engine loop's turns over 2 s (from
-   kvdrive_engine_step_seconds), faults counted and the log lines they produced.
+   kvdrive_engine_step_seconds), the /metrics scrape latency p50/p99 under that load, faults counted and
+   the log lines they produced.
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ async def soak(args: argparse.Namespace, tmp: Path, ref: list[str]) -> dict[str,
                   "disconnected": 0, "retunes": {}, "fixed_identical": 0, "fixed_different": []})
     ttft: dict[str, list[float]] = {"short": [], "long": []}
     itl: dict[str, list[float]] = {"short": [], "long": []}
+    scrapes: list[float] = []
     try:
         await wait_ready(server)
         async with httpx.AsyncClient(timeout=600) as client:
@@ -207,13 +210,21 @@ async def soak(args: argparse.Namespace, tmp: Path, ref: list[str]) -> dict[str,
                     stats["retunes"][str(r.status_code)] = stats["retunes"].get(str(r.status_code), 0) + 1
                     k += 1
 
+            async def scrape() -> None:  # the router's scrape of a replica, once a second
+                while time.monotonic() < deadline:
+                    t0 = time.perf_counter()
+                    r = await client.get(f"{server.url}/metrics")
+                    if r.status_code == 200:
+                        scrapes.append(time.perf_counter() - t0)
+                    await asyncio.sleep(1.0)
+
             async def progress() -> None:
                 with tqdm(total=int(args.seconds), desc="soak (s)") as bar:
                     while time.monotonic() < deadline:
                         await asyncio.sleep(5)
                         bar.update(5)
 
-            await asyncio.gather(progress(), retune(), fixed(),
+            await asyncio.gather(progress(), retune(), fixed(), scrape(),
                                  *(user(i) for i in range(args.clients - 1)))
             await asyncio.sleep(2)
             after = metrics_of((await client.get(f"{server.url}/metrics")).text)
@@ -224,6 +235,7 @@ async def soak(args: argparse.Namespace, tmp: Path, ref: list[str]) -> dict[str,
         log = server.log.read_text()
         stats.update({
             "ttft_ms": {k: pct(v) for k, v in ttft.items()}, "itl_ms": {k: pct(v) for k, v in itl.items()},
+            "metrics_scrape_ms": {**pct(scrapes), "scrapes": len(scrapes)},
             "used_bytes_before": used_bytes(before), "used_bytes_after": used_bytes(after),
             "fixed_after_soak_identical": sum(o == (200, r) for o, r in zip(outs_after, ref, strict=True)),
             "engine_turns": int(turns), "engine_turns_over_2s": int(turns - within_2s),

@@ -28,7 +28,8 @@ import torch
 
 from kvdrive.runtime.attention import SelectionConfig
 from kvdrive.runtime.engine.kv_state import EngineConfig, EnvelopeSplit
-from kvdrive.runtime.kvcache import BudgetError, KVLayout, TieredKVStore
+from kvdrive.runtime.kvcache import BudgetError, KVLayout
+from kvdrive.runtime.pipeline import Mover
 from kvdrive.runtime.placement import policy_for
 
 log = logging.getLogger(__name__)
@@ -85,13 +86,14 @@ class Envelope:
         self.pending: int | None = None  # a smaller limit waiting for running sequences to finish
         self.envelope_bytes = 0  # the gpu budget (set by the cache once it is known)
         self.device = device
-        self._store: TieredKVStore | None = None
+        self._mover: Mover | None = None
         self._drain: Callable[[], None] = lambda: None
         self._buffer = self._new_buffer(max_running)
 
-    def bind(self, store: TieredKVStore, drain: Callable[[], None]) -> None:
-        """The store whose device tier is the hot half, and how to wait for its in-flight transfers."""
-        self._store, self._drain = store, drain
+    def bind(self, mover: Mover, drain: Callable[[], None]) -> None:
+        """The Mover of the store whose device tier is the hot half, and how to wait for its in-flight
+        transfers."""
+        self._mover, self._drain = mover, drain
 
     def reserve(self, max_running: int | None = None) -> int:
         n = self.max_running if max_running is None else max_running
@@ -110,7 +112,7 @@ class Envelope:
         return hot
 
     def split(self) -> EnvelopeSplit:
-        hot = self._store.budgets.gpu_bytes if self._store is not None else self.hot_bytes(self.envelope_bytes)
+        hot = self._mover.store.budgets.gpu_bytes if self._mover is not None else self.hot_bytes(self.envelope_bytes)
         return EnvelopeSplit(envelope_bytes=self.envelope_bytes, hot_bytes=hot, fixed_reserve_bytes=self.fixed_reserve,
                              per_sequence_bytes=self.per_sequence_bytes, max_running=self.max_running,
                              max_sequences=self.max_sequences, pending_max_running=self.pending)
@@ -139,16 +141,16 @@ class Envelope:
         if n == self.max_running:
             return True
         hot = self.hot_bytes(self.envelope_bytes, n)
-        assert self._store is not None
+        assert self._mover is not None
         self._drain()
-        self._store.bind_owner()
+        self._mover.store.bind_owner()
         if n > self.max_running:  # the hot tier gives the bytes up first (may refuse), then the buffer takes them
-            self._store.set_budgets(gpu_bytes=hot)
+            self._mover.set_budgets(gpu_bytes=hot)
             self._buffer = self._new_buffer(0)
             self._buffer = self._new_buffer(n)
         else:
             self._buffer = self._new_buffer(n)
-            self._store.set_budgets(gpu_bytes=hot)
+            self._mover.set_budgets(gpu_bytes=hot)
         log.info("envelope split: max_running %d -> %d: hot tier %.1f MiB, reserve %.1f MiB of %.1f MiB",
                  self.max_running, n, hot / 2**20, self.reserve(n) / 2**20, self.envelope_bytes / 2**20)
         self.max_running = n

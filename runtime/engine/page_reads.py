@@ -6,7 +6,7 @@ attention. The device tier is read in place with one ``index_select`` over the p
 where every entry that is not on the device tier points at the pool's zero row. Only the entries that
 missed reach further code: on the compute device, the DRAM tier's rows are gathered with tensor ops too
 (on a CPU host the DRAM pool is the same memory; on CUDA it is pinned host memory copied up); what no
-memory tier holds goes through the store (host code: the work grows with these misses, never with the
+memory tier holds is read by the Mover (host code: the work grows with these misses, never with the
 context length or the pages that hit), and placement decides whether it gets a copy further up.
 """
 
@@ -123,7 +123,7 @@ class PageReader:
             self._from_store(layer, pids, miss, seq_ids)
 
     def _from_store(self, layer: int, pids: torch.Tensor, miss: torch.Tensor, seq_ids: list[int]) -> None:
-        """Misses of every memory tier: read through the store (waiting for a late prefetch first); the
+        """Misses of every memory tier: read by the Mover (waiting for a late prefetch first); the
         blocks read are queued for placement, which decides at the end of the step where each gets a copy."""
         cache, store, lay = self.cache, self.store, self.layout
         bi, ki = miss.nonzero(as_tuple=True)
@@ -135,7 +135,7 @@ class PageReader:
                 late.wait()
             except Exception:  # a failed prefetch only means the read below goes to a lower tier
                 pass
-        raw, served = store.fetch(keys)
+        raw, served = cache.mover.fetch(keys)
         cache.fetch_wait_seconds += time.perf_counter() - t0
         if None in served:
             cache.pages_lost += 1

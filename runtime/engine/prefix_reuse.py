@@ -21,6 +21,7 @@ from kvdrive.runtime.attention import SummaryTable
 from kvdrive.runtime.engine.kv_state import SeqKV
 from kvdrive.runtime.engine.window_snapshots import WindowKeeper
 from kvdrive.runtime.kvcache import BlockKey, KVLayout, TieredKVStore
+from kvdrive.runtime.pipeline import Mover
 from kvdrive.runtime.placement import Placer
 from kvdrive.runtime.prompt.digests import chain_digest
 
@@ -30,9 +31,9 @@ READ_CHUNK_PAGES = 32  # a stored prefix is read this many pages at a time, ever
 
 
 class PrefixPages:
-    def __init__(self, layout: KVLayout, root: bytes, store: TieredKVStore, placer: Placer,
+    def __init__(self, layout: KVLayout, root: bytes, store: TieredKVStore, mover: Mover, placer: Placer,
                  summaries: SummaryTable, keeper: WindowKeeper | None) -> None:
-        self.layout, self.root, self.store, self.placer = layout, root, store, placer
+        self.layout, self.root, self.store, self.mover, self.placer = layout, root, store, mover, placer
         self.summaries, self.keeper = summaries, keeper
         self._refs: dict[bytes, list[int]] = {}  # digest -> [sequences referencing it, page id]
         self.hit_pages = 0  # pages reused from the tiers instead of recomputed
@@ -111,12 +112,12 @@ class PrefixPages:
             part = seq.digests[p0 : p0 + chunk]
             for layer in range(lay.num_layers):
                 keys = [BlockKey(d, layer) for d in part]
-                raw, served = self.store.fetch(keys)  # needed reads: counted per tier
+                raw, served = self.mover.fetch(keys)  # needed reads: counted per tier
                 good = served.index(None) if None in served else len(part)
                 if good:
                     kv = lay.typed(raw[:good])  # [good, 2, Hkv, S, D]
                     self.summaries.set(layer, seq.row, p0, kv[:, 0])
-                    self.store.admit(keys[:good], raw[:good], self.placer.initial_tier, served[:good])
+                    self.mover.admit(keys[:good], raw[:good], self.placer.initial_tier, served[:good])
                 if good < len(part):
                     log.warning("stored prefix page %d unreadable; recomputing from there", p0 + good)
                     return p0 + good

@@ -5,7 +5,7 @@ the step buffer (``page_reads``). Whether each of those blocks also gets a copy 
 placement's decision, and making the copy costs eviction, demotion and a row copy. Taken per layer, that
 was 30 small admissions per step, each walking the tier's coldest residents again; here the step's reads
 are queued with the bytes already read, and at the end of the step placement decides for all of them in
-one batch (one sort, one admission per tier, with the attention mass this step gave them), and the store
+one batch (one sort, one admission per tier, with the attention mass this step gave them), and the Mover
 admits each destination's blocks in one call. A block is read by one layer only, so nothing in the same
 step misses it again for want of the copy. The queue holds at most ``max_bytes`` of read blocks; past that
 it is settled at once. A step that fails leaves its queue to be dropped: the copies are an optimisation,
@@ -22,13 +22,13 @@ from kvdrive.runtime.kvcache import BlockKey, TierName
 from kvdrive.runtime.kvcache.tiers.rows import gather_rows
 
 if TYPE_CHECKING:
-    from kvdrive.runtime.kvcache.store import TieredKVStore
+    from kvdrive.runtime.pipeline import Mover
     from kvdrive.runtime.placement import Placer
 
 
 class PromotionQueue:
-    def __init__(self, placer: Placer, store: TieredKVStore, max_bytes: int = 32 << 20) -> None:
-        self.placer, self.store, self.max_bytes = placer, store, max_bytes
+    def __init__(self, placer: Placer, mover: Mover, max_bytes: int = 32 << 20) -> None:
+        self.placer, self.mover, self.max_bytes = placer, mover, max_bytes
         self._keys: list[BlockKey] = []
         self._pids: list[int] = []
         self._served: list[TierName | None] = []
@@ -57,7 +57,7 @@ class PromotionQueue:
         self.drop()
         made = 0
         for dst, rows in plan.items():
-            made += self.store.admit([keys[i] for i in rows], gather_rows(raw, rows), dst, [served[i] for i in rows])
+            made += self.mover.admit([keys[i] for i in rows], gather_rows(raw, rows), dst, [served[i] for i in rows])
         return made
 
     def drop(self) -> None:

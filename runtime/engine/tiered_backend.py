@@ -7,7 +7,7 @@ Decode (one generated token per sequence), per layer, for the whole batch at onc
                  + the mass each page drew at this layer's last step, topk              [B, K] page indices
             ──► page ids = page_table[rows].gather(idx)                                    [B, K]
             ──► read (PageReader): device-tier pages + open page, one index_select          [2, B, Hkv, K+1, S*D]
-                 misses only: DRAM rows by tensor gather, the rest through the store (host code)
+                 misses only: DRAM rows by tensor gather, the rest through the Mover (host code)
             ──► attend: one masked matmul / softmax / matmul                               [B, Hq, D]
             ──► placement.record: the attention mass of each page, one index_add_ (and kept per row
                  for the next step's selection)

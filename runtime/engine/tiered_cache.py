@@ -33,7 +33,7 @@ from kvdrive.runtime.engine.promotions import PromotionQueue
 from kvdrive.runtime.engine.sliding import SlidingWindows
 from kvdrive.runtime.engine.window_snapshots import WindowKeeper, WindowSnapshots
 from kvdrive.runtime.kvcache import BlockKey, BudgetError, KVLayout, TierBudgets, TieredKVStore, TierUsage
-from kvdrive.runtime.pipeline.transfer import TransferEngine
+from kvdrive.runtime.pipeline import Mover, TransferEngine
 from kvdrive.runtime.placement import PlacementPolicy, Placer, policy_for
 from kvdrive.runtime.prompt.digests import chain_digest, root_digest
 
@@ -74,6 +74,7 @@ class TieredKVCache:
             ssd_backend=tiers.ssd_backend, io_threads=tiers.io_threads,
             device_extra_rows=config.max_sequences * layout.num_layers)
         self.placer = Placer(self.policy, self.store)
+        self.mover = Mover(self.store, self.placer.victim_rules)  # the only caller of the tiers' I/O
         # a hybrid model's prefix reuse restores the sliding layers' window from snapshots (window_snapshots)
         self.snapshots = WindowSnapshots(
             Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir else None,
@@ -82,18 +83,18 @@ class TieredKVCache:
         self.keeper = WindowKeeper(windows, self.snapshots, layout.page_size, config.window_checkpoint) \
             if windows is not None and self.snapshots is not None else None
         self._stepping: list[SeqKV] = []  # sequences begun and not yet settled by finish_step
-        self.promotions = PromotionQueue(self.placer, self.store)  # copies the step's lower-tier reads earn
-        self.transfers = TransferEngine(self.store, workers=1)
-        self.envelope.bind(self.store, self.transfers.drain)
+        self.promotions = PromotionQueue(self.placer, self.mover)  # copies the step's lower-tier reads earn
+        self.transfers = TransferEngine(self.mover, workers=1)
+        self.envelope.bind(self.mover, self.transfers.drain)
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device)
-        self.prefix = PrefixPages(layout, self.root, self.store, self.placer, self.summaries, self.keeper)
+        self.prefix = PrefixPages(layout, self.root, self.store, self.mover, self.placer, self.summaries, self.keeper)
         self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}
         self._rows = list(range(config.max_sequences))  # free rows, lowest first
         self.fetch_wait_seconds = 0.0
         self.decode_steps = 0
         self.pages_lost = 0
-        self.prompt_store_reads = 0  # blocks prompt chunks read back through the store (they had spilled)
+        self.prompt_store_reads = 0  # blocks prompt chunks read back from the tiers (they had spilled)
         self.hot_reads = {"gpu": 0, "dram": 0}  # pages the decode loop read in place from the memory tiers
         log.info("KV tiers: %s; placement %s, %s attention (token budget %d)",
                  ", ".join(f"{u.tier} {u.capacity_bytes >> 20} MiB ({u.backing})" for u in self.store.usage()),
@@ -270,7 +271,7 @@ class TieredKVCache:
             keys = [BlockKey(d, layer) for d in seq.digests[first : first + n]]
             self.summaries.set(layer, seq.row, first, k)
             pids = seq.pids[first : first + n]
-        self.store.put(keys, blocks, self.placer.initial_tier, needed=True, persistent=True)
+        self.mover.put(keys, blocks, self.placer.initial_tier, needed=True, persistent=True)
         self.placer.stored(layer, pids)
         return keys
 
@@ -281,8 +282,9 @@ class TieredKVCache:
             if self.keeper is not None and seq.prefilling:
                 self.keeper.checkpoint(seq)
         self._stepping.clear()
-        if sealed and self.config.tiers.persist and "ssd" in self.store.tiers:
-            self.transfers.replicate(sealed, "ssd")
+        dst = self.placer.write_through_tier(self.config.tiers.persist)
+        if sealed and dst is not None:
+            self.transfers.replicate(sealed, dst)
         if decoded:
             self.decode_steps += 1
             self.placer.end_decode_step()
@@ -291,7 +293,7 @@ class TieredKVCache:
         """Move the predicted blocks (layers[i], pids[i]) of the next step up where placement admits them:
         prepared here (room made, slots reserved), run by the transfer workers."""
         for dst, keys in self.placer.prefetch_plan(layers, pids).items():
-            moves = self.store.prepare_promote(keys, dst)
+            moves = self.mover.prepare_promote(keys, dst)
             if moves:
                 self.placer.ledger.issued([m.block.key for m in moves], self.transfers.run(moves))
 
@@ -345,14 +347,14 @@ class TieredKVCache:
         self.transfers.drain()
         self.store.bind_owner()
         has_ssd = "ssd" in self.store.tiers
-        now = self.store.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if has_ssd else None,
+        now = self.mover.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if has_ssd else None,
                                      defer=frozenset({"ssd"}) if defer_ssd_shrink else frozenset())
         self.envelope.envelope_bytes = envelope_bytes
         return has_ssd and now.ssd_bytes != b.ssd_bytes
 
     def shrink_ssd(self, ssd_bytes: int) -> None:
         """The SSD half of ``set_budgets(..., defer_ssd_shrink=True)``: any thread, while the engine steps."""
-        self.store.shrink("ssd", ssd_bytes)
+        self.mover.shrink("ssd", ssd_bytes)
 
     @staticmethod
     def _memory_limit(device: torch.device) -> int:
@@ -365,4 +367,4 @@ class TieredKVCache:
 
     def close(self) -> None:
         self.transfers.close()
-        self.store.close()
+        self.mover.close()

@@ -5,11 +5,11 @@ from kvdrive.runtime.kvcache.budgets import TIER_ORDER, BudgetError, TierBudgets
 from kvdrive.runtime.kvcache.compression import CodecError, IdentityCodec, Int8Codec, measure_error
 from kvdrive.runtime.kvcache.keys import DIGEST_BYTES, BlockKey
 from kvdrive.runtime.kvcache.layout import LAYOUT_VERSION, CacheFullError, KVLayout
-from kvdrive.runtime.kvcache.residency import Block, Move
+from kvdrive.runtime.kvcache.residency import Block, Fate, Move, VictimRules
 from kvdrive.runtime.kvcache.store import TieredKVStore
 
 __all__ = [
     "DIGEST_BYTES", "LAYOUT_VERSION", "MEMORY_TIERS", "TIER_ORDER", "Block", "BlockIndex", "BlockKey", "BudgetError",
-    "CacheFullError", "CodecError", "IdentityCodec", "Int8Codec", "KVLayout", "Move", "TierBudgets", "TierName",
-    "TierUsage", "TieredKVStore", "measure_error",
+    "CacheFullError", "CodecError", "Fate", "IdentityCodec", "Int8Codec", "KVLayout", "Move", "TierBudgets",
+    "TierName", "TierUsage", "TieredKVStore", "VictimRules", "measure_error",
 ]

@@ -1,45 +1,48 @@
-"""Which tiers hold a copy of each block, and how a full tier makes room (the store's bookkeeping half).
+"""Which tiers hold a copy of each block: the block table, and the bookkeeping half of every byte movement.
 
 ``Residency`` owns the block table (block -> copies per tier), the slot owners, pins, the ``needed``
-flag, the dense page ids (``BlockIndex``) and eviction. Every byte movement follows one protocol:
+flag, the dense page ids (``BlockIndex``) and the bookkeeping of eviction. It never moves a byte and never
+calls a tier's ``read``, ``write``, ``discard`` or ``resize``: ``kvdrive.runtime.pipeline.Mover`` runs every
+movement as
 
-- *prepare*, under the lock: choose victims, reserve destination slots (a copy that is not ``ready``
-  is invisible to readers), pin the sources;
-- *run*, without the lock: the tiers read and write;
-- *complete*, under the lock: publish the new copies, unpin, drop what was demoted.
+- *prepare*, under the lock (here): choose victims, reserve destination slots (a copy that is not
+  ``ready`` is invisible to readers), pin the sources;
+- *run*, without the lock (the Mover): the tiers read and write;
+- *complete*, under the lock (here): publish the new copies, unpin, drop what was demoted.
 
-No tier I/O ever runs under the lock. Eviction takes victims in ``victim_order`` (placement's decision)
-or least-recently-used order, and frees slots in batches so one sort serves many evictions. A victim is
-demoted to the next tier down that has room (the hierarchy gpu -> dram -> ssd is kept even when a
-deeper clean copy exists), dropped when a clean copy already sits right below, and dropped as
-recomputable only when no running sequence needs it. Live budget changes (grow, shrink with demotion,
-compaction) are ``LiveResize`` (``live_resize.py``), on this table. The data half (put/fetch/promote) is
-``TieredKVStore``.
+A dropped copy's slot is not handed out again at once: it is queued (``take_freed``) until the Mover has
+told the tier (``discard``: the SSD tier forgets its index entry) outside the lock, then released
+(``release_freed``), so that a slot is never rewritten before its old record is gone.
 
-Thread rule: a *published* copy in a memory tier is dropped (its slot freed) only by the thread bound
-with ``bind_owner`` (the engine's), because the decode loop reads memory-tier slots without the lock.
-Background jobs only publish into slots the owner reserved for them, and work the SSD tier.
+Eviction takes victims in ``victim_order`` (placement's order) or least-recently-used order, and frees
+slots in batches so one sort serves many evictions. What becomes of each victim (dropped, demoted and to
+which tier, kept) is the ``VictimRules`` placement passes in; this table applies it.
+
+Thread rule: a *published* copy in a memory tier is dropped only by the thread bound with ``bind_owner``
+(the engine's), because the decode loop reads memory-tier slots without the lock. Background jobs only
+publish into slots the owner reserved for them, and work the SSD tier.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
 
 import torch
 
 from kvdrive.runtime.kvcache.block_index import MEMORY_TIERS, BlockIndex
 from kvdrive.runtime.kvcache.budgets import TIER_ORDER, TierBudgets, TierName
 from kvdrive.runtime.kvcache.keys import BlockKey
-from kvdrive.runtime.kvcache.tiers.base import Tier, TierIOError
+from kvdrive.runtime.kvcache.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
 EVICT_BATCH_FRACTION = 8  # a full tier with a tier below frees capacity/8 slots at once (demotions: nothing lost)
 LAST_TIER_EVICT_FRACTION = 64  # the last tier drops what it evicts: capacity/64 at once
-ROOM_ATTEMPTS = 4  # passes of make-room before giving up (other threads may take freed slots meanwhile)
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,39 @@ VictimOrder = Callable[[TierName, list[Block]], list[Block]]  # candidates -> co
 ColdestOf = Callable[[TierName, int], list[tuple[int, int]]]  # memory tier, k -> k coldest (page id, layer)
 
 
+class Fate(Enum):
+    """What becomes of a victim of a full tier."""
+
+    DROP = "drop"  # a clean copy sits below: nothing is lost
+    DEMOTE = "demote"  # its bytes move to a tier below
+    RECOMPUTE = "recompute"  # dropped although no copy is left: nobody needs it, it is recomputed if asked again
+    KEEP = "keep"  # it stays: a running sequence needs it and it has nowhere to go
+
+
+class VictimRules(Protocol):
+    """Placement's rules for the victims of a full tier (``kvdrive.runtime.placement.demotion``)."""
+
+    def targets(self, tier: TierName, tiers: dict[TierName, Tier]) -> list[TierName]:
+        """The tiers a victim of ``tier`` may go down to, nearest first."""
+        ...
+
+    def fate(self, targets: list[TierName], ready: Collection[TierName], needed: bool, room_below: bool) -> Fate:
+        """A victim's fate, given the tiers it may go to, the tiers holding a ready copy of it, whether a running
+        sequence needs it, and whether a slot below can still be had."""
+        ...
+
+
+@dataclass(frozen=True)
+class Victims:
+    """One eviction pass over a full tier: the victims to demote (their fate), and the tier's free slots
+    before the pass."""
+
+    demote: list[Block]
+    targets: list[TierName]
+    dropped: int
+    free_before: int
+
+
 class Residency:
     tiers: dict[TierName, Tier]
     budgets: TierBudgets
@@ -87,10 +123,14 @@ class Residency:
         self.index = index
         self._lock = threading.RLock()
         self._blocks: dict[BlockKey, Block] = {}
-        # per tier, kept as copies come and go and ``needed`` flips (what usage() reports, without a walk):
+        # kept as copies come and go, ``needed`` flips and pins change (what usage() and a budget check read,
+        # without a walk over the blocks):
         self._copies_in: dict[TierName, int] = {}  # blocks with a copy (ready or reserved) in the tier
         self._needed_in: dict[TierName, int] = {}  # ... of them needed by a running sequence
+        self._needed_blocks = 0  # blocks needed by a running sequence
+        self._pinned: dict[int, Block] = {}  # id(block) -> block, for every pinned block
         self._owner: dict[tuple[TierName, int], BlockKey] = {}
+        self._freed: list[tuple[TierName, int]] = []  # dropped copies' slots, not yet discarded and released
         self._clock = 0
         self._owner_thread: int | None = None
         self.transfer_bytes: dict[tuple[str, str], int] = {}
@@ -108,13 +148,26 @@ class Residency:
         self._clock += 1
         b.last_use = self._clock
 
-    def _lower(self, tier: TierName) -> list[TierName]:
-        return [t for t in TIER_ORDER[TIER_ORDER.index(tier) + 1 :] if t in self.tiers]
+    def _pin(self, b: Block) -> None:
+        b.pins += 1
+        self._pinned[id(b)] = b
+
+    def _unpin(self, b: Block) -> None:
+        b.pins -= 1
+        if not b.pins:
+            self._pinned.pop(id(b), None)
 
     def _new_block(self, key: BlockKey, needed: bool, persistent: bool) -> Block:
         b = Block(key, self.index.acquire(key.digest), needed=needed, persistent=persistent)
         self._blocks[key] = b
+        self._needed_blocks += needed
         return b
+
+    def _forget(self, b: Block) -> None:
+        """A block without copies leaves the table (lock held)."""
+        del self._blocks[b.key]
+        self._needed_blocks -= b.needed
+        self.index.release(b.pid)
 
     def _set_copy(self, b: Block, tier: TierName, copy: Copy) -> None:
         """Every copy of a block is set here (and removed in ``_drop``): the per-tier counts follow."""
@@ -127,6 +180,7 @@ class Residency:
         if b.needed != needed:
             for tier in b.copies:
                 self._needed_in[tier] += 1 if needed else -1
+            self._needed_blocks += 1 if needed else -1
             b.needed = needed
 
     def _reserve(self, b: Block, tier: TierName) -> int | None:
@@ -146,6 +200,7 @@ class Residency:
             self.index.place(tier, b.pid, b.key.layer, slot)
 
     def _drop(self, b: Block, tier: TierName) -> None:
+        """Remove ``b``'s copy in ``tier``; its slot waits in ``_freed`` for the Mover to discard and release."""
         c = b.copies.pop(tier)
         self._copies_in[tier] -= 1
         self._needed_in[tier] -= b.needed
@@ -153,23 +208,39 @@ class Residency:
             if self._owner_thread is not None and threading.get_ident() != self._owner_thread:
                 raise RuntimeError(f"a published {tier} copy of {b.key} dropped off the owner thread")
             self.index.unplace(tier, b.pid, b.key.layer, c.slot)
-        t = self.tiers[tier]
-        t.discard(c.slot)
-        t.allocator.release(c.slot)
         del self._owner[(tier, c.slot)]
+        self._freed.append((tier, c.slot))
         if not b.copies:
-            del self._blocks[b.key]
-            self.index.release(b.pid)
+            self._forget(b)
 
     def _count(self, src: str, dst: str, n: int) -> None:
         k = (src, dst)
         self.transfer_bytes[k] = self.transfer_bytes.get(k, 0) + n * self.block_bytes
 
+    # --- freed slots -----------------------------------------------------------------------------
+    def take_freed(self) -> list[tuple[TierName, int]]:
+        """The (tier, slot) of every copy dropped since the last call: the caller discards each from its tier
+        (no lock held), then hands them to ``release_freed``."""
+        with self._lock:
+            freed, self._freed = self._freed, []
+            return freed
+
+    def release_freed(self, freed: list[tuple[TierName, int]]) -> None:
+        """Discarded slots go back to their tiers' allocators."""
+        if freed:
+            with self._lock:
+                for tier, slot in freed:
+                    self.tiers[tier].allocator.release(slot)
+
+    def free_slots(self, tier: TierName) -> int:
+        with self._lock:
+            return self.tiers[tier].allocator.free_count
+
     # --- victims (lock held) ---------------------------------------------------------------------
-    def _evict_batch(self, tier: TierName) -> int:
+    def _evict_batch(self, tier: TierName, rules: VictimRules) -> int:
         """Slots one eviction pass frees: a pass walks and sorts the whole tier, so it frees many slots
         at once where victims are demoted (kept below), few in the last tier where they are dropped."""
-        frac = EVICT_BATCH_FRACTION if self._lower(tier) else LAST_TIER_EVICT_FRACTION
+        frac = EVICT_BATCH_FRACTION if rules.targets(tier, self.tiers) else LAST_TIER_EVICT_FRACTION
         return max(1, self.tiers[tier].allocator.capacity // frac)
 
     def _candidates(self, tier: TierName, want: int | None = None) -> list[Block]:
@@ -198,126 +269,83 @@ class Residency:
         cands.sort(key=lambda b: b.last_use)  # LRU; a victim order re-sorts stably (ties stay LRU)
         return cands if self.victim_order is None or not cands else self.victim_order(tier, cands)
 
-    # --- making room -----------------------------------------------------------------------------
-    def _make_room(self, tier: TierName, n: int, batch: bool = True) -> bool:
-        """Free slots until ``tier`` has ``n`` free (lock not held on entry). Victims with a clean copy
-        right below are dropped at once; the others are demoted (the tier below makes room first, the
-        copies run outside the lock); unneeded victims with nowhere to go are dropped as recomputable.
-        ``batch``: free at least a batch of slots (one sort serves many evictions). Returns whether
-        ``n`` slots are free."""
-        alloc = self.tiers[tier].allocator
-        stalled = False  # the last pass freed nothing: its victims were needed blocks with nowhere to go
-        for _ in range(ROOM_ATTEMPTS):
-            with self._lock:
-                free_before = alloc.free_count
-                short = n - alloc.free_count
-                if short <= 0:
-                    return True
-                # a tier walked in Python frees a batch per pass (one sort serves many evictions); a memory tier
-                # ranked by placement's tensors frees just what is asked (no copies made before they are needed)
-                ranked = self.coldest_of is not None and tier in MEMORY_TIERS
-                want = max(short, self._evict_batch(tier)) if batch and not ranked else short
-                # a failing tier (recent I/O faults) takes no demotions: its writes fail, and a victim that
-                # waits for one would hold its slot forever; unneeded victims are dropped instead
-                lower = [t for t in self._lower(tier) if self.tiers[t].allocator.capacity > 0
-                         and not self.tiers[t].failing()]
-                demote: list[Block] = []
-                freed = 0
-                seen: set[int] = set()
-                for cands in (self._candidates(tier, want), None):  # the ranked few, then (if short) the tier
-                    for b in cands if cands is not None else self._candidates(tier):
-                        if freed + len(demote) >= want:
-                            break
-                        if id(b) in seen or b.key not in self._blocks or tier not in b.copies:
-                            continue
-                        if stalled and b.needed and not any(t in b.copies and b.copies[t].ready for t in lower):
-                            continue  # cannot move now (the tiers below are full of needed blocks): skip it
-                        seen.add(id(b))
-                        if lower and lower[0] in b.copies and b.copies[lower[0]].ready:
-                            self._drop(b, tier)  # a clean copy sits right below
-                            freed += 1
-                        elif lower:
-                            demote.append(b)
-                        elif not b.needed:
-                            self._drop(b, tier)
-                            self.dropped += 1
-                            freed += 1
-                    if freed + len(demote) >= want or not ranked:
-                        break
-            if demote:
-                self._make_room(lower[0], len(demote))
-                moves = self._prepare_demotions(tier, demote, lower)
-                if moves:
-                    self._complete(moves, self._run_moves(moves))
-            with self._lock:
-                if alloc.free_count >= n:
-                    return True
-                if not demote and not freed:
-                    return False  # nothing evictable
-                stalled = alloc.free_count <= free_before
+    def choose_victims(self, tier: TierName, n: int, rules: VictimRules, batch: bool = True,
+                       stalled: bool = False) -> Victims | None:
+        """One eviction pass toward ``n`` free slots of ``tier``: victims that ``rules`` drop are dropped now,
+        those it demotes are returned (the tier below makes room, then ``prepare_demotions``). None when ``n``
+        slots are already free. ``batch``: aim for a batch of slots (one sort serves many evictions).
+        ``stalled``: the last pass freed nothing, so needed victims with no copy below are skipped."""
         with self._lock:
-            return alloc.free_count >= n
+            alloc = self.tiers[tier].allocator
+            free_before = alloc.free_count
+            short = n - free_before
+            if short <= 0:
+                return None
+            # a tier walked in Python frees a batch per pass (one sort serves many evictions); a memory tier
+            # ranked by placement's tensors frees just what is asked (no copies made before they are needed)
+            ranked = self.coldest_of is not None and tier in MEMORY_TIERS
+            want = max(short, self._evict_batch(tier, rules)) if batch and not ranked else short
+            lower = rules.targets(tier, self.tiers)
+            demote: list[Block] = []
+            dropped = 0
+            seen: set[int] = set()
+            for cands in (self._candidates(tier, want), None):  # the ranked few, then (if short) the tier
+                for b in cands if cands is not None else self._candidates(tier):
+                    if dropped + len(demote) >= want:
+                        break
+                    if id(b) in seen or b.key not in self._blocks or tier not in b.copies:
+                        continue
+                    ready = [t for t in b.copies if b.copies[t].ready]
+                    if stalled and b.needed and not any(t in ready for t in lower):
+                        continue  # cannot move now (the tiers below are full of needed blocks): skip it
+                    seen.add(id(b))
+                    fate = rules.fate(lower, ready, b.needed, room_below=bool(lower))
+                    if fate is Fate.DEMOTE:
+                        demote.append(b)
+                    elif fate is not Fate.KEEP:
+                        self.dropped += fate is Fate.RECOMPUTE
+                        self._drop(b, tier)
+                        dropped += 1
+                if dropped + len(demote) >= want or not ranked:
+                    break
+            return Victims(demote, lower, dropped, free_before)
 
-    def _prepare_demotions(self, tier: TierName, victims: list[Block], lower: list[TierName]) -> list[Move]:
-        """Reserve a slot below each victim still evictable; victims that cannot move but have a clean
-        copy deeper, or that nobody needs, are dropped instead."""
+    def prepare_demotions(self, tier: TierName, victims: Victims, rules: VictimRules) -> list[Move]:
+        """Reserve a slot below each victim still evictable (the nearest target with room); a victim that gets
+        none meets ``rules`` again, without room below (dropped if a clean copy is deeper or nobody needs it)."""
         moves: list[Move] = []
         with self._lock:
-            for b in victims:
+            for b in victims.demote:
                 c = b.copies.get(tier)
                 if b.key not in self._blocks or c is None or not c.ready or b.pins:
                     continue  # changed since it was chosen
                 dst, slot = None, None
-                for t in lower:  # the next tier down that has room
+                for t in victims.targets:
                     if t not in b.copies:
                         slot = self._reserve(b, t)
                         if slot is not None:
                             dst = t
                             break
                 if dst is not None and slot is not None:
-                    b.pins += 1
+                    self._pin(b)
                     moves.append(Move(b, tier, c.slot, dst, slot, demote=True))
                     continue
-                backed = any(t in b.copies and b.copies[t].ready for t in lower)
-                if backed or not b.needed:
-                    if not backed:
+                ready = [t for t in b.copies if b.copies[t].ready]
+                fate = rules.fate(victims.targets, ready, b.needed, room_below=False)
+                if fate in (Fate.DROP, Fate.RECOMPUTE):
+                    if fate is Fate.RECOMPUTE:
                         self.dropped += 1
                         log.debug("dropped %s from %s (recomputable)", b.key, tier)
                     self._drop(b, tier)
         return moves
 
-    # --- moving bytes ----------------------------------------------------------------------------
-    def _run_moves(self, moves: list[Move]) -> list[bool]:
-        """Copy each move's bytes (no lock: sources are pinned, destinations reserved). Grouped by
-        (src, dst) tiers: one read and one write per group."""
-        ok = [False] * len(moves)
-        groups: dict[tuple[TierName, TierName], list[int]] = {}
-        for i, m in enumerate(moves):
-            groups.setdefault((m.src, m.dst), []).append(i)
-        for (src, dst), idx in groups.items():
-            buf = self._buffer(len(idx), self.device)  # aligned: the SSD tier reads into it in place
-            read = self.tiers[src].read([moves[i].src_slot for i in idx], buf)
-            good = [p for p, r in enumerate(read) if r]
-            if not good:
-                continue
-            rows = buf if len(good) == len(idx) else buf[good]
-            try:
-                self.tiers[dst].write([moves[idx[p]].dst_slot for p in good], rows,
-                                      [moves[idx[p]].block.key for p in good],
-                                      [moves[idx[p]].block.persistent for p in good])
-            except TierIOError:
-                continue
-            for p in good:
-                ok[idx[p]] = True
-        return ok
-
-    def _complete(self, moves: list[Move], ok: list[bool]) -> None:
+    def complete(self, moves: list[Move], ok: list[bool]) -> None:
         """Publish the copies that arrived, release the reservations that did not, unpin, and drop the
         demoted sources."""
         with self._lock:
             for m, good in zip(moves, ok, strict=True):
                 b = m.block
-                b.pins -= 1
+                self._unpin(b)
                 if good:
                     self._publish(b, m.dst, m.dst_slot)
                     self._count(m.src, m.dst, 1)

@@ -1,24 +1,27 @@
-"""The three tiers (gpu, dram, ssd) behind one interface: the data half of the store.
+"""The three tiers (gpu, dram, ssd) and the block table over them: what is stored where (``kvcache`` stores).
 
-Guarantees:
+``TieredKVStore`` builds the tiers and keeps their bookkeeping: the block table (``Residency``), the read and
+resize halves of it (``BlockReads``, ``LiveResize``), queries, flags and page references. It never moves a
+byte: ``kvdrive.runtime.pipeline.Mover`` runs every put, read, promotion, demotion and resize as prepare
+(here, under the lock) -> run (the Mover, no lock held) -> complete (here, under the lock). Placement
+decides which tier (``kvdrive.runtime.placement``).
+
+Guarantees the bookkeeping keeps:
 - a copy being written is invisible until its write completed (``ready``); readers skip it;
 - a block being read, moved or written is pinned: eviction and compaction never touch it;
 - a block marked ``needed`` (a running sequence's page) is demoted, never dropped; a budget change
   that cannot keep every needed block raises BudgetError and changes nothing;
 - a tier never holds more slots than its budget allows; a corrupt SSD copy is dropped and reported
   as a miss, never served;
-- no tier reads or writes while the store lock is held: every write is prepared (slots reserved, sources
-  pinned) under the lock, runs outside it, and is published under it (``Residency``).
+- no tier I/O while the store lock is held (every tier method is called by the Mover, outside it).
 Promotion is inclusive (the lower copy stays as a clean backup); demotion moves. The memory tiers'
-placement is mirrored in tensors (``index``) that the decode loop reads directly. The async
-scheduling of moves belongs to ``kvdrive.runtime.pipeline`` (placement decides, pipeline moves, tiers
-store).
+placement is mirrored in tensors (``index``) that the decode loop reads directly.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 
 import torch
 
@@ -31,10 +34,9 @@ from kvdrive.runtime.kvcache.live_resize import LiveResize
 from kvdrive.runtime.kvcache.reads import BlockReads
 from kvdrive.runtime.kvcache.residency import Block, Copy, Move, VictimOrder
 from kvdrive.runtime.kvcache.tiers.arena import HostArena
-from kvdrive.runtime.kvcache.tiers.base import Tier, TierIOError
+from kvdrive.runtime.kvcache.tiers.base import Tier
 from kvdrive.runtime.kvcache.tiers.device import DeviceTier
 from kvdrive.runtime.kvcache.tiers.dram import DramTier
-from kvdrive.runtime.kvcache.tiers.rows import gather_rows
 from kvdrive.runtime.kvcache.tiers.ssd import SsdTier
 
 log = logging.getLogger(__name__)
@@ -157,25 +159,18 @@ class TieredKVStore(BlockReads, LiveResize):
         assert digest is not None, f"page id {pid} is not in use"
         return BlockKey(digest, layer)
 
-    # --- writing -----------------------------------------------------------------------------
-    def put(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName = "gpu", needed: bool = True,
-            persistent: bool = False, pin_wait_s: float = 2.0) -> None:
-        """Store blocks [n, block_bytes] uint8 in ``tier``, evicting as needed. Copies become readable when
-        their write completed. A persistent (content-addressed) key already stored is only touched, unless its
-        only copies lie in a failing tier (recent I/O errors): then they are replaced. When every evictable
-        block is pinned by in-flight transfers, waits up to ``pin_wait_s`` for them."""
-        cap = self.tiers[tier].allocator.capacity
-        if len(keys) > cap > 0:  # a batch bigger than the tier: in parts, so later parts can evict earlier
-            for i in range(0, len(keys), cap):
-                self.put(keys[i : i + cap], blocks[i : i + cap], tier, needed, persistent, pin_wait_s)
-            return
+    # --- writing: the bookkeeping of ``Mover.put`` / ``Mover.admit`` ----------------------------------
+    def rows_to_write(self, keys: list[BlockKey], needed: bool, persistent: bool,
+                      replaces: Callable[[Tier], bool]) -> list[int]:
+        """Which of ``keys`` a put writes: a persistent (content-addressed) key already stored is only touched,
+        unless placement's ``replaces`` says its fastest tier's copy must be replaced by the fresh bytes; any
+        other stored key has its copies dropped (its new bytes replace them)."""
         rows: list[int] = []
         with self._lock:
             for i, key in enumerate(keys):
                 b = self._blocks.get(key)
                 fastest = self._fastest(b) if b is not None else None
-                # a copy only a failing tier holds is as good as lost: the fresh bytes replace it
-                if b is not None and persistent and b.persistent and fastest and not self.tiers[fastest].failing():
+                if b is not None and persistent and b.persistent and fastest and not replaces(self.tiers[fastest]):
                     self._set_needed(b, b.needed or needed)
                     self._touch(b)
                     continue
@@ -185,46 +180,28 @@ class TieredKVStore(BlockReads, LiveResize):
                     for t in list(b.copies):
                         self._drop(b, t)
                 rows.append(i)
-        if not rows:
-            return
-        deadline = time.monotonic() + pin_wait_s
-        while True:
-            try:
-                self._add_copies([keys[i] for i in rows], blocks, rows, tier, needed, persistent, strict=True)
-                return
-            except CacheFullError:
-                if time.monotonic() > deadline or not self._any_pinned():
-                    raise
-            time.sleep(0.002)
+        return rows
 
-    def _any_pinned(self) -> bool:
+    def any_pinned(self) -> bool:
         with self._lock:
-            return any(b.pins for b in self._blocks.values())
+            return bool(self._pinned)
 
-    def admit(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName = "gpu",
-              src: list[TierName | None] | None = None) -> int:
-        """Add a ``tier`` copy of existing blocks from bytes already read (blocks [n, block_bytes], e.g. from
-        ``fetch``): inclusive promotion without a second read. Blocks already in ``tier``, gone, or for
-        which no slot can be freed are skipped. Returns how many copies were added."""
+    def rows_to_admit(self, keys: list[BlockKey], tier: TierName) -> list[int]:
+        """Which of ``keys`` are stored and have no ``tier`` copy yet."""
         with self._lock:
-            rows = [i for i, k in enumerate(keys) if k in self._blocks and tier not in self._blocks[k].copies]
-        if not rows:
-            return 0
-        added = self._add_copies([keys[i] for i in rows], blocks, rows, tier, True, False, strict=False)
-        if src is not None:
-            with self._lock:
-                for i in added:
-                    origin = src[i]
-                    if origin is not None:
-                        self._count(origin, tier, 1)
-        return len(added)
+            return [i for i, k in enumerate(keys) if k in self._blocks and tier not in self._blocks[k].copies]
 
-    def _add_copies(self, keys: list[BlockKey], blocks: torch.Tensor, rows: list[int], tier: TierName,
-                    needed: bool, persistent: bool, strict: bool) -> list[int]:
-        """Write blocks[rows[i]] as the ``tier`` copy of keys[i] (new blocks are created with ``needed`` and
-        ``persistent``): make room, reserve under the lock, write outside it, publish. ``strict``: all or
-        nothing (CacheFullError); else the blocks that got no slot are skipped. Returns the rows written."""
-        self._make_room(tier, len(keys))
+    def count_admitted(self, src: list[TierName | None], tier: TierName) -> None:
+        with self._lock:
+            for origin in src:
+                if origin is not None:
+                    self._count(origin, tier, 1)
+
+    def reserve_writes(self, keys: list[BlockKey], rows: list[int], tier: TierName, needed: bool, persistent: bool,
+                       strict: bool) -> list[tuple[int, Block, int]]:
+        """Reserve a ``tier`` slot for each key (new blocks are created with ``needed`` and ``persistent``) and
+        pin its block: (row, block, slot) per reservation. ``strict``: all or nothing (CacheFullError, nothing
+        reserved); else keys gone meanwhile or past the last free slot are skipped."""
         todo: list[tuple[int, Block, int]] = []
         with self._lock:
             for key, row in zip(keys, rows, strict=True):
@@ -238,55 +215,42 @@ class TieredKVStore(BlockReads, LiveResize):
                 slot = self._reserve(b, tier)
                 if slot is None:
                     if strict:
-                        for _, b2, _ in todo:
-                            self._abort(b2, tier)
+                        self.abort_writes(todo, tier)
                         if not b.copies:
-                            del self._blocks[key]
-                            self.index.release(b.pid)
+                            self._forget(b)
                         raise CacheFullError(f"{tier} tier: no slot for {key}: every block is pinned or needed")
                     break
-                b.pins += 1
+                self._pin(b)
                 self._touch(b)
                 todo.append((row, b, slot))
-        if not todo:
-            return []
-        src = blocks if [r for r, _, _ in todo] == list(range(blocks.shape[0])) else \
-            gather_rows(blocks, [r for r, _, _ in todo])
-        try:
-            self.tiers[tier].write([s for _, _, s in todo], src, [b.key for _, b, _ in todo],
-                                   [b.persistent for _, b, _ in todo])
-        except TierIOError:
-            with self._lock:
-                for _, b, _ in todo:
-                    self._abort(b, tier)
-            if strict:
-                raise
-            return []
+        return todo
+
+    def publish_writes(self, todo: list[tuple[int, Block, int]], tier: TierName) -> None:
         with self._lock:
             for _, b, slot in todo:
-                b.pins -= 1
+                self._unpin(b)
                 self._publish(b, tier, slot)
-        return [r for r, _, _ in todo]
 
-    def _abort(self, b: Block, tier: TierName) -> None:
-        """Give up a reserved (never published) copy (lock held)."""
-        b.pins -= 1
-        self._drop(b, tier)
+    def abort_writes(self, todo: list[tuple[int, Block, int]], tier: TierName) -> None:
+        """Give up reserved (never published) copies."""
+        with self._lock:
+            for _, b, _ in todo:
+                self._unpin(b)
+                self._drop(b, tier)
 
-    # --- moving between tiers ----------------------------------------------------------------
-    def prepare_promote(self, keys: list[BlockKey], tier: TierName) -> list[Move]:
-        """Plan ``tier`` copies of ``keys`` from their fastest copies: the blocks are pinned (making room
-        never evicts what is being promoted), room is made (demotions run now, in this thread), destination
-        slots reserved. Run the returned moves with ``run_moves`` (any thread, no lock) and settle them
-        with ``complete_moves``."""
+    # --- promotion: the bookkeeping of ``Mover.prepare_promote`` -------------------------------------
+    def pin_for_promotion(self, keys: list[BlockKey], tier: TierName) -> list[Block]:
+        """The stored blocks of ``keys`` without a ``tier`` copy, pinned (making room never evicts them)."""
         with self._lock:
             want = [b for k in keys if (b := self._blocks.get(k)) is not None and tier not in b.copies
                     and self._fastest(b) is not None]
             for b in want:
-                b.pins += 1
-        if not want:
-            return []
-        self._make_room(tier, len(want))
+                self._pin(b)
+            return want
+
+    def reserve_promotions(self, want: list[Block], tier: TierName) -> list[Move]:
+        """A reserved ``tier`` slot for each pinned block of ``pin_for_promotion``, as moves from its fastest
+        copy (each keeps its pin until ``complete``); the blocks that got none are unpinned."""
         moves: list[Move] = []
         with self._lock:
             for b in want:
@@ -294,32 +258,13 @@ class TieredKVStore(BlockReads, LiveResize):
                 slot = self._reserve(b, tier) if src is not None and tier not in b.copies \
                     and b.key in self._blocks else None
                 if src is None or slot is None:
-                    b.pins -= 1  # not promoted: released now
+                    self._unpin(b)  # not promoted: released now
                     continue
-                moves.append(Move(b, src, b.copies[src].slot, tier, slot, demote=False))  # keeps its pin
+                moves.append(Move(b, src, b.copies[src].slot, tier, slot, demote=False))
         return moves
 
-    def run_moves(self, moves: list[Move]) -> list[bool]:
-        """Copy the bytes of prepared moves (no lock held)."""
-        return self._run_moves(moves)
-
-    def complete_moves(self, moves: list[Move], ok: list[bool]) -> int:
-        """Publish the moves that arrived; returns how many."""
-        self._complete(moves, ok)
-        return sum(ok)
-
-    def promote(self, keys: list[BlockKey], tier: TierName = "gpu") -> int:
-        """Give ``keys`` a ``tier`` copy now (prepare, run and complete in this thread); returns how many."""
-        moves = self.prepare_promote(keys, tier)
-        return self.complete_moves(moves, self.run_moves(moves)) if moves else 0
-
-    def replicate(self, keys: list[BlockKey], tier: TierName) -> int:
-        """Write a copy of each block to a lower ``tier`` (e.g. ssd, for persistence), keeping its upper
-        copies. Returns how many copies were added."""
-        return self.promote(keys, tier) if tier in self.tiers else 0
-
     def close(self) -> None:
-        self.wait_for_scrub()  # a scrub reads the tiers: let it finish first
+        """Close the tiers (the Mover waits for its background work first)."""
         for t in self.tiers.values():
             t.close()
 

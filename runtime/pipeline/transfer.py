@@ -1,10 +1,10 @@
-"""The async transfer engine: queued jobs that move blocks between tiers, by priority.
+"""The async transfer engine: queued jobs of the ``Mover``, run off the engine thread by priority.
 
-Owns *when* bytes move (the store owns *where* they are, placement decides *which*). Jobs run on a
-small pool of worker threads in priority order: prefetch > write-back, FIFO within a priority (a step's
-demand reads run in the engine thread: ``engine/page_reads.py``). A prefetch arrives as moves the store
-already *prepared* on the engine thread (destination slots reserved, sources pinned); a worker runs and
-completes them (``kvcache.residency``), so no worker ever evicts from a memory tier. A write-back
+Owns *when* bytes move (the store owns *where* they are, placement decides *which*, the ``Mover`` moves
+them). Jobs run on a small pool of worker threads in priority order: prefetch > write-back, FIFO within a
+priority (a step's demand reads run first of all, in the engine thread: ``engine/page_reads.py``). A
+prefetch arrives as moves the Mover already *prepared* on the engine thread (destination slots reserved,
+sources pinned); a worker runs and completes them, so no worker ever evicts from a memory tier. A write-back
 submitted again while still queued (same keys and destination) is merged into the queued one. Every job
 completes its handle, with a result or the exception (logged and counted); workers never die
 silently: a dead worker is replaced on the next submit and counted. On CUDA each worker runs its
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from kvdrive.runtime.kvcache import BlockKey, Move, TieredKVStore, TierName
+from kvdrive.runtime.kvcache import BlockKey, Move, TierName
+from kvdrive.runtime.pipeline.mover import Mover
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,9 @@ class _Job:
 
 
 class TransferEngine:
-    def __init__(self, store: TieredKVStore, workers: int = 2) -> None:
-        self.store = store
-        self.cuda = store.device.type == "cuda"
+    def __init__(self, mover: Mover, workers: int = 2) -> None:
+        self.mover = mover
+        self.cuda = mover.store.device.type == "cuda"
         self._heap: list[_Job] = []
         self._queued: dict[tuple[Any, ...], _Job] = {}
         self._cv = threading.Condition()
@@ -107,12 +108,12 @@ class TransferEngine:
 
     def run(self, moves: list[Move], priority: Priority = Priority.PREFETCH) -> TransferHandle:
         """Run prepared moves and publish them; the handle yields how many arrived."""
-        store = self.store
-        return self.submit(lambda: store.complete_moves(moves, store.run_moves(moves)), priority)
+        mover = self.mover
+        return self.submit(lambda: mover.complete_moves(moves, mover.run_moves(moves)), priority)
 
     def replicate(self, keys: list[BlockKey], dst: TierName = "ssd") -> TransferHandle:
         """Write-back: give blocks a ``dst`` copy (e.g. persistence on SSD) keeping theirs; yields the count."""
-        return self.submit(lambda: self.store.replicate(keys, dst), Priority.WRITEBACK,
+        return self.submit(lambda: self.mover.replicate(keys, dst), Priority.WRITEBACK,
                            dedupe=("replicate", tuple(keys), dst))
 
     def drain(self, timeout: float = 30.0) -> bool:

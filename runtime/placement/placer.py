@@ -7,6 +7,9 @@
 | eviction order (the store asks) | coldest by attention hotness | least recently used | least recently used |
 | prefetch for the next step | predicted blocks that admission accepts | none | none |
 | pages of a prompt in progress | held: ranked above every other block | held | held |
+| a full tier's victim (``demotion.py``) | dropped if a clean copy is right below, else demoted to the next tier with room, else dropped if nobody needs it | same | same |
+| write-through of sealed pages | to the SSD tier when persisting | same | same |
+| a put over a stored page | only touched, unless its fastest copy lies in a failing tier (replaced) | same | same |
 
 Scores are tensors (``scores``): the decode loop adds each page's attention mass (or its read time) with
 one ``index_add_`` per layer. Admission compares against the coldest residents found by one ``topk``
@@ -26,6 +29,7 @@ import torch
 
 from kvdrive.runtime.kvcache import Block, BlockKey, TieredKVStore, TierName
 from kvdrive.runtime.placement.admission import Admission
+from kvdrive.runtime.placement.demotion import KeepHierarchy
 from kvdrive.runtime.placement.policy import PlacementPolicy
 from kvdrive.runtime.placement.predictor import PrefetchLedger, PrefetchThrottle
 from kvdrive.runtime.placement.scores import BlockScores, Hotness, HotnessConfig, Recency
@@ -62,6 +66,12 @@ class Placer:
         self._held = torch.zeros(self.index.capacity + 1, dtype=torch.int32, device=store.device)  # [Pcap + 1]
         store.victim_order = self.victim_order
         store.coldest_of = self.coldest_of
+        self.victim_rules = KeepHierarchy()  # demote or drop a full tier's victims, and to which tier
+
+    def write_through_tier(self, persist: bool) -> TierName | None:
+        """Where sealed pages get a write-through copy (persisted prefix pages survive restarts): the SSD tier
+        when the server persists and has one."""
+        return "ssd" if persist and "ssd" in self.store.tiers else None
 
     # --- the store's eviction order ---------------------------------------------------------------
     def victim_order(self, tier: TierName, cands: list[Block]) -> list[Block]:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import torch
 
 from kvdrive.runtime.kvcache import DIGEST_BYTES, BlockKey, KVLayout, TieredKVStore, TierName
+from kvdrive.runtime.pipeline import Mover
 
 # 2 layers, page of 16 tokens, 3 KV heads of 64 dims, fp16: one block (layer page) = 12 KiB
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=64, page_size=16, dtype=torch.float16)
@@ -29,9 +30,9 @@ def blocks_for(keys: list[BlockKey], nbytes: int = BB) -> torch.Tensor:
     return torch.stack([content(k, nbytes) for k in keys])  # [n, nbytes]
 
 
-def read(store: TieredKVStore, keys: list[BlockKey]) -> tuple[torch.Tensor, list[bool]]:
+def read(mover: Mover, keys: list[BlockKey]) -> tuple[torch.Tensor, list[bool]]:
     """Blocks of ``keys`` (rows in key order) and whether each was found in some tier."""
-    out, served = store.fetch(keys)
+    out, served = mover.fetch(keys)
     return out, [t is not None for t in served]
 
 
@@ -46,10 +47,10 @@ def pinned(store: TieredKVStore, keys: list[BlockKey]) -> Iterator[None]:
     """Hold ``keys`` pinned, as an in-flight read does."""
     with store._lock:
         for k in keys:
-            store._blocks[k].pins += 1
+            store._pin(store._blocks[k])
     try:
         yield
     finally:
         with store._lock:
             for k in keys:
-                store._blocks[k].pins -= 1
+                store._unpin(store._blocks[k])

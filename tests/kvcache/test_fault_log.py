@@ -16,6 +16,7 @@ from test_faults_and_backings import FailingIO
 from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
 from kvdrive.runtime.kvcache.faults import FaultLog
 from kvdrive.runtime.kvcache.tiers import SsdTier
+from kvdrive.runtime.pipeline import Mover
 
 
 class Clock:
@@ -58,13 +59,14 @@ def test_a_failing_disk_logs_once_and_the_store_reports_it(tmp_path: Path, caplo
     io = FailingIO()
     ssd = SsdTier(str(tmp_path / "ssd"), BB, 2 << 20, io=io)
     s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), ssd_tier=ssd)
+    m = Mover(s)
     keys = make_keys(40)
-    s.put(keys, blocks_for(keys), tier="ssd", needed=False)
+    m.put(keys, blocks_for(keys), tier="ssd", needed=False)
     assert s.health() == {}
     io.fail_reads = True
     with caplog.at_level(logging.DEBUG):
         for k in keys:  # 40 failing reads, one at a time
-            assert read(s, [k])[1] == [False]
+            assert read(m, [k])[1] == [False]
     eio_lines = [r for r in caplog.records if "EIO" in r.getMessage()]
     assert len(eio_lines) == 1, [r.getMessage() for r in eio_lines]
     assert ssd.faults["EIO"] == 40

@@ -19,6 +19,7 @@ from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 from kvdrive.runtime.kvcache import Int8Codec, TierBudgets, TieredKVStore, measure_error
 from kvdrive.runtime.kvcache.faults import FaultPolicy
 from kvdrive.runtime.kvcache.tiers import DramTier, PosixIO, SsdTier
+from kvdrive.runtime.pipeline import Mover
 
 
 class FailingIO(PosixIO):
@@ -41,16 +42,17 @@ def test_eio_is_counted_and_the_store_keeps_serving(tmp_path: Path, caplog: pyte
     ssd = SsdTier(str(tmp_path / "ssd"), BB, 2 << 20, io=io)
     ssd.fault_log.policy = FaultPolicy(interval=10.0, window=0.5)  # a fault keeps the tier failing 0.5 s
     s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), ssd_tier=ssd)
+    m = Mover(s)
     on_ssd = make_keys(2)
-    s.put(on_ssd, blocks_for(on_ssd), tier="ssd", needed=False)
+    m.put(on_ssd, blocks_for(on_ssd), tier="ssd", needed=False)
     io.fail_reads = io.fail_writes = True
     with caplog.at_level(logging.ERROR):
-        out, hit = read(s, on_ssd)  # unreadable: a miss (recompute), never garbage
+        out, hit = read(m, on_ssd)  # unreadable: a miss (recompute), never garbage
         assert hit == [False, False] and s.where(on_ssd[0]) is None
         keys = make_keys(6)
         for k in keys:  # demotion to the failing ssd: needed blocks stay where they are or drop? never lost
             try:
-                s.put([k], blocks_for([k]))
+                m.put([k], blocks_for([k]))
             except Exception as exc:  # the 5th needed page has nowhere to go: a clean, typed refusal
                 assert "no slot" in str(exc)
                 break
@@ -58,13 +60,13 @@ def test_eio_is_counted_and_the_store_keeps_serving(tmp_path: Path, caplog: pyte
     # demotion is tried there while the fault is recent) instead of meeting one EIO per demotion
     assert ssd.faults.get("EIO", 0) == 1 and "EIO" in caplog.text and ssd.failing()
     live = [k for k in keys if s.where(k)]
-    out, hit = read(s, live)
+    out, hit = read(m, live)
     assert all(hit) and torch.equal(out, blocks_for(live)) and len(live) == 4
     io.fail_reads = io.fail_writes = False
     time.sleep(0.6)  # no fault for the window: the tier is tried again
     assert not ssd.failing()
     more = make_keys(2)
-    s.put(more, blocks_for(more))  # the disk is back: demotion works again
+    m.put(more, blocks_for(more))  # the disk is back: demotion works again
     assert sum(s.where(k) == "ssd" for k in live + more) == 2
 
 
@@ -86,9 +88,10 @@ def test_enospc_on_a_full_filesystem_limits_the_tier(tmp_path: Path) -> None:
         assert tier.faults.get("ENOSPC", 0) >= 1
         assert 0 < tier.allocator.capacity * tier.slot_bytes < 1 << 20
         s = TieredKVStore(LAYOUT, TierBudgets(BB, BB, 8 << 20), ssd_tier=tier)
+        m = Mover(s)
         keys = make_keys(tier.allocator.capacity + 2)
-        s.put(keys, blocks_for(keys))
-        out, hit = read(s, keys)
+        m.put(keys, blocks_for(keys))
+        out, hit = read(m, keys)
         assert all(hit) and torch.equal(out, blocks_for(keys))
         s.close()
 
@@ -96,10 +99,11 @@ def test_enospc_on_a_full_filesystem_limits_the_tier(tmp_path: Path) -> None:
 def test_read_only_directory_leaves_gpu_and_dram_serving(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "ro", "ro,size=1m") as d:
         s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 1 << 20), ssd_dir=str(d / "kv"))
+        m = Mover(s)
         ssd = s.tiers["ssd"]
         assert isinstance(ssd, SsdTier) and not ssd.available and ssd.faults.get("EROFS") == 1
         keys = make_keys(5)
-        s.put(keys, blocks_for(keys), needed=False)  # 4 fit above; the oldest is dropped (recomputable)
+        m.put(keys, blocks_for(keys), needed=False)  # 4 fit above; the oldest is dropped (recomputable)
         assert [s.where(k) is not None for k in keys].count(True) == 4
         assert {u.tier: u.capacity_bytes for u in s.usage()}["ssd"] == 0
 
@@ -158,18 +162,19 @@ def test_a_dram_budget_fills_a_hugetlbfs_mount_of_its_size(pod_hugepages: Path) 
     CPU pod the device tier was put in the same hugetlbfs mapping, which the pod never reserved."""
     budget = 4 << 20
     s = TieredKVStore(LAYOUT, TierBudgets(64 * BB, budget, 0), hugetlbfs_dir=str(pod_hugepages))
+    m = Mover(s)
     usage = {u.tier: u for u in s.usage()}
     assert usage["dram"].backing == f"hugetlbfs:{pod_hugepages}"
     assert usage["dram"].capacity_bytes + BB <= budget  # the pool with its zero row fits the budget
     assert usage["dram"].capacity_bytes > budget - 2 * BB  # and uses the rest of it
     assert usage["gpu"].backing != usage["dram"].backing  # the device tier is not in the pod's hugepages
     keys = make_keys(8)
-    s.put(keys, blocks_for(keys), tier="dram", needed=False)
+    m.put(keys, blocks_for(keys), tier="dram", needed=False)
     # the device tier's budget moves (as the tuner's max_running does): DRAM stays on its hugepages
-    s.set_budgets(gpu_bytes=32 * BB)
-    s.set_budgets(gpu_bytes=96 * BB)
+    m.set_budgets(gpu_bytes=32 * BB)
+    m.set_budgets(gpu_bytes=96 * BB)
     assert {u.tier: u.backing for u in s.usage()}["dram"] == f"hugetlbfs:{pod_hugepages}"
-    out, ok = read(s, keys)
+    out, ok = read(m, keys)
     assert all(ok) and torch.equal(out, blocks_for(keys))
     s.close()
 
@@ -243,6 +248,7 @@ def test_journal_append_failures_are_counted_and_logged_once(tmp_path: Path, cap
     with tmpfs(tmp_path / "small", "size=4m") as d:
         tier = SsdTier(str(d), BB, 2 << 20)
         s = TieredKVStore(LAYOUT, TierBudgets(BB, BB, 2 << 20), ssd_tier=tier)
+        m = Mover(s)
         fd = os.open(d / "filler", os.O_CREAT | os.O_WRONLY)  # the filesystem fills up behind the tier's back
         with contextlib.suppress(OSError):
             while True:
@@ -251,7 +257,7 @@ def test_journal_append_failures_are_counted_and_logged_once(tmp_path: Path, cap
         with caplog.at_level(logging.WARNING):
             for _ in range(12):
                 keys = make_keys(1)
-                s.put(keys, blocks_for(keys), tier="ssd", needed=False, persistent=True)
+                m.put(keys, blocks_for(keys), tier="ssd", needed=False, persistent=True)
         lines = [r for r in caplog.records if "journal append" in r.getMessage()]
         assert tier.faults.get("ENOSPC", 0) >= 12 and len(lines) == 1, (tier.faults, len(lines))
         s.close()
@@ -264,9 +270,10 @@ def test_a_key_asked_twice_whose_only_copy_fails_is_a_miss_for_both(tmp_path: Pa
     io = FailingIO()
     ssd = SsdTier(str(tmp_path / "ssd"), BB, 2 << 20, io=io)
     s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), ssd_tier=ssd)
+    m = Mover(s)
     (key, other) = make_keys(2)
-    s.put([key, other], blocks_for([key, other]), tier="ssd", needed=False)
+    m.put([key, other], blocks_for([key, other]), tier="ssd", needed=False)
     io.fail_reads = True
-    out, served = s.fetch([key, other, key])
+    out, served = m.fetch([key, other, key])
     assert served == [None, None, None] and s.where(key) is None
     assert torch.count_nonzero(out) == 0  # misses are zeros, never stale bytes

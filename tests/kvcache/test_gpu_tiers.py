@@ -16,6 +16,7 @@ from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 
 from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
 from kvdrive.runtime.kvcache.tiers import DeviceTier, DramTier, SsdTier
+from kvdrive.runtime.pipeline import Mover
 
 CUDA = torch.cuda.is_available()
 KVIKIO = CUDA and importlib.util.find_spec("kvikio") is not None
@@ -120,10 +121,11 @@ def test_the_store_uses_kvikio_only_when_asked(tmp_path: Path) -> None:
 
 def test_store_on_cuda_moves_pages_through_all_tiers(tmp_path: Path) -> None:
     s = TieredKVStore(LAYOUT, TierBudgets(4 * BB, 4 * BB, 4 << 20), ssd_dir=str(tmp_path / "kv"))
+    m = Mover(s)
     assert s.device.type == "cuda"
     keys = make_keys(20)  # 4 fit on the gpu, 4 in dram, the rest demoted to the ssd
-    s.put(keys, blocks_for(keys).cuda(), needed=False)
+    m.put(keys, blocks_for(keys).cuda(), needed=False)
     assert {s.where(k) for k in keys} == {"gpu", "dram", "ssd"}
-    out, hit = read(s, keys)
+    out, hit = read(m, keys)
     assert all(hit) and out.is_cuda and torch.equal(out.cpu(), blocks_for(keys))
     s.close()

@@ -12,6 +12,7 @@ import torch
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, tiers_of
 
 from kvdrive.runtime.kvcache import BlockKey, TierBudgets, TieredKVStore
+from kvdrive.runtime.pipeline import Mover
 from kvdrive.runtime.placement import Placer, PrefetchLedger, PrefetchThrottle, policy_for
 
 
@@ -19,9 +20,10 @@ def _store(tmp_path: Path) -> TieredKVStore:
     return TieredKVStore(LAYOUT, TierBudgets(3 * BB, 3 * BB, 2 << 20), ssd_dir=str(tmp_path / "ssd"))
 
 
-def _placed(tmp_path: Path) -> tuple[TieredKVStore, Placer]:
+def _placed(tmp_path: Path) -> tuple[TieredKVStore, Mover, Placer]:
     s = _store(tmp_path)
-    return s, Placer(policy_for("kvdrive"), s)
+    placer = Placer(policy_for("kvdrive"), s)
+    return s, Mover(s, placer.victim_rules), placer
 
 
 def _attend(placer: Placer, store: TieredKVStore, keys: list[BlockKey], masses: list[float]) -> None:
@@ -36,43 +38,44 @@ def test_a_page_that_keeps_receiving_attention_stays_on_the_device_tier(tmp_path
     """Three blocks fill the device tier. Block A was stored first but receives attention every step;
     B and C receive none. A new block arrives: the coldest (B) is demoted to DRAM, A stays, although
     plain LRU would have evicted A (the least recently stored)."""
-    s, placer = _placed(tmp_path)
+    s, m, placer = _placed(tmp_path)
     a, b, c, d = make_keys(4)
-    s.put([a, b, c], blocks_for([a, b, c]))
+    m.put([a, b, c], blocks_for([a, b, c]))
     for _ in range(5):
         _attend(placer, s, [a], [2.5])
-    s.put([d], blocks_for([d]))
+    m.put([d], blocks_for([d]))
     assert [s.where(k) for k in (a, b, c, d)] == ["gpu", "dram", "gpu", "gpu"]
 
     lru = _store(tmp_path / "lru")
-    lru.put([a, b, c], blocks_for([a, b, c]))
-    lru.put([d], blocks_for([d]))
+    lru_mover = Mover(lru)
+    lru_mover.put([a, b, c], blocks_for([a, b, c]))
+    lru_mover.put([d], blocks_for([d]))
     assert lru.where(a) == "dram"  # the contrast: recency alone demotes the attended block
 
 
 def test_a_page_that_stops_receiving_attention_cools_down_and_is_demoted(tmp_path: Path) -> None:
     """A was hot, then attention moved to B and C; a few steps later A is the coldest and goes first."""
-    s, placer = _placed(tmp_path)
+    s, m, placer = _placed(tmp_path)
     a, b, c, d = make_keys(4)
-    s.put([a, b, c], blocks_for([a, b, c]))
+    m.put([a, b, c], blocks_for([a, b, c]))
     _attend(placer, s, [a], [3.0])
     for _ in range(8):
         _attend(placer, s, [b, c], [0.5, 0.5])
     ids = torch.tensor([s.index.find(k.digest) for k in (a, b)])
     score_a, score_b = placer.scores.of(torch.zeros(2, dtype=torch.int64), ids).tolist()
     assert score_a < score_b
-    s.put([d], blocks_for([d]))
+    m.put([d], blocks_for([d]))
     assert s.where(a) == "dram" and s.where(b) == "gpu" and s.where(c) == "gpu"
 
 
 def test_a_hot_block_read_from_the_ssd_is_admitted_over_a_cold_resident(tmp_path: Path) -> None:
     """The device tier is full of blocks nobody attends to; a block read from the SSD that received
     attention is admitted to the device tier (displacing the coldest), an unattended one is not."""
-    s, placer = _placed(tmp_path)
+    s, m, placer = _placed(tmp_path)
     residents = make_keys(3)
-    s.put(residents, blocks_for(residents))
+    m.put(residents, blocks_for(residents))
     hot, cold = make_keys(2)
-    s.put([hot, cold], blocks_for([hot, cold]), tier="ssd")
+    m.put([hot, cold], blocks_for([hot, cold]), tier="ssd")
     _attend(placer, s, [hot], [2.0])
     placer.begin_step()
     pids = [s.index.find(k.digest) for k in (hot, cold)]
@@ -80,12 +83,12 @@ def test_a_hot_block_read_from_the_ssd_is_admitted_over_a_cold_resident(tmp_path
 
 
 def test_promotion_puts_a_demoted_hot_block_back_and_keeps_its_lower_copy(tmp_path: Path) -> None:
-    s, placer = _placed(tmp_path)
+    s, m, placer = _placed(tmp_path)
     keys = make_keys(5)
-    s.put(keys, blocks_for(keys))  # 3 on gpu, 2 demoted to dram
+    m.put(keys, blocks_for(keys))  # 3 on gpu, 2 demoted to dram
     low = [k for k in keys if s.where(k) == "dram"]
     _attend(placer, s, low, [4.0] * len(low))
-    assert s.promote(low, "gpu") == len(low)
+    assert m.promote(low, "gpu") == len(low)
     assert all(s.where(k) == "gpu" for k in low)
     assert all("dram" in tiers_of(s, k) for k in low)  # inclusive: the clean copy stays below
 

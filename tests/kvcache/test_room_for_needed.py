@@ -17,6 +17,7 @@ from pathlib import Path
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
 
 from kvdrive.runtime.kvcache import CacheFullError, TierBudgets, TieredKVStore
+from kvdrive.runtime.pipeline import Mover
 
 
 def test_a_needed_block_fits_while_needed_blocks_are_fewer_than_the_slots(tmp_path: Path) -> None:
@@ -24,6 +25,7 @@ def test_a_needed_block_fits_while_needed_blocks_are_fewer_than_the_slots(tmp_pa
     for trial in range(60):
         gpu, dram, ssd = rng.randrange(8, 40), rng.randrange(4, 30), rng.randrange(20, 120)
         store = TieredKVStore(LAYOUT, TierBudgets(gpu * BB, dram * BB, ssd * BB), ssd_dir=str(tmp_path / f"s{trial}"))
+        mover = Mover(store)
         try:
             total = store.capacity_blocks
             sealed = []
@@ -31,12 +33,12 @@ def test_a_needed_block_fits_while_needed_blocks_are_fewer_than_the_slots(tmp_pa
                 keys = make_keys(1)
                 needed = sum(b.needed for b in store._blocks.values())
                 try:
-                    store.put(keys, blocks_for(keys), "gpu", needed=True, persistent=True)
+                    mover.put(keys, blocks_for(keys), "gpu", needed=True, persistent=True)
                 except CacheFullError as exc:
                     raise AssertionError(f"trial {trial} (gpu {gpu}, dram {dram}, ssd slots {total - gpu - dram}): "
                                          f"{needed} needed blocks of {total} slots, yet: {exc}") from exc
                 if rng.random() < 0.5:
-                    store.replicate(keys, "ssd")
+                    mover.replicate(keys, "ssd")
                 sealed += keys
                 if rng.random() < 0.2:
                     store.set_needed([rng.choice(sealed)], False)

@@ -16,12 +16,14 @@ from kvstore_helpers import LAYOUT, blocks_for, make_keys, read, tiers_of
 
 from kvdrive.runtime.kvcache import TieredKVStore
 from kvdrive.runtime.kvcache.budgets import TierBudgets
+from kvdrive.runtime.pipeline import Mover
 
 
 def test_a_checksum_failure_scrubs_the_tier_and_drops_every_corrupt_copy(tmp_path: Path) -> None:
     store = TieredKVStore(LAYOUT, TierBudgets(0, 0, 4 << 20), ssd_dir=str(tmp_path / "kv"), device=torch.device("cpu"))
+    mover = Mover(store)
     keys = make_keys(64)
-    store.put(keys, blocks_for(keys), "ssd", needed=False, persistent=True)
+    mover.put(keys, blocks_for(keys), "ssd", needed=False, persistent=True)
     tier = store.tiers["ssd"]
     slot = {k: store._blocks[k].copies["ssd"].slot for k in keys}
     bad = set(keys[::2])
@@ -31,12 +33,12 @@ def test_a_checksum_failure_scrubs_the_tier_and_drops_every_corrupt_copy(tmp_pat
         os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0x5A]), off)
     os.close(fd)
 
-    out, found = read(store, [keys[0]])  # the first corrupt block met by a read: a miss, and a scrub
+    out, found = read(mover, [keys[0]])  # the first corrupt block met by a read: a miss, and a scrub
     assert found == [False]
-    store.wait_for_scrub(30)
+    mover.wait_for_scrub(30)
     assert store.scrubbed == len(bad) - 1  # all the others, in one pass
     assert all(tiers_of(store, k) == [] for k in bad)
-    out, found = read(store, keys)
+    out, found = read(mover, keys)
     assert found == [k not in bad for k in keys]
     good = [i for i, k in enumerate(keys) if k not in bad]
     assert torch.equal(out[good], blocks_for([keys[i] for i in good]))

@@ -69,7 +69,7 @@ def test_a_crash_between_the_phases_loses_no_record(tmp_path: Path) -> None:
     index = SsdIndex(str(tmp_path), GEOMETRY, journal_cap=2 << 10, background=never.append)  # 42 records
     keys = make_keys(50)
     for slot, key in enumerate(keys):  # the 43rd record switches journals
-        assert index.put(slot, IndexEntry(key, slot))
+        assert index.put([(slot, IndexEntry(key, slot))])
     for slot in range(0, 50, 3):
         assert index.delete(slot)
     assert index.flush_deletes()  # the DEL records are out (the tier's index thread does this)
@@ -99,7 +99,7 @@ def test_a_failing_snapshot_is_retried_and_the_journals_stay_within_their_caps(t
     index = SsdIndex(str(tmp_path), GEOMETRY, journal_cap=2 << 10, on_fault=lambda exc, what: faults.append(what))
     monkeypatch.setattr(ssd_index.os, "replace", replace)  # from now on: every snapshot fails to go in
     keys = make_keys(200)
-    ok = [index.put(slot, IndexEntry(key, slot)) for slot, key in enumerate(keys)]
+    ok = [index.put([(slot, IndexEntry(key, slot))]) for slot, key in enumerate(keys)]
     assert any("snapshot" in f for f in faults)
     assert not all(ok)  # past the caps, appends are refused (blocks stay usable, not persisted)
     total = sum((tmp_path / j).stat().st_size for j in _journals(tmp_path))
@@ -119,15 +119,51 @@ def test_freeing_a_slot_writes_nothing_until_its_delete_is_flushed_and_a_put_wai
     index = SsdIndex(str(tmp_path), GEOMETRY)
     keys = make_keys(6)
     for slot, key in enumerate(keys[:4]):
-        assert index.put(slot, IndexEntry(key, slot))
+        assert index.put([(slot, IndexEntry(key, slot))])
     journal = tmp_path / _journals(tmp_path)[0]
     size = journal.stat().st_size
     assert index.delete(1) and index.delete(2) and not index.delete(9)  # 9 was never indexed
     assert journal.stat().st_size == size and 1 not in index.entries
-    assert index.put(2, IndexEntry(keys[4], 44))  # slot 2 reused: its DEL goes out first, then the PUT
+    assert index.put([(2, IndexEntry(keys[4], 44))])  # slot 2 reused: its DEL goes out first, then the PUT
     os.close(index._fd)  # killed before slot 1's DEL had another chance: it went out with the PUT
     reopened = SsdIndex(str(tmp_path), GEOMETRY)
     assert reopened.entries == {0: IndexEntry(keys[0], 0), 2: IndexEntry(keys[4], 44), 3: IndexEntry(keys[3], 3)}
     assert reopened.delete(3)
     os.close(reopened._fd)  # killed with slot 3's DEL pending
     assert 3 in SsdIndex(str(tmp_path), GEOMETRY).entries
+
+
+def test_a_read_does_not_wait_for_another_writes_journal_append(tmp_path: Path) -> None:
+    """A write's PUT records go to the journal under the tier's index lock, not the lock a read takes: while
+    one write's append is held up (a slow disk), a read of other slots completes with the right bytes."""
+    tier = SsdTier(str(tmp_path), BB, 4 << 20)
+    keys = make_keys(4)
+    slots = [tier.allocator.alloc() for _ in keys]
+    tier.write(slots[:2], blocks_for(keys[:2]), keys[:2], [True, True])
+    assert tier.index is not None
+    held, entered = threading.Event(), threading.Event()
+    real_append = tier.index._append
+
+    def slow_append(rec: bytes) -> bool:
+        entered.set()
+        assert held.wait(30)
+        return real_append(rec)
+
+    tier.index._append = slow_append  # type: ignore[method-assign]
+    writer = threading.Thread(target=tier.write, args=(slots[2:], blocks_for(keys[2:]), keys[2:], [True, True]))
+    writer.start()
+    try:
+        assert entered.wait(10)
+        out = torch.empty((2, BB), dtype=torch.uint8)
+        reader = threading.Thread(target=lambda: out.copy_(out) if all(tier.read(slots[:2], out)) else None)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "the read waited for the other write's journal append"
+        assert torch.equal(out, blocks_for(keys[:2]))
+    finally:
+        held.set()
+        writer.join(10)
+    tier.close()
+    again = SsdTier(str(tmp_path), BB, 4 << 20)
+    assert dict(again.recovered()) == dict(zip(slots, keys, strict=True))
+    again.close()

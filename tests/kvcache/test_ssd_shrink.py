@@ -16,16 +16,18 @@ import torch
 from kvstore_helpers import LAYOUT, blocks_for, make_keys, read
 
 from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
+from kvdrive.runtime.pipeline import Mover
 
 
 def test_ssd_shrink_beside_reads_and_writes(tmp_path: Path) -> None:
     s = TieredKVStore(LAYOUT, TierBudgets(0, 0, 2000 * 12288 + (8 << 20)), ssd_dir=str(tmp_path / "kv"))
+    m = Mover(s)
     ssd = s.tiers["ssd"]
     full = ssd.allocator.capacity
     assert full >= 2000
     keys = make_keys(full)
     for i in range(0, full, 250):
-        s.put(keys[i : i + 250], blocks_for(keys[i : i + 250]), tier="ssd", needed=False, persistent=True)
+        m.put(keys[i : i + 250], blocks_for(keys[i : i + 250]), tier="ssd", needed=False, persistent=True)
     assert ssd.allocator.used == full
     small = ssd.slot_bytes * 200 + (s.budgets.ssd_bytes - full * ssd.slot_bytes)  # ~200 slots (and metadata)
     n = ssd.slots_for_budget(small)
@@ -41,11 +43,11 @@ def test_ssd_shrink_beside_reads_and_writes(tmp_path: Path) -> None:
         try:
             while not stop.is_set():
                 new = make_keys(4)
-                s.put(new, blocks_for(new), tier="ssd", needed=False, persistent=True)
+                m.put(new, blocks_for(new), tier="ssd", needed=False, persistent=True)
                 written += new
                 seen["writes"] += 4
                 probe = rng.sample(written, 16)
-                out, hit = read(s, probe)
+                out, hit = read(m, probe)
                 seen["reads"] += 16
                 seen["hits"] += sum(hit)
                 for row, (k, h) in enumerate(zip(probe, hit, strict=True)):
@@ -57,9 +59,9 @@ def test_ssd_shrink_beside_reads_and_writes(tmp_path: Path) -> None:
     worker = threading.Thread(target=engine)
     worker.start()
     try:
-        s.set_budgets(ssd_bytes=small, defer=frozenset({"ssd"}))
+        m.set_budgets(ssd_bytes=small, defer=frozenset({"ssd"}))
         assert s.budgets.ssd_bytes != small and ssd.allocator.capacity == full  # deferred: nothing yet
-        s.shrink("ssd", small)
+        m.shrink("ssd", small)
     finally:
         stop.set()
         worker.join(60)
@@ -68,6 +70,6 @@ def test_ssd_shrink_beside_reads_and_writes(tmp_path: Path) -> None:
     assert s.budgets.ssd_bytes == small and ssd.allocator.capacity == n
     assert ssd.allocator.used <= n and not ssd.allocator.used_at_or_above(n)
     left = [k for k in s._blocks if "ssd" in s._blocks[k].copies]
-    out, hit = read(s, left)
+    out, hit = read(m, left)
     assert all(hit) and torch.equal(out, blocks_for(left))
     s.close()

@@ -11,7 +11,7 @@ import torch
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 
 from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
-from kvdrive.runtime.pipeline import Priority, TransferEngine
+from kvdrive.runtime.pipeline import Mover, Priority, TransferEngine
 
 
 def busy(eng: TransferEngine, gate: threading.Event) -> None:
@@ -22,12 +22,12 @@ def busy(eng: TransferEngine, gate: threading.Event) -> None:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> TieredKVStore:
-    return TieredKVStore(LAYOUT, TierBudgets(8 * BB, 8 * BB, 2 << 20), ssd_dir=str(tmp_path / "ssd"))
+def mover(tmp_path: Path) -> Mover:
+    return Mover(TieredKVStore(LAYOUT, TierBudgets(8 * BB, 8 * BB, 2 << 20), ssd_dir=str(tmp_path / "ssd")))
 
 
-def test_prefetch_before_writeback_fifo_within_each(store: TieredKVStore) -> None:
-    eng = TransferEngine(store, workers=1)
+def test_prefetch_before_writeback_fifo_within_each(mover: Mover) -> None:
+    eng = TransferEngine(mover, workers=1)
     gate, order = threading.Event(), []
     busy(eng, gate)
     jobs = [(Priority.WRITEBACK, "w1"), (Priority.PREFETCH, "p1"), (Priority.WRITEBACK, "w2"), (Priority.PREFETCH, "p2")]
@@ -40,8 +40,8 @@ def test_prefetch_before_writeback_fifo_within_each(store: TieredKVStore) -> Non
     eng.close()
 
 
-def test_a_queued_job_submitted_again_is_merged_into_it(store: TieredKVStore) -> None:
-    eng = TransferEngine(store, workers=1)
+def test_a_queued_job_submitted_again_is_merged_into_it(mover: Mover) -> None:
+    eng = TransferEngine(mover, workers=1)
     gate, order = threading.Event(), []
     busy(eng, gate)
     wb = eng.submit(lambda: order.append("queued"), Priority.WRITEBACK, dedupe=("job", 1))
@@ -57,8 +57,8 @@ def test_a_queued_job_submitted_again_is_merged_into_it(store: TieredKVStore) ->
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_failed_jobs_complete_with_the_error_and_workers_survive(store: TieredKVStore) -> None:
-    eng = TransferEngine(store, workers=1)
+def test_failed_jobs_complete_with_the_error_and_workers_survive(mover: Mover) -> None:
+    eng = TransferEngine(mover, workers=1)
 
     def boom() -> None:
         raise OSError(5, "simulated EIO")
@@ -77,18 +77,18 @@ def test_failed_jobs_complete_with_the_error_and_workers_survive(store: TieredKV
     eng.close()
 
 
-def test_prepared_promotions_run_on_a_worker_and_write_backs_skip_clean_copies(store: TieredKVStore) -> None:
+def test_prepared_promotions_run_on_a_worker_and_write_backs_skip_clean_copies(mover: Mover) -> None:
     """The engine thread prepares (slots reserved, sources pinned); a worker copies and publishes."""
     keys = make_keys(6)
-    store.put(keys, blocks_for(keys), tier="ssd", persistent=True, needed=False)
-    eng = TransferEngine(store, workers=2)
-    moves = store.prepare_promote(keys[:3], "dram")
-    assert [store.where(k) for k in keys[:3]] == ["ssd"] * 3  # reserved, not yet readable there
+    mover.put(keys, blocks_for(keys), tier="ssd", persistent=True, needed=False)
+    eng = TransferEngine(mover, workers=2)
+    moves = mover.prepare_promote(keys[:3], "dram")
+    assert [mover.store.where(k) for k in keys[:3]] == ["ssd"] * 3  # reserved, not yet readable there
     assert eng.run(moves).wait(10) == 3
-    out, hit = read(store, keys)
+    out, hit = read(mover, keys)
     assert all(hit) and torch.equal(out, blocks_for(keys))
-    assert [store.where(k) for k in keys] == ["dram"] * 3 + ["ssd"] * 3
+    assert [mover.store.where(k) for k in keys] == ["dram"] * 3 + ["ssd"] * 3
     assert eng.replicate(keys[:3], "ssd").wait(10) == 0  # they already have a clean ssd copy
-    assert store.transfer_bytes[("ssd", "dram")] == 3 * BB
+    assert mover.store.transfer_bytes[("ssd", "dram")] == 3 * BB
     assert eng.drain(10) and eng.completed["WRITEBACK"] == 1
     eng.close()

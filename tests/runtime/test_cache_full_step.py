@@ -42,8 +42,8 @@ def test_a_step_the_tiers_cannot_take_is_recomputed_with_the_sametokens(hf_model
     want = {rid: tokens(o) for rid, o in run_dry(clean).items()}
 
     engine = _engine(loaded, tmp_path / "ssd")
-    store = engine.runner.cache.store
-    real_put = store.put
+    mover = engine.runner.cache.mover
+    real_put = mover.put
     puts = {"n": 0}
 
     def put_with_a_full_tier(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -52,7 +52,7 @@ def test_a_step_the_tiers_cannot_take_is_recomputed_with_the_sametokens(hf_model
             raise CacheFullError("gpu tier: no slot for a block: every block is pinned or needed")
         return real_put(*args, **kwargs)
 
-    store.put = put_with_a_full_tier  # type: ignore[method-assign]
+    mover.put = put_with_a_full_tier  # type: ignore[method-assign]
     _submit(engine)
     got = run_dry(engine)
     assert puts["n"] > 9, "the injected failures never happened"
@@ -65,20 +65,20 @@ def test_a_step_the_tiers_cannot_take_is_recomputed_with_the_sametokens(hf_model
 def test_a_tier_that_stays_full_ends_requests_with_an_error_instead_of_looping(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
     engine = _engine(load_model(str(path), progress=False), tmp_path / "ssd")
-    store = engine.runner.cache.store
-    real_put = store.put
+    mover = engine.runner.cache.mover
+    real_put = mover.put
 
     def no_room(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise CacheFullError("gpu tier: no slot for a block: every block is pinned or needed")
 
-    store.put = no_room  # type: ignore[method-assign]
+    mover.put = no_room  # type: ignore[method-assign]
     _submit(engine)
     got = run_dry(engine, steps=200)
     assert {rid: o[-1].finish_reason for rid, o in got.items()} == {"r0": "error", "r1": "error"}
     assert all("no room for this request's pages" in (o[-1].error or "") for o in got.values())
     # each ended after a bounded number of undone steps (each undone step preempts at most both)
     assert engine.stats().preemptions_total <= 2 * 2 * (MAX_CACHE_FULL_STEPS + 1)
-    store.put = real_put  # type: ignore[method-assign]  # room again: the engine serves
+    mover.put = real_put  # type: ignore[method-assign]  # room again: the engine serves
     engine.add_request(Request("after", _prompts()[1][:20], SamplingParams(max_tokens=5, ignore_eos=True), 9.0))
     assert [o[-1].finish_reason for o in run_dry(engine).values()] == ["length"]
 
@@ -89,8 +89,8 @@ def test_a_request_undone_again_and_again_between_good_steps_ends_instead_of_loo
     newest of the failing step ends with an error, and the engine runs dry."""
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
     engine = _engine(load_model(str(path), progress=False), tmp_path / "ssd")
-    store = engine.runner.cache.store
-    real_put = store.put
+    mover = engine.runner.cache.mover
+    real_put = mover.put
     puts = {"n": 0}
 
     def full_every_third_put(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -99,7 +99,7 @@ def test_a_request_undone_again_and_again_between_good_steps_ends_instead_of_loo
             raise CacheFullError("gpu tier: no slot for a block: every block is pinned or needed")
         return real_put(*args, **kwargs)
 
-    store.put = full_every_third_put  # type: ignore[method-assign]
+    mover.put = full_every_third_put  # type: ignore[method-assign]
     _submit(engine)
     got = run_dry(engine, steps=3000)  # asserts the engine ran dry
     assert set(got) == {"r0", "r1"} and all(o[-1].finished for o in got.values())

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -22,11 +24,14 @@ import torch
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.kvcache import TieredKVStore
+from kvdrive.runtime.kvcache.tiers import ssd_index
 from kvdrive.runtime.model import LoadedModel, load_model
+from kvdrive.runtime.pipeline import Mover
 
 PAGE = 4
-STORE_LOOKUPS = ("fetch", "where", "where_many", "key_of", "admit", "put", "promote", "prepare_promote", "run_moves",
-                 "set_needed", "replicate", "ref_page")
+STORE_LOOKUPS = ("where", "where_many", "key_of", "set_needed", "ref_page", "plan_reads", "rows_to_write",
+                 "pin_for_promotion")
+MOVER_CALLS = ("fetch", "admit", "put", "promote", "prepare_promote", "run_moves", "replicate", "make_room")
 
 
 @pytest.fixture
@@ -50,8 +55,8 @@ def _opened(gen: ModelRunner, n: int) -> tuple[int, int]:
     return seq, last
 
 
-def _count_calls(store: TieredKVStore) -> dict[str, int]:
-    calls = dict.fromkeys(STORE_LOOKUPS, 0)
+def _count_calls(store: TieredKVStore, mover: Mover) -> dict[str, int]:
+    calls = dict.fromkeys(STORE_LOOKUPS + MOVER_CALLS, 0)
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*a: Any, **kw: Any) -> Any:
@@ -61,18 +66,20 @@ def _count_calls(store: TieredKVStore) -> dict[str, int]:
 
     for name in STORE_LOOKUPS:
         setattr(store, name, spy(name, getattr(store, name)))
+    for name in MOVER_CALLS:
+        setattr(mover, name, spy(name, getattr(mover, name)))
     return calls
 
 
 def test_a_decode_step_whose_pages_are_all_on_the_device_tier_asks_the_store_nothing(tiny: LoadedModel) -> None:
     gen = ModelRunner(tiny, EngineConfig(page_size=PAGE, max_sequences=1, token_budget=8 * PAGE))
     seq, last = _opened(gen, 300)  # 75 pages, all on the device tier; the budget selects 7 of them
-    calls = _count_calls(gen.cache.store)
+    calls = _count_calls(gen.cache.store, gen.cache.mover)
     before = gen.cache.page_reads()
     gen.decode([(seq, last)])
     layers = tiny.config.num_layers
     assert gen.cache.page_reads()["gpu"] - before["gpu"] == layers * gen.cache.selection.budget_pages == layers * 7
-    assert calls == dict.fromkeys(STORE_LOOKUPS, 0)
+    assert calls == dict.fromkeys(STORE_LOOKUPS + MOVER_CALLS, 0)
 
 
 def test_each_sparse_step_leaves_the_mass_its_pages_drew_for_the_next_steps_selection(tiny: LoadedModel) -> None:
@@ -119,9 +126,13 @@ def test_host_work_of_a_decode_step_does_not_grow_with_the_context(tiny: LoadedM
     assert counts[0] == counts[1], counts
 
 
+TIER_IO = ("read", "write", "discard", "resize", "size_files")
+
+
 def _guard_tiers(store: TieredKVStore) -> tuple[list[str], dict[str, int]]:
-    """Wrap every tier's read and write in a double that records a call made with the store lock held;
-    returns (violations, calls per tier)."""
+    """Wrap every tier method that does I/O (read, write, discard, resize, and the SSD tier's slab sizing, index
+    journal appends and fallocate) in a double that records a call made with the store lock held; returns
+    (violations, calls per tier and per "tier.method")."""
     violations: list[str] = []
     io = dict.fromkeys(store.tiers, 0)
 
@@ -130,12 +141,14 @@ def _guard_tiers(store: TieredKVStore) -> tuple[list[str], dict[str, int]]:
             if store._lock._is_owned():  # type: ignore[attr-defined]
                 violations.append(f"{name}.{op}")
             io[name] += 1
+            io[f"{name}.{op}"] = io.get(f"{name}.{op}", 0) + 1
             return fn(*a, **kw)
         return checked
 
     for name, tier in store.tiers.items():
-        for op in ("read", "write"):
-            setattr(tier, op, guard(name, op, getattr(tier, op)))
+        for op in TIER_IO:
+            if hasattr(tier, op):
+                setattr(tier, op, guard(name, op, getattr(tier, op)))
     ssd = store.tiers.get("ssd")
     if ssd is not None:  # the SSD tier's journal (a record appended is a file write too) and its slab files
         ssd.index._append = guard("ssd", "journal", ssd.index._append)  # type: ignore[union-attr]
@@ -143,10 +156,11 @@ def _guard_tiers(store: TieredKVStore) -> tuple[list[str], dict[str, int]]:
     return violations, io
 
 
-def test_no_tier_reads_or_writes_while_the_store_lock_is_held(tiny: LoadedModel, tmp_path: Path) -> None:
-    """Every tier is wrapped in a double that records a read or write made with the store lock held. A
-    600-token sequence decodes through tiny device and DRAM tiers (demotions, promotions, prefetch,
-    write-through to SSD), with a live shrink halfway: all three tiers move bytes, none under the lock."""
+def test_no_tier_io_while_the_store_lock_is_held(tiny: LoadedModel, tmp_path: Path) -> None:
+    """Every tier method that does I/O is wrapped in a double that records a call made with the store lock
+    held. A 600-token sequence decodes through tiny device and DRAM tiers (demotions, promotions, prefetch,
+    write-through to SSD), with a live shrink of both memory tiers halfway: all three tiers move bytes, the
+    demoted copies' slots are discarded, both memory pools are resized, none of it under the lock."""
     layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
     for placement in ("kvdrive", "lru"):
@@ -163,7 +177,8 @@ def test_no_tier_reads_or_writes_while_the_store_lock_is_held(tiny: LoadedModel,
                 gen.cache.set_budgets(6 * page + reserve, 16 * page, 64 << 20)
         gen.close()
         assert len(out) == 24
-        assert all(n > 0 for n in io.values()), io
+        assert all(io[t] > 0 for t in gen.cache.store.tiers), io
+        assert all(io.get(op, 0) > 0 for op in ("gpu.discard", "dram.discard", "gpu.resize", "dram.resize")), io
         assert violations == [], f"{placement}: tier I/O under the store lock: {sorted(set(violations))}"
 
 
@@ -186,7 +201,7 @@ def test_an_ssd_tier_that_must_evict_frees_its_slots_without_journal_writes_unde
         assert len(list(gen.generate(_prompt(600, seed=seed), SamplingParams(max_tokens=8, ignore_eos=True)))) == 8
     small = ssd.allocator.capacity
     assert 3 * 150 * tiny.config.num_layers > small  # more persisted blocks than the tier holds: it evicted
-    grown = gen.cache.store.set_budgets(ssd_bytes=2 << 20)  # a live SSD growth: its files sized outside the lock
+    grown = gen.cache.mover.set_budgets(ssd_bytes=2 << 20)  # a live SSD growth: its files sized outside the lock
     capacity = ssd.allocator.capacity
     assert grown.ssd_bytes == 2 << 20 and capacity > small
     gen.close()
@@ -248,3 +263,41 @@ def test_usage_comes_from_counters_that_agree_with_the_block_table(tiny: LoadedM
         assert ssd.cached_bytes == ssd.used_bytes > 0
     finally:
         again.close()
+
+
+def test_a_decode_goes_on_while_an_ssd_compaction_fsync_is_held_up(tiny: LoadedModel, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SSD tier's index journal is capped small, so the pages a 600-token prompt writes through to the SSD
+    tier start a compaction; every fsync of the index then hangs, as on a saturated drive. The prompt and 16
+    decode steps still finish, with the fsync held up the whole time (nobody waits for it: no lock is held
+    across it), and after it is released the tier closes with its snapshot in place."""
+    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
+    page = layout.page_bytes
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE)
+    gen = ModelRunner(tiny, replace(shape, tiers=TierConfig(
+        envelope_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page, ssd_dir=str(tmp_path / "ssd"),
+        ssd_bytes=64 << 20)))
+    index = gen.cache.store.tiers["ssd"].index  # type: ignore[attr-defined]
+    index.journal_cap = 4 << 10  # 85 records a journal: the prompt's write-through crosses it
+    held, entered = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def hung_fsync(fd: int) -> None:
+        entered.set()
+        assert held.wait(120)
+        real_fsync(fd)
+
+    monkeypatch.setattr(ssd_index.os, "fsync", hung_fsync)
+    out: list[int] = []
+    decoding = threading.Thread(target=lambda: out.extend(
+        gen.generate(_prompt(600, seed=3), SamplingParams(max_tokens=16, ignore_eos=True))))
+    decoding.start()
+    decoding.join(90)
+    try:
+        assert entered.is_set(), "no compaction started"
+        assert not decoding.is_alive() and len(out) == 16, "the decode waited for the compaction's fsync"
+        assert not held.is_set()
+    finally:
+        held.set()
+        decoding.join(30)
+        gen.close()

@@ -52,8 +52,8 @@ def test_no_block_stays_needed_after_its_sequences_are_gone(hf_model_factory, tm
         envelope_bytes=budgets[0][0], dram_bytes=budgets[0][1], ssd_dir=str(tmp_path / "ssd"), ssd_bytes=budgets[0][2])))
     engine = LLMEngine(gen, SchedulerConfig(max_running=4, step_token_budget=32))
     rng = random.Random(7)
-    store, ssd = gen.cache.store, gen.cache.store.tiers["ssd"]
-    real_put, real_read = store.put, ssd.read
+    mover, ssd = gen.cache.mover, gen.cache.store.tiers["ssd"]
+    real_put, real_read = mover.put, ssd.read
 
     def sometimes_full(*args, **kwargs):  # type: ignore[no-untyped-def]  # a tier with no slot for a moment
         if rng.random() < 0.01:
@@ -64,7 +64,7 @@ def test_no_block_stays_needed_after_its_sequences_are_gone(hf_model_factory, tm
         ok = real_read(slots, out)
         return [o and rng.random() > 0.02 for o in ok]
 
-    store.put = sometimes_full  # type: ignore[method-assign]
+    mover.put = sometimes_full  # type: ignore[method-assign]
     ssd.read = sometimes_corrupt  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(7)
     docs = [tuple(torch.randint(3, 250, (n,), generator=g).tolist()) for n in (150, 120, 90)]
@@ -92,4 +92,4 @@ def test_no_block_stays_needed_after_its_sequences_are_gone(hf_model_factory, tm
                 live.remove(out.request_id)
         assert not _leaked(engine), f"step {step}: needed blocks of unreferenced pages {_leaked(engine)[:5]}"
     assert n > 50 and engine.stats().preemptions_total > 0  # the run did exercise preemption
-    engine.runner.cache.store.put = real_put  # type: ignore[method-assign]
+    engine.runner.cache.mover.put = real_put  # type: ignore[method-assign]

@@ -38,9 +38,9 @@ def _answer(engine: LLMEngine, rid: str, prompt: tuple[int, ...]) -> tuple[list[
 
 
 def _count_reads(engine: LLMEngine) -> list[int]:
-    """Every tier read and store fetch, counted in one list (its length)."""
+    """Every tier read and fetch, counted in one list (its length)."""
     seen: list[int] = []
-    store = engine.runner.cache.store
+    store, mover = engine.runner.cache.store, engine.runner.cache.mover
 
     def spy(fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*a: Any, **kw: Any) -> Any:
@@ -48,7 +48,7 @@ def _count_reads(engine: LLMEngine) -> list[int]:
             return fn(*a, **kw)
         return wrapped
 
-    store.fetch = spy(store.fetch)  # type: ignore[method-assign]
+    mover.fetch = spy(mover.fetch)  # type: ignore[method-assign]
     for tier in store.tiers.values():
         tier.read = spy(tier.read)  # type: ignore[method-assign]
     return seen

@@ -151,7 +151,7 @@ def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_pa
             out.extend(o.new_token_ids)
         if out and not corrupted:
             gen.cache.transfers.close()  # let pending write-backs land, then corrupt what they wrote
-            gen.cache.transfers = type(gen.cache.transfers)(gen.cache.store)
+            gen.cache.transfers = type(gen.cache.transfers)(gen.cache.mover)
             for slab in tmp_path.glob("slab*"):
                 data = bytearray(slab.read_bytes())
                 data[::997] = bytes(len(data[::997]))

@@ -60,7 +60,9 @@ class SsdTier:
         self.slabs = SlabFiles(directory, self.io, journal_cap, self.codec.payload_bytes)
         self.max_io_slots = 1
         self._crc: dict[int, int] = {}  # slot -> CRC32 of the slot's bytes, set when its write completed
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the CRCs, the counters and the slab files (a read takes it briefly)
+        # the index and its journal appends: apart from ``_lock``, so that a read never waits for a record's write
+        self._index_lock = threading.Lock()
         self._bufs = AlignedBufferPool()
         self._runner = PieceRunner(io_threads)
         # the index's snapshots (two fsyncs) are written here, never under this tier's or the store's lock
@@ -278,13 +280,15 @@ class SsdTier:
             self._fault(failure, f"writing {n} blocks", block_io=True)
             raise TierIOError(failure.errno, f"ssd write failed: {failure}")
         with self._lock:
-            assert self.index is not None
             for p, slot in enumerate(slots):
                 self._crc[slot] = crcs[p]
-                if persist[p]:
-                    self.index.put(slot, IndexEntry(keys[p], crcs[p]))
             self.page_writes += n
             self.bytes_written += n * sb
+        records = [(slot, IndexEntry(keys[p], crcs[p])) for p, slot in enumerate(slots) if persist[p]]
+        if records:
+            with self._index_lock:  # one journal write for the batch
+                assert self.index is not None
+                self.index.put(records)
 
     def _zero_copy(self, t: torch.Tensor) -> bool:
         """Whether ``t`` can be the I/O buffer itself: aligned contiguous CPU bytes, stored as they are."""
@@ -334,17 +338,18 @@ class SsdTier:
         return ok
 
     def discard(self, slot: int) -> None:
-        """Free a slot's block: no I/O here (the store calls this under its lock); the index's DEL record is
-        appended on the index thread, or by the next ``write`` before its data (never under the store's
-        lock), so a slot is never rewritten while its old entry could still be replayed."""
+        """Free a slot's block: no I/O here (the Mover calls this before the slot is released); the index's DEL
+        record is appended on the index thread, or by the next ``write`` before its data, so a slot is never
+        rewritten while its old entry could still be replayed."""
         with self._lock:
             self._crc.pop(slot, None)
+        with self._index_lock:
             if self.index is not None and self.index.delete(slot) and not self._flush_queued:
                 self._flush_queued = True
                 self._compactor.submit(self._flush_deletes)
 
     def _flush_deletes(self) -> None:
-        with self._lock:
+        with self._index_lock:
             self._flush_queued = False
             if self.index is not None:
                 self.index.flush_deletes()

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 _REC = struct.Struct("<4sBxHIIQ16sI")  # magic, op, layer, slot, data crc, seq, digest, flags
 REC_BYTES = _REC.size + 4  # + record crc
+PUT_BATCH = 64  # PUT records appended in one write (a journal near its cap still takes part of a batch)
 _MAGIC = b"KVJ1"
 _SNAP = struct.Struct("<8sQQ")  # magic, generation, count
 _SNAP_MAGIC = b"KVSNAP01"
@@ -75,7 +76,7 @@ def _unpack(raw: bytes) -> tuple[int, int, IndexEntry, int] | None:
 @dataclass(frozen=True)
 class _Compaction:
     """A compaction between its phases: the generation the snapshot names and the entries it holds (a copy
-    taken under the tier's lock at the switch, or at a retry)."""
+    taken under the tier's index lock at the switch, or at a retry)."""
 
     gen: int
     entries: dict[int, IndexEntry]
@@ -83,7 +84,7 @@ class _Compaction:
 
 
 class SsdIndex:
-    """slot -> IndexEntry of persisted blocks, mirrored to disk. Not thread-safe: the tier locks (the
+    """slot -> IndexEntry of persisted blocks, mirrored to disk. Not thread-safe: the tier's index lock guards it (the
     second phase of a compaction runs on ``background`` without it, touching only files)."""
 
     def __init__(self, directory: str, geometry: dict[str, object], journal_cap: int = 1 << 20,
@@ -208,11 +209,17 @@ class SsdIndex:
             self.entries.pop(slot, None)
 
     # --- updates -----------------------------------------------------------------------------
-    def put(self, slot: int, entry: IndexEntry) -> bool:
-        """Record a completed block write. False (logged, counted) when the journal cannot be written."""
+    def put(self, records: list[tuple[int, IndexEntry]]) -> bool:
+        """Record completed block writes (slot, entry), PUT_BATCH records a journal write. False (logged,
+        counted) when some could not be written: those blocks stay usable, not persisted."""
         self.flush_deletes()
-        self.entries[slot] = entry
-        return self._append(_pack(OP_PUT, slot, entry, self._next()))
+        ok = True
+        for i in range(0, len(records), PUT_BATCH):
+            part = records[i : i + PUT_BATCH]
+            for slot, entry in part:
+                self.entries[slot] = entry
+            ok = self._append(b"".join(_pack(OP_PUT, slot, entry, self._next()) for slot, entry in part)) and ok
+        return ok
 
     def delete(self, slot: int) -> bool:
         """Forget a slot; True when it was indexed, its DEL record then pending (no I/O here)."""
