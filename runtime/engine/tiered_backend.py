@@ -242,15 +242,16 @@ class TieredAttentionBackend:
 
     # --- after the forward pass ------------------------------------------------------------------
     def finish(self) -> None:
-        """Seal the decode pages that filled (all layers at once), settle and plan prefetch; then make the
-        copies the step's lower-tier reads earned (placement decides them in one batch, after the prefetch
-        plan has had its share of each tier's admissions, as measured in bench/results/decode-ab.md)."""
+        """Seal the decode pages that filled (all layers at once), settle and plan prefetch; then decide the
+        copies the step's lower-tier reads earned (placement, in one batch, after the prefetch plan has had
+        its share of each tier's admissions, as measured in bench/results/decode-ab.md; the Mover makes them
+        in the next step's load phase)."""
         cache, dec = self.cache, self.dec
         t0 = time.perf_counter()
         try:
             if dec is not None:
                 self._finish_decode(cache, dec)
-            cache.promotions.settle()
+            cache.promotions.plan()
         finally:
             self._mark("bookkeeping", t0)
 

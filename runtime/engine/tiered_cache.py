@@ -250,12 +250,13 @@ class TieredKVCache:
         return StepSeq(seq_id, seq.row, start, len(tokens), pos, decode, tuple(new))
 
     def prepare_step(self) -> None:
-        """Before a forward step (engine thread): the store's owner is this thread, and placement's
-        tensors follow the page ids."""
+        """Before a forward step (engine thread): the store's owner is this thread; the load phase makes the
+        copies the last step's reads earned (the Mover); placement's tensors follow the page ids."""
         self.store.bind_owner()
         rows = max((s.row for s in self._seqs.values()), default=0) + 1
         self._grow(rows, 1)
-        self.promotions.drop()  # left by a step that failed
+        self.promotions.drop_unplanned()  # left by a step that failed
+        self.promotions.run()
         self.placer.begin_step()
 
     def seal(self, seq: SeqKV, layer: int | None, first: int, k: torch.Tensor, blocks: torch.Tensor) -> list[BlockKey]:

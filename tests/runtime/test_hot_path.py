@@ -182,18 +182,23 @@ def test_no_tier_io_while_the_store_lock_is_held(tiny: LoadedModel, tmp_path: Pa
         assert violations == [], f"{placement}: tier I/O under the store lock: {sorted(set(violations))}"
 
 
+def _small_tiers(tiny: LoadedModel, ssd_dir: Path, ssd_bytes: int) -> tuple[ModelRunner, EngineConfig]:
+    """A runner whose device tier holds 10 pages and DRAM 24, over an SSD tier of ``ssd_bytes``; and its shape."""
+    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
+    page = layout.page_bytes
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE)
+    return ModelRunner(tiny, replace(shape, tiers=TierConfig(
+        envelope_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page, ssd_dir=str(ssd_dir),
+        ssd_bytes=ssd_bytes))), shape
+
+
 def test_an_ssd_tier_that_must_evict_frees_its_slots_without_journal_writes_under_the_store_lock(
         tiny: LoadedModel, tmp_path: Path) -> None:
     """A 1 MiB SSD tier under three 600-token prompts evicts persisted blocks; freeing each one is recorded in
     the SSD index's journal, on the tier's index thread, never while the store's lock is held (each record was
     a write under that lock: 458 of them in this run). Growing the tier live then sizes its slab files
     (fallocate) outside that lock too."""
-    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
-    page = layout.page_bytes
-    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE)
-    gen = ModelRunner(tiny, replace(shape, tiers=TierConfig(
-        envelope_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page, ssd_dir=str(tmp_path / "ssd"),
-        ssd_bytes=1 << 20)))
+    gen, shape = _small_tiers(tiny, tmp_path / "ssd", 1 << 20)
     store = gen.cache.store
     ssd = store.tiers["ssd"]
     violations, io = _guard_tiers(store)
@@ -271,12 +276,7 @@ def test_a_decode_goes_on_while_an_ssd_compaction_fsync_is_held_up(tiny: LoadedM
     tier start a compaction; every fsync of the index then hangs, as on a saturated drive. The prompt and 16
     decode steps still finish, with the fsync held up the whole time (nobody waits for it: no lock is held
     across it), and after it is released the tier closes with its snapshot in place."""
-    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
-    page = layout.page_bytes
-    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE)
-    gen = ModelRunner(tiny, replace(shape, tiers=TierConfig(
-        envelope_bytes=10 * page + reserve_bytes(layout, shape), dram_bytes=24 * page, ssd_dir=str(tmp_path / "ssd"),
-        ssd_bytes=64 << 20)))
+    gen, _ = _small_tiers(tiny, tmp_path / "ssd", 64 << 20)
     index = gen.cache.store.tiers["ssd"].index  # type: ignore[attr-defined]
     index.journal_cap = 4 << 10  # 85 records a journal: the prompt's write-through crosses it
     held, entered = threading.Event(), threading.Event()

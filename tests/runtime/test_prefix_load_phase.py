@@ -10,14 +10,23 @@ and it still answers exactly; the other request in the step runs on.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from enginekit import PAGE, run_dry, small_engine, tokens
+from enginekit import PAGE, run_dry, small_engine, tokens, with_reserve
 
-from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
+from kvdrive.runtime.engine import (
+    EngineConfig,
+    LLMEngine,
+    ModelRunner,
+    Request,
+    SamplingParams,
+    SchedulerConfig,
+    TierConfig,
+)
 from kvdrive.runtime.model import LoadedModel, load_model
 
 
@@ -121,3 +130,50 @@ def test_a_request_matching_pages_another_is_still_computing_answers_exactly(tin
     engine.add_request(Request("b", doc, SamplingParams(max_tokens=8, ignore_eos=True), 1.0))
     outs = run_dry(engine)
     assert tokens(outs["a"]) == fresh and tokens(outs["b"]) == fresh
+
+
+def test_the_copies_a_steps_lower_tier_reads_earn_are_made_in_the_next_steps_load_phase(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    """A long document decodes through a device tier of 8 pages and DRAM of 8 under LRU placement (every page
+    read from a lower tier earns a device copy), so its selected pages are read from the SSD tier every step.
+    Each step ends with placement deciding the copies those reads earn; the Mover makes them at the start of
+    the next step, before placement's step begins, never during a forward pass; and every block it copies is
+    one the previous step decided on."""
+    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE, placement="lru")
+    engine = LLMEngine(ModelRunner(tiny, replace(shape, tiers=TierConfig(
+        envelope_bytes=with_reserve(layout, 8 * layout.page_bytes, shape), dram_bytes=8 * layout.page_bytes,
+        ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20))), SchedulerConfig(max_running=2))
+    cache = engine.runner.cache
+    events: list[tuple[str, list[Any]]] = []
+
+    def logged(name: str, fn: Callable[..., Any], keys_of: Callable[..., list[Any]]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            events.append((name, keys_of(*a, **kw)))
+            return fn(*a, **kw)
+        return wrapped
+
+    queue = cache.promotions
+    cache.mover.admit = logged("admit", cache.mover.admit, lambda keys, *_a, **_k: list(keys))  # type: ignore[method-assign]
+    cache.placer.begin_step = logged("begin", cache.placer.begin_step, lambda: [])  # type: ignore[method-assign]
+    real_plan = queue.plan
+
+    def plan() -> None:
+        real_plan()
+        events.append(("plan", [k for p in queue._planned for k in p.keys]))
+
+    queue.plan = plan  # type: ignore[method-assign]
+    got, _ = _answer(engine, "doc", _prompt(120 * PAGE, seed=3))
+    assert len(got) == 8
+    admitted = [keys for name, keys in events if name == "admit"]
+    assert admitted, "no step read a page that earned a copy"
+    planned: set[Any] = set()
+    in_step = False
+    for name, keys in events:
+        if name == "admit":
+            assert not in_step, "a copy was made during a step, after placement's step began"
+            assert set(keys) <= planned, "the Mover copied a block no step had decided on"
+        elif name == "begin":
+            in_step, planned = True, set()
+        else:
+            in_step, planned = False, set(keys)
