@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdrive.runtime.engine.detokenize import TextStream
+from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls
 from kvdrive.runtime.engine.model_runner import ModelRunner
 from kvdrive.runtime.engine.pacing import StepPacer
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
@@ -272,6 +273,8 @@ class LLMEngine:
         logits = self.runner.loaded.model.logits(hidden[ends[completing]]) if completing else None  # [B, V]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
+        if logits is not None:
+            logits = apply_controls(logits, [self._history(chunks[i].seq) for i in completing], self._eos)
         outputs: list[RequestOutput] = []
         for row, i in enumerate(completing):
             assert logits is not None
@@ -281,6 +284,15 @@ class LLMEngine:
                 log.exception("request %s failed", chunks[i].seq.request.request_id)
                 outputs.append(self._fail(chunks[i].seq, f"sampling failed: {exc}"))
         return outputs
+
+    @staticmethod
+    def _history(seq: SequenceState) -> RowHistory:
+        """What the logit controls of ``seq`` read: its completion so far and its prompt's distinct tokens."""
+        params, prompt = seq.request.params, seq.request.prompt_ids
+        if params.repetition_penalty != 1.0 and seq.prompt_vocab is None:
+            seq.prompt_vocab = torch.unique(torch.tensor(prompt, dtype=torch.int64))
+        vocab = seq.prompt_vocab if seq.prompt_vocab is not None else torch.empty(0, dtype=torch.int64)
+        return RowHistory(params, seq.tokens[len(prompt) :], vocab)
 
     def _fail_unservable(self) -> list[RequestOutput]:
         """A preempted sequence that outgrew the whole cache can never run again: end it."""
@@ -312,7 +324,7 @@ class LLMEngine:
         token = sample(logits, params, seq.rng)
         now = time.perf_counter()
         seq.first_token_at = seq.first_token_at or now
-        if token in self._eos and not params.ignore_eos:
+        if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
             return self._finish(seq, "stop", new_tokens=(), delta=seq.stream.flush())
         seq.tokens.append(token)
         seq.num_generated += 1

@@ -16,6 +16,7 @@ import torch
 from kvdrive.runtime.engine.envelope import default_envelope_bytes
 from kvdrive.runtime.engine.heap import HeapTrimmer
 from kvdrive.runtime.engine.kv_state import EngineConfig
+from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls
 from kvdrive.runtime.engine.sampling import SamplingParams, make_rng, sample
 from kvdrive.runtime.engine.sliding import SlidingWindows
 from kvdrive.runtime.engine.tiered_backend import TieredAttentionBackend
@@ -152,15 +153,18 @@ class ModelRunner:
         released and reopened with the tokens so far, which come back through prefix reuse, and decoding
         goes on from the same logits. After MAX_UNDONE_STEPS undone steps in a row the error is raised."""
         self.check_prompt(len(prompt))
-        eos = set(self.loaded.tokenizer.eos_token_ids)
+        eos = frozenset(self.loaded.tokenizer.eos_token_ids)
         rng = make_rng(params)
         tokens = list(prompt)
         seq_id: int | None = None
+        vocab = torch.unique(torch.tensor(list(prompt), dtype=torch.int64)) if params.repetition_penalty != 1.0 \
+            else torch.empty(0, dtype=torch.int64)
         try:
             seq_id, logits, undone = self._open(tokens, 0)
             while len(tokens) - len(prompt) < params.max_tokens:
-                token = sample(logits, params, rng)
-                if token in eos and not params.ignore_eos:
+                controlled = apply_controls(logits[None], [RowHistory(params, tokens[len(prompt) :], vocab)], eos)
+                token = sample(controlled[0], params, rng)
+                if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
                     return
                 yield token
                 tokens.append(token)

@@ -47,6 +47,7 @@ class SequenceState:
     lost_page_restarts: int = 0  # recomputations this request needed because a page of its was unreadable
     undone_steps: int = 0  # steps of this request undone because a tier had no slot for their pages
     cached_tokens: int | None = None  # prompt tokens reused from stored pages at its first admission
+    prompt_vocab: torch.Tensor | None = None  # the prompt's distinct token ids [n] (a repetition penalty's)
 
     @property
     def prefill_left(self) -> int:

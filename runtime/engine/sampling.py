@@ -1,4 +1,7 @@
-"""Sampling parameters and next-token sampling (greedy, temperature, top-k, top-p, seeded)."""
+"""Sampling parameters and next-token sampling (greedy, temperature, top-k, top-p, seeded).
+
+The logit controls (penalties, bias, ``min_tokens``) are applied before sampling, batched over the step's
+sequences (``logit_controls.py``)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token the completion has used
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often the completion has used the token
+    repetition_penalty: float = 1.0  # vLLM/HF: a token seen in the prompt or the completion: logit / p if > 0, else * p
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids cannot be sampled before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # sampling one of these ends the completion (like EOS: not emitted)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -26,6 +35,18 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not -2.0 <= self.presence_penalty <= 2.0 or not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+
+    @property
+    def controls_logits(self) -> bool:
+        """Whether any logit control applies (else the logits are sampled as the model gave them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

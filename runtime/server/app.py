@@ -184,9 +184,24 @@ def create_app(state: ServerState) -> FastAPI:
     def sampling(body: s._SamplingFields, max_tokens: int | None, prompt_len: int) -> SamplingParams:
         room = state.max_context - prompt_len
         wanted = max_tokens if max_tokens is not None else cfg.default_chat_max_tokens
-        return SamplingParams(max_tokens=max(1, min(wanted, room)), temperature=body.temperature,
+        vocab = state.tokenizer.vocab_size
+        for name, ids in (("logit_bias", [int(k) for k in body.logit_bias or {}]),
+                          ("stop_token_ids", body.stop_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(400, f"{name}: token ids must be in [0, {vocab}); got {bad[:5]}", param=name)
+        max_tokens = max(1, min(wanted, room))
+        if body.min_tokens is not None and body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the tokens this request may generate "
+                                f"({max_tokens})", param="min_tokens")
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
                               top_p=body.top_p, top_k=max(0, body.top_k), seed=body.seed,
-                              stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos)
+                              stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos,
+                              presence_penalty=body.presence_penalty or 0.0,
+                              frequency_penalty=body.frequency_penalty or 0.0,
+                              repetition_penalty=body.repetition_penalty or 1.0,
+                              logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
+                              min_tokens=body.min_tokens or 0, stop_token_ids=tuple(body.stop_token_ids or ()))
 
     def check_length(prompt_len: int, max_tokens: int | None) -> None:
         if prompt_len + 1 > state.max_context:

@@ -20,7 +20,6 @@ REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
     "suffix": (None, ""), "best_of": (None, 1), "parallel_tool_calls": (None,), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "service_tier": (None, "auto", "default"),
 }
@@ -49,14 +48,36 @@ class _SamplingFields(BaseModel):
     user: str | None = Field(default=None, description="an end-user id (accepted, not used)")
     logprobs: Any = Field(default=None, description="not supported: refused unless null/false")
     top_logprobs: Any = Field(default=None, description="not supported: refused unless null/0")
-    presence_penalty: Any = Field(default=None, description="not supported: refused unless null/0")
-    frequency_penalty: Any = Field(default=None, description="not supported: refused unless null/0")
-    logit_bias: Any = Field(default=None, description="not supported: refused unless null/{}")
+    presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0,
+                                           description="minus this for each token the completion has used")
+    frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0,
+                                            description="minus this times each token's count in the completion")
+    repetition_penalty: Float | None = Field(default=None, gt=0.0, le=2.0, description=(
+        "vLLM extension: a token seen in the prompt or completion has its logit divided by this (if > 0) or "
+        "multiplied (if < 0); 1: off"))
+    logit_bias: dict[str, Float] | None = Field(default=None, description=(
+        "token id (as a string) -> bias in [-100, 100] added to its logit before sampling"))
+    min_tokens: Int | None = Field(default=None, ge=0, description=(
+        "vLLM extension: end-of-sequence and stop_token_ids cannot end the completion before this many tokens"))
+    stop_token_ids: list[Int] | None = Field(default=None, description=(
+        "vLLM extension: sampling one of these token ids ends the completion (the id is not emitted)"))
 
-    @field_validator("logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _unsupported(cls, v: Any, info: Any) -> Any:
         return _refuse_unsupported(info.field_name, v)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids as strings; {key!r} is not one")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{key}] = {bias}: a bias must be in [-100, 100]")
+        if v is not None and len(v) > 300:
+            raise ValueError("logit_bias: at most 300 tokens")
+        return v
 
     @field_validator("stop")
     @classmethod

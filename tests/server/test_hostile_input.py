@@ -49,10 +49,16 @@ BAD_INPUT = [
     ("/v1/chat/completions", chat(tool_choice="auto"), 400, "tool_choice is not supported", "tool_choice"),
     ("/v1/chat/completions", chat(response_format={"type": "json_object"}), 400, "response_format is not supported",
      "response_format"),
-    ("/v1/chat/completions", chat(presence_penalty=0.5), 400, "presence_penalty is not supported", "presence_penalty"),
-    ("/v1/chat/completions", chat(frequency_penalty=0.5), 400, "frequency_penalty is not supported",
-     "frequency_penalty"),
-    ("/v1/chat/completions", chat(logit_bias={"42": 5}), 400, "logit_bias is not supported", "logit_bias"),
+    ("/v1/chat/completions", chat(presence_penalty=2.5), 400, "less than or equal to 2", "presence_penalty"),
+    ("/v1/chat/completions", chat(frequency_penalty=-3), 400, "greater than or equal to -2", "frequency_penalty"),
+    ("/v1/chat/completions", chat(frequency_penalty="high"), 400, "valid number", "frequency_penalty"),
+    ("/v1/chat/completions", chat(repetition_penalty=0), 400, "greater than 0", "repetition_penalty"),
+    ("/v1/chat/completions", chat(logit_bias={"x": 5}), 400, "token ids as strings", "logit_bias"),
+    ("/v1/chat/completions", chat(logit_bias={"42": 500}), 400, "a bias must be in [-100, 100]", "logit_bias"),
+    ("/v1/chat/completions", chat(logit_bias={"99999999": 1}), 400, "token ids must be in", "logit_bias"),
+    ("/v1/chat/completions", chat(stop_token_ids=[-1]), 400, "token ids must be in", "stop_token_ids"),
+    ("/v1/chat/completions", chat(min_tokens=5), 400, "min_tokens (5) exceeds", "min_tokens"),
+    ("/v1/chat/completions", chat(min_tokens=-1), 400, "greater than or equal to 0", "min_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix is not supported", "suffix"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of is not supported", "best_of"),
     ("/v1/chat/completions", chat(bogus=1), 400, "Extra inputs are not permitted", "bogus"),
@@ -84,7 +90,7 @@ async def test_bad_input_gets_the_openai_status_and_names_the_field(
 
 
 async def test_neutral_values_of_unsupported_fields_are_accepted(client: httpx.AsyncClient) -> None:
-    """What SDKs send by default (logprobs false, penalties 0, an end-user id) is not an error."""
+    """What SDKs send by default (logprobs false, penalties 0, no bias, an end-user id) is not an error."""
     r = await client.post("/v1/chat/completions", json=chat(logprobs=False, presence_penalty=0, frequency_penalty=0.0,
                                                            logit_bias={}, tools=[], user="u-1", seed=1))
     assert r.status_code == 200, r.text
