@@ -14,7 +14,14 @@ import pytest
 import torch
 from enginekit import run_dry, tokens
 
-from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner, Request, SamplingParams, SchedulerConfig
+from kvdrive.runtime.engine import (
+    EngineConfig,
+    LLMEngine,
+    ModelRunner,
+    Request,
+    SamplingParams,
+    SchedulerConfig,
+)
 from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls
 from kvdrive.runtime.model import LoadedModel, load_model
 
