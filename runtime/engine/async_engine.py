@@ -1,7 +1,8 @@
 """Runs an ``LLMEngine`` in its own thread and serves it to asyncio code (the HTTP server).
 
 Commands (add, abort, run a function) go through a queue to the engine thread, which owns the
-engine exclusively; outputs come back to each request's asyncio queue. A failing step ends the
+engine exclusively; outputs come back to each request's asyncio queue. A request's first output, once
+the engine accepted it, carries no token (a stream answers at once, before its prompt is computed). A failing step ends the
 affected requests with an error and the thread keeps serving.
 """
 
@@ -106,6 +107,9 @@ class AsyncEngine:
                 self.engine.add_request(payload)
             except Exception as exc:  # validation errors go back to the caller
                 self._deliver(payload.request_id, exc)
+                return
+            # accepted: an output with no token yet (a stream's response starts now, not at its first token)
+            self._deliver(payload.request_id, RequestOutput(payload.request_id, (), "", len(payload.prompt_ids), 0))
         elif kind == "abort":
             out = self.engine.abort(payload)
             self._sinks.pop(payload, None)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvdrive.runtime.engine import AsyncEngine, PromptTooLongError, QueueFullError, SamplingParams
@@ -30,10 +30,12 @@ from kvdrive.runtime.engine import Request as EngineRequest
 from kvdrive.runtime.prompt import Tokenizer
 from kvdrive.runtime.prompt.tokenizer import TokenizerError
 from kvdrive.runtime.server import schemas as s
+from kvdrive.runtime.server.errors import ApiError
 from kvdrive.runtime.server.gate import Gate, GatePolicy
 from kvdrive.runtime.server.metrics import ServerMetrics
 from kvdrive.runtime.server.prompts import chat_prompt, completion_prompt
 from kvdrive.runtime.server.routing_api import RoutingSource, routing_routes
+from kvdrive.runtime.server.streaming import collect, stream
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,6 +77,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     default_chat_max_tokens: int = 512
     retry_after_seconds: int = 2
+    sse_keepalive_seconds: float = 5.0  # a stream sends an SSE comment line when no token came for this long
 
 
 @dataclass(frozen=True)
@@ -92,13 +95,6 @@ class ServerState:
     started: int
     health: Callable[[], dict[str, str]] = dict  # degraded tier -> why
     routing: RoutingSource | None = None  # what a router learns from this replica (``routing_api``)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None,
@@ -277,10 +273,11 @@ def create_app(state: ServerState) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
         if body.stream:
-            return await until_disconnect(request, _stream(
+            return await until_disconnect(request, stream(
                 rid, run(prompt_ids, params), chat=False, model=cfg.model_id,
-                include_usage=bool(body.stream_options and body.stream_options.include_usage), prefix=prefix))
-        text, reason, usage = await until_disconnect(request, _collect(run(prompt_ids, params)))
+                include_usage=bool(body.stream_options and body.stream_options.include_usage), prefix=prefix,
+                keepalive_s=cfg.sse_keepalive_seconds))
+        text, reason, usage = await until_disconnect(request, collect(run(prompt_ids, params)))
         return JSONResponse(s.CompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
             s.CompletionChoice(text=prefix + text, finish_reason=reason)]).model_dump())
 
@@ -296,10 +293,11 @@ def create_app(state: ServerState) -> FastAPI:
         params = sampling(body, max_tokens, len(prompt_ids))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return await until_disconnect(request, _stream(
+            return await until_disconnect(request, stream(
                 rid, run(prompt_ids, params), chat=True, model=cfg.model_id,
-                include_usage=bool(body.stream_options and body.stream_options.include_usage)))
-        text, reason, usage = await until_disconnect(request, _collect(run(prompt_ids, params)))
+                include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                keepalive_s=cfg.sse_keepalive_seconds))
+        text, reason, usage = await until_disconnect(request, collect(run(prompt_ids, params)))
         return JSONResponse(s.ChatCompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
             s.ChatChoice(message=s.ChatMessageOut(content=text), finish_reason=reason)]).model_dump())
 
@@ -318,70 +316,3 @@ def create_app(state: ServerState) -> FastAPI:
         return s.TiersResponse(tiers=state.tiers(), split=state.split())
 
     return app
-
-
-def _finish_reason(reason: str | None) -> str | None:
-    return "stop" if reason in ("stop", "abort") else reason
-
-
-async def _collect(outputs: AsyncIterator[object]) -> tuple[str, str | None, s.Usage]:
-    parts, reason, prompt, completion, cached = [], None, 0, 0, 0
-    async for out in outputs:
-        parts.append(out.text_delta)  # type: ignore[attr-defined]
-        prompt, completion = out.prompt_tokens, out.completion_tokens  # type: ignore[attr-defined]
-        cached = out.cached_tokens  # type: ignore[attr-defined]
-        if out.finished:  # type: ignore[attr-defined]
-            reason = _finish_reason(out.finish_reason)  # type: ignore[attr-defined]
-    return "".join(parts), reason, s.Usage.of(prompt, completion, cached)
-
-
-async def _stream(rid: str, outputs: AsyncIterator[object], chat: bool, model: str, include_usage: bool,
-                  prefix: str = "") -> StreamingResponse:
-    """Start generation (so queue-full / too-long errors are still plain HTTP errors), then SSE."""
-    first = await anext(outputs.__aiter__(), None)  # type: ignore[call-overload]
-
-    def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
-        if chat:
-            delta = s.ChatMessageOut(content=text) if not role else s.ChatMessageOut(content="")
-            body = s.ChatCompletionChunk(id=rid, model=model, choices=[
-                s.ChatDeltaChoice(delta=delta, finish_reason=reason)]).model_dump(exclude_none=False)
-        else:
-            body = s.CompletionResponse(id=rid, model=model, choices=[
-                s.CompletionChoice(text=text or "", finish_reason=reason)]).model_dump(exclude={"usage"})
-        return f"data: {json.dumps(body)}\n\n"
-
-    async def events() -> AsyncIterator[str]:
-        usage = None
-        if chat:
-            yield chunk(None, None, role=True)
-        elif prefix:
-            yield chunk(prefix, None)
-        items = [first] if first is not None else []
-        try:
-            while True:
-                for out in items:
-                    usage = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)  # type: ignore[attr-defined]
-                    reason = _finish_reason(out.finish_reason) if out.finished else None  # type: ignore[attr-defined]
-                    if out.text_delta or reason:  # type: ignore[attr-defined]
-                        yield chunk(out.text_delta, reason)  # type: ignore[attr-defined]
-                    if out.finished:  # type: ignore[attr-defined]
-                        raise StopAsyncIteration
-                nxt = await anext(outputs.__aiter__(), None)  # type: ignore[call-overload]
-                if nxt is None:
-                    break
-                items = [nxt]
-        except StopAsyncIteration:
-            pass
-        except ApiError as exc:
-            yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind, 'code': exc.status}})}\n\n"
-        finally:
-            await outputs.aclose()  # type: ignore[attr-defined]  # client gone: aborts the request
-        if include_usage and usage is not None:
-            u = s.Usage.of(*usage)
-            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
-                    "created": int(time.time()), "choices": [], "usage": u.model_dump()}
-            yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

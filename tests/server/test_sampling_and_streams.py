@@ -1,0 +1,70 @@
+"""Over HTTP, in-process on the tiny model: the sampling controls reach the engine (a logit bias forces a
+token in a greedy completion, a stop token id ends it, min_tokens holds that end back), and a stream whose
+prompt takes long sends SSE keep-alive comments until its first token."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from kvdrive.runtime.server.app import ServerState, create_app
+
+
+@pytest.fixture()
+async def client(tiny_state: ServerState) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(tiny_state)), base_url="http://t") as c:
+        yield c
+
+
+async def _complete(client: httpx.AsyncClient, **fields: object) -> dict:  # type: ignore[type-arg]
+    r = await client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 17, 33, 61, 90, 12], "max_tokens": 6,
+                                                   "temperature": 0, "ignore_eos": True, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]  # type: ignore[no-any-return]
+
+
+async def test_a_logit_bias_and_a_stop_token_id_steer_a_greedy_completion(client: httpx.AsyncClient,
+                                                                          tiny_state: ServerState) -> None:
+    tok = tiny_state.tokenizer
+    plain = await _complete(client)
+    forced = await _complete(client, logit_bias={"77": 100})
+    assert forced["text"] == tok.decode([77] * 6) != plain["text"] and forced["finish_reason"] == "length"
+    stopped = await _complete(client, stop_token_ids=[77], logit_bias={"77": 100})
+    assert stopped["text"] == "" and stopped["finish_reason"] == "stop"
+    held = await _complete(client, stop_token_ids=[77], logit_bias={"77": 100}, min_tokens=3)
+    assert held["finish_reason"] == "stop" and len(tok.encode(held["text"], add_bos=False)) >= 3
+
+
+async def test_a_stream_sends_keepalive_comments_while_its_prompt_is_computed(
+        tiny_state: ServerState, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine step is held up 0.3 s (a long prefill); with a 0.05 s keep-alive interval the stream carries
+    SSE comment lines before its first token, and its tokens and end are those of an unslowed stream."""
+    engine = tiny_state.engine.engine
+    real_step = engine.step
+
+    def slow_step():  # type: ignore[no-untyped-def]
+        time.sleep(0.3)
+        return real_step()
+
+    body = {"model": "tiny", "prompt": [5, 17, 33, 61], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    fast = create_app(dataclasses.replace(tiny_state, config=dataclasses.replace(
+        tiny_state.config, sse_keepalive_seconds=0.05)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=fast), base_url="http://t") as c:
+        plain = (await c.post("/v1/completions", json=body)).text
+        monkeypatch.setattr(engine, "step", slow_step)
+        slowed = (await c.post("/v1/completions", json=body)).text
+    lines = [ln for ln in slowed.split("\n\n") if ln]
+    first_data = next(i for i, ln in enumerate(lines) if ln.startswith("data: {"))
+    assert first_data > 0 and all(ln == ": keep-alive" for ln in lines[:first_data]), lines[:first_data + 1]
+    data = [ln for ln in lines if ln.startswith("data: ")]
+
+    def texts(stream: str) -> list[str]:
+        return [json.loads(ln[6:])["choices"][0]["text"] for ln in stream.split("\n\n") if ln.startswith("data: {")]
+
+    assert texts(slowed) == texts(plain) and data[-1] == "data: [DONE]"
