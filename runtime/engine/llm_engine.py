@@ -19,7 +19,7 @@ from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls
 from kvdrive.runtime.engine.model_runner import ModelRunner
 from kvdrive.runtime.engine.pacing import StepPacer
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
-from kvdrive.runtime.engine.sampling import make_rng, sample
+from kvdrive.runtime.engine.sampling import TokenLogprob, make_rng, sample, token_logprob
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from kvdrive.runtime.engine.tiered_cache import PageLostError
 from kvdrive.runtime.kvcache import CacheFullError
@@ -273,13 +273,18 @@ class LLMEngine:
         logits = self.runner.loaded.model.logits(hidden[ends[completing]]) if completing else None  # [B, V]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
+        logprobs: dict[int, torch.Tensor] = {}  # row -> [V] log-probabilities of the model's logits
         if logits is not None:
+            want = [row for row, i in enumerate(completing) if chunks[i].seq.request.params.logprobs is not None]
+            if want:
+                lp = torch.log_softmax(logits[want].float(), dim=-1)  # [w, V], before any sampling control
+                logprobs = {row: lp[j] for j, row in enumerate(want)}
             logits = apply_controls(logits, [self._history(chunks[i].seq) for i in completing], self._eos)
         outputs: list[RequestOutput] = []
         for row, i in enumerate(completing):
             assert logits is not None
             try:
-                outputs.append(self._emit(chunks[i], logits[row]))
+                outputs.append(self._emit(chunks[i], logits[row], logprobs.get(row)))
             except Exception as exc:  # one request's failure (e.g. sampling) never ends the others
                 log.exception("request %s failed", chunks[i].seq.request.request_id)
                 outputs.append(self._fail(chunks[i].seq, f"sampling failed: {exc}"))
@@ -318,10 +323,13 @@ class LLMEngine:
                 outs.append(self._fail(seq, message))
         return outs
 
-    def _emit(self, chunk: ScheduledChunk, logits: torch.Tensor) -> RequestOutput:
+    def _emit(self, chunk: ScheduledChunk, logits: torch.Tensor, logprobs: torch.Tensor | None) -> RequestOutput:
+        """Sample ``chunk``'s next token from logits [V] (controls applied); ``logprobs`` [V]: the model's
+        log-probabilities there, when the request asked for them."""
         seq = chunk.seq
         params = seq.request.params
         token = sample(logits, params, seq.rng)
+        lps = (token_logprob(logprobs, token, params.logprobs or 0),) if logprobs is not None else ()
         now = time.perf_counter()
         seq.first_token_at = seq.first_token_at or now
         if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
@@ -331,20 +339,20 @@ class LLMEngine:
         self._generated += 1
         delta = seq.stream.push(token)
         if seq.stream.stopped:
-            return self._finish(seq, "stop", new_tokens=(token,), delta=delta)
+            return self._finish(seq, "stop", new_tokens=(token,), delta=delta, logprobs=lps)
         if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.runner.max_context:
-            return self._finish(seq, "length", new_tokens=(token,), delta=delta + seq.stream.flush())
+            return self._finish(seq, "length", new_tokens=(token,), delta=delta + seq.stream.flush(), logprobs=lps)
         return RequestOutput(seq.request.request_id, (token,), delta, len(seq.request.prompt_ids),
-                             seq.num_generated, cached_tokens=seq.cached_tokens or 0)
+                             seq.num_generated, cached_tokens=seq.cached_tokens or 0, logprobs=lps)
 
     def _finish(self, seq: SequenceState, reason: str, new_tokens: tuple[int, ...], delta: str,
-                error: str | None = None) -> RequestOutput:
+                error: str | None = None, logprobs: tuple[TokenLogprob, ...] = ()) -> RequestOutput:
         self._release_pages(seq)
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request.request_id, None)
         return RequestOutput(seq.request.request_id, new_tokens, delta, len(seq.request.prompt_ids),
                              seq.num_generated, finished=True, finish_reason=reason, error=error,
-                             cached_tokens=seq.cached_tokens or 0)
+                             cached_tokens=seq.cached_tokens or 0, logprobs=logprobs)
 
     def _fail(self, seq: SequenceState, error: str) -> RequestOutput:
         """End ``seq`` with finish reason "error" and ``error`` for its client."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdrive.runtime.engine.detokenize import TextStream
-from kvdrive.runtime.engine.sampling import SamplingParams
+from kvdrive.runtime.engine.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens whose K/V came from the tiers (stored pages) when it was admitted
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked for them
 
 
 @dataclass

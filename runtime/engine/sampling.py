@@ -25,6 +25,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     min_tokens: int = 0  # end-of-sequence and stop_token_ids cannot be sampled before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # sampling one of these ends the completion (like EOS: not emitted)
+    logprobs: int | None = None  # report each generated token's log-probability and this many top alternatives
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -41,6 +42,8 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be in (0, 2]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in [0, 20]")
 
     @property
     def controls_logits(self) -> bool:
@@ -53,6 +56,16 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (the logits before any sampling control, in
+    float32), and the ``top`` most likely tokens of that position: (token id, log-probability), best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 def make_rng(params: SamplingParams) -> torch.Generator | None:
     if params.greedy:
         return None
@@ -62,6 +75,13 @@ def make_rng(params: SamplingParams) -> torch.Generator | None:
     else:
         g.seed()
     return g
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """``token``'s entry of logprobs [V] and the ``k`` best entries (token id, log-probability), best first."""
+    top = torch.topk(logprobs, k) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else ()
+    return TokenLogprob(token, float(logprobs[token]), pairs)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | None) -> int:

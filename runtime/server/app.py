@@ -32,6 +32,7 @@ from kvdrive.runtime.prompt.tokenizer import TokenizerError
 from kvdrive.runtime.server import schemas as s
 from kvdrive.runtime.server.errors import ApiError
 from kvdrive.runtime.server.gate import Gate, GatePolicy
+from kvdrive.runtime.server.logprobs import LogprobRenderer
 from kvdrive.runtime.server.metrics import ServerMetrics
 from kvdrive.runtime.server.prompts import chat_prompt, completion_prompt
 from kvdrive.runtime.server.routing_api import RoutingSource, routing_routes
@@ -177,7 +178,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(404, f"model {name!r} is not served here (served: {cfg.model_id})", "not_found_error",
                            "model")
 
-    def sampling(body: s._SamplingFields, max_tokens: int | None, prompt_len: int) -> SamplingParams:
+    def sampling(body: s._SamplingFields, max_tokens: int | None, prompt_len: int,
+                 logprobs: int | None) -> SamplingParams:
         room = state.max_context - prompt_len
         wanted = max_tokens if max_tokens is not None else cfg.default_chat_max_tokens
         vocab = state.tokenizer.vocab_size
@@ -197,7 +199,8 @@ def create_app(state: ServerState) -> FastAPI:
                               frequency_penalty=body.frequency_penalty or 0.0,
                               repetition_penalty=body.repetition_penalty or 1.0,
                               logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
-                              min_tokens=body.min_tokens or 0, stop_token_ids=tuple(body.stop_token_ids or ()))
+                              min_tokens=body.min_tokens or 0, stop_token_ids=tuple(body.stop_token_ids or ()),
+                              logprobs=logprobs)
 
     def check_length(prompt_len: int, max_tokens: int | None) -> None:
         if prompt_len + 1 > state.max_context:
@@ -269,17 +272,19 @@ def create_app(state: ServerState) -> FastAPI:
         if isinstance(body.prompt, list) and any(t < 0 or t >= state.tokenizer.vocab_size for t in prompt_ids):
             raise ApiError(400, f"prompt: token ids must be in [0, {state.tokenizer.vocab_size})", param="prompt")
         check_length(len(prompt_ids), body.max_tokens)
-        params = sampling(body, body.max_tokens, len(prompt_ids))
+        params = sampling(body, body.max_tokens, len(prompt_ids), body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+        render = LogprobRenderer(state.tokenizer, chat=False) if body.logprobs is not None else None
         if body.stream:
             return await until_disconnect(request, stream(
                 rid, run(prompt_ids, params), chat=False, model=cfg.model_id,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage), prefix=prefix,
-                keepalive_s=cfg.sse_keepalive_seconds))
-        text, reason, usage = await until_disconnect(request, collect(run(prompt_ids, params)))
-        return JSONResponse(s.CompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
-            s.CompletionChoice(text=prefix + text, finish_reason=reason)]).model_dump())
+                keepalive_s=cfg.sse_keepalive_seconds, render=render))
+        done = await until_disconnect(request, collect(run(prompt_ids, params), render))
+        return JSONResponse(s.CompletionResponse(id=rid, model=cfg.model_id, usage=done.usage, choices=[
+            s.CompletionChoice(text=prefix + done.text, finish_reason=done.finish_reason,
+                               logprobs=done.logprobs)]).model_dump())
 
     @app.post("/v1/chat/completions", response_model=s.ChatCompletionResponse, responses=GENERATION_ERRORS)
     async def chat(body: s.ChatCompletionRequest, request: Request) -> Response:
@@ -290,16 +295,18 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(400, str(exc), param="messages") from exc
         max_tokens = body.max_completion_tokens or (body.max_tokens if "max_tokens" in body.model_fields_set else None)
         check_length(len(prompt_ids), max_tokens)
-        params = sampling(body, max_tokens, len(prompt_ids))
+        params = sampling(body, max_tokens, len(prompt_ids), (body.top_logprobs or 0) if body.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        render = LogprobRenderer(state.tokenizer, chat=True) if body.logprobs else None
         if body.stream:
             return await until_disconnect(request, stream(
                 rid, run(prompt_ids, params), chat=True, model=cfg.model_id,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                keepalive_s=cfg.sse_keepalive_seconds))
-        text, reason, usage = await until_disconnect(request, collect(run(prompt_ids, params)))
-        return JSONResponse(s.ChatCompletionResponse(id=rid, model=cfg.model_id, usage=usage, choices=[
-            s.ChatChoice(message=s.ChatMessageOut(content=text), finish_reason=reason)]).model_dump())
+                keepalive_s=cfg.sse_keepalive_seconds, render=render))
+        done = await until_disconnect(request, collect(run(prompt_ids, params), render))
+        return JSONResponse(s.ChatCompletionResponse(id=rid, model=cfg.model_id, usage=done.usage, choices=[
+            s.ChatChoice(message=s.ChatMessageOut(content=done.text), finish_reason=done.finish_reason,
+                         logprobs=done.logprobs)]).model_dump())
 
     @app.get("/admin/tiers", response_model=s.TiersResponse, responses={401: ERRORS[401]})
     async def get_tiers() -> s.TiersResponse:

@@ -18,7 +18,7 @@ Bool = Annotated[bool, Strict()]
 REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
 # OpenAI fields not implemented here, with the values that mean "not used"
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
     "suffix": (None, ""), "best_of": (None, 1), "parallel_tool_calls": (None,), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "service_tier": (None, "auto", "default"),
@@ -46,8 +46,6 @@ class _SamplingFields(BaseModel):
     n: Int = Field(default=1, ge=1, le=1, description="only 1 completion per request is supported")
     ignore_eos: Bool = Field(default=False, description="vLLM extension for benchmarks")
     user: str | None = Field(default=None, description="an end-user id (accepted, not used)")
-    logprobs: Any = Field(default=None, description="not supported: refused unless null/false")
-    top_logprobs: Any = Field(default=None, description="not supported: refused unless null/0")
     presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0,
                                            description="minus this for each token the completion has used")
     frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0,
@@ -61,11 +59,6 @@ class _SamplingFields(BaseModel):
         "vLLM extension: end-of-sequence and stop_token_ids cannot end the completion before this many tokens"))
     stop_token_ids: list[Int] | None = Field(default=None, description=(
         "vLLM extension: sampling one of these token ids ends the completion (the id is not emitted)"))
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _unsupported(cls, v: Any, info: Any) -> Any:
-        return _refuse_unsupported(info.field_name, v)
 
     @field_validator("logit_bias")
     @classmethod
@@ -97,6 +90,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[Int] | list[str] = Field(description="text, one string in a list, or token ids")
     max_tokens: Int | None = Field(default=16, ge=1)
     echo: Bool = False
+    logprobs: Int | None = Field(default=None, ge=0, le=20, description=(
+        "each generated token's log-probability and this many most likely alternatives"))
     suffix: Any = Field(default=None, description="not supported: refused unless null/empty")
     best_of: Any = Field(default=None, description="not supported: refused unless null/1")
 
@@ -114,6 +109,14 @@ class CompletionRequest(_SamplingFields):
             return v[0]
         if not v:
             raise ValueError("the prompt is empty")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, v: int | None, info: Any) -> int | None:
+        if v is not None and info.data.get("echo"):
+            raise ValueError("the prompt's log-probabilities (echo with logprobs) are not supported; "
+                             "use echo or logprobs, not both")
         return v
 
 
@@ -138,6 +141,9 @@ class ChatMessageIn(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
+    logprobs: Bool | None = Field(default=None, description="each generated token's log-probability")
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20,
+                                     description="this many most likely alternatives of each token (needs logprobs)")
     tools: Any = Field(default=None, description="not supported: refused unless null/[]")
     tool_choice: Any = Field(default=None, description="not supported: refused unless null/'none'")
     functions: Any = Field(default=None, description="not supported: refused unless null/[]")
@@ -156,6 +162,13 @@ class ChatCompletionRequest(_SamplingFields):
     def _unsupported_chat(cls, v: Any, info: Any) -> Any:
         return _refuse_unsupported(info.field_name, v)
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: Any) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("set logprobs to true to get top_logprobs")
+        return v
+
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose K/V came from stored prefix pages, not computed
@@ -173,11 +186,33 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's UTF-8 bytes (a token may hold part of a character)
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -198,7 +233,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -214,7 +249,7 @@ class ChatDeltaChoice(BaseModel):
     index: int = 0
     delta: ChatMessageOut
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

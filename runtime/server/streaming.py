@@ -13,13 +13,16 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from kvdrive.runtime.engine import RequestOutput
+from kvdrive.runtime.engine.sampling import TokenLogprob
 from kvdrive.runtime.server import schemas as s
 from kvdrive.runtime.server.errors import ApiError
+from kvdrive.runtime.server.logprobs import LogprobRenderer
 
 KEEPALIVE = ": keep-alive\n\n"
 
@@ -28,33 +31,49 @@ def finish_reason(reason: str | None) -> str | None:
     return "stop" if reason in ("stop", "abort") else reason
 
 
-async def collect(outputs: AsyncIterator[RequestOutput]) -> tuple[str, str | None, s.Usage]:
+@dataclass(frozen=True)
+class Collected:
+    """A whole answer: its text, why it ended, its usage, its tokens' log-probabilities when asked for."""
+
+    text: str
+    finish_reason: str | None
+    usage: s.Usage
+    logprobs: s.ChatLogprobs | s.CompletionLogprobs | None
+
+
+async def collect(outputs: AsyncIterator[RequestOutput], render: LogprobRenderer | None = None) -> Collected:
     parts, reason, prompt, completion, cached = [], None, 0, 0, 0
+    lps: list[TokenLogprob] = []
     async for out in outputs:
         parts.append(out.text_delta)
+        lps += out.logprobs
         prompt, completion = out.prompt_tokens, out.completion_tokens
         cached = out.cached_tokens
         if out.finished:
             reason = finish_reason(out.finish_reason)
-    return "".join(parts), reason, s.Usage.of(prompt, completion, cached)
+    return Collected("".join(parts), reason, s.Usage.of(prompt, completion, cached),
+                     render.body(tuple(lps)) if render is not None else None)
 
 
 async def stream(rid: str, outputs: AsyncIterator[RequestOutput], chat: bool, model: str, include_usage: bool,
-                 prefix: str = "", keepalive_s: float = 5.0) -> StreamingResponse:
+                 prefix: str = "", keepalive_s: float = 5.0, render: LogprobRenderer | None = None) -> StreamingResponse:
     """Wait until the engine accepted the request (its first output: errors before that are HTTP errors),
-    then answer with SSE."""
+    then answer with SSE (each chunk with its tokens' log-probabilities when ``render`` is given)."""
     it = outputs.__aiter__()
     first = await anext(it, None)
 
-    def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+    def chunk(text: str | None, reason: str | None, role: bool = False,
+              lps: tuple[TokenLogprob, ...] = ()) -> str:
         body: dict[str, Any]
         if chat:
             delta = s.ChatMessageOut(content=text) if not role else s.ChatMessageOut(content="")
+            logprobs = render.chat_body(lps) if render is not None and lps else None
             body = s.ChatCompletionChunk(id=rid, model=model, choices=[
-                s.ChatDeltaChoice(delta=delta, finish_reason=reason)]).model_dump(exclude_none=False)
+                s.ChatDeltaChoice(delta=delta, finish_reason=reason, logprobs=logprobs)]).model_dump(exclude_none=False)
         else:
+            cl = render.completion_body(lps) if render is not None and lps else None
             body = s.CompletionResponse(id=rid, model=model, choices=[
-                s.CompletionChoice(text=text or "", finish_reason=reason)]).model_dump(exclude={"usage"})
+                s.CompletionChoice(text=text or "", finish_reason=reason, logprobs=cl)]).model_dump(exclude={"usage"})
         return f"data: {json.dumps(body)}\n\n"
 
     async def events() -> AsyncIterator[str]:
@@ -69,8 +88,8 @@ async def stream(rid: str, outputs: AsyncIterator[RequestOutput], chat: bool, mo
             while out is not None:
                 usage = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
                 reason = finish_reason(out.finish_reason) if out.finished else None
-                if out.text_delta or reason:
-                    yield chunk(out.text_delta, reason)
+                if out.text_delta or reason or (render is not None and out.logprobs):
+                    yield chunk(out.text_delta, reason, lps=out.logprobs)
                 if out.finished:
                     break
                 # the next output, read in a task of its own so that a keep-alive line goes out each time none
