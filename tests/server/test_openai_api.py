@@ -60,6 +60,26 @@ def test_seeded_sampling_is_reproducible_and_the_seed_matters(client: openai.Ope
     assert len({ask(s) for s in (1, 2, 3, 4)}) > 1  # a server that ignored the seed would answer alike
 
 
+def test_logprobs_and_penalties_parse_into_the_clients_types(client: openai.OpenAI) -> None:
+    """Chat and completion logprobs, streamed or not, parse into the client's typed objects and spell the
+    answer; the sampling controls go through the client's own signatures."""
+    r = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+    streamed = [t for c in client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=8,
+                                                            temperature=0, logprobs=True, top_logprobs=2, stream=True)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, round(t.logprob, 5)) for t in streamed] == [(t.token, round(t.logprob, 5)) for t in content]
+    c = client.completions.create(model="demo", prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  logprobs=3)
+    assert "".join(c.choices[0].logprobs.tokens) == c.choices[0].text and len(c.choices[0].logprobs.top_logprobs) == 5
+    penalised = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=8, temperature=0,
+                                               presence_penalty=2.0, frequency_penalty=2.0, logit_bias={"42": -100})
+    assert isinstance(penalised.choices[0].message.content, str) and penalised.choices[0].finish_reason
+
+
 def test_missing_or_wrong_api_key_is_401(live_server: LiveServer) -> None:
     bad = openai.OpenAI(base_url=live_server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
