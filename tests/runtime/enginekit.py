@@ -28,16 +28,23 @@ def with_reserve(layout: KVLayout, hot_bytes: int, config: EngineConfig) -> int:
     return hot_bytes + reserve_bytes(layout, config)
 
 
-def small_engine(loaded: LoadedModel, ssd: Path, gpu_pages: int, dram_pages: int, token_budget_pages: int) -> LLMEngine:
+def small_engine(loaded: LoadedModel, ssd: Path, gpu_pages: int, dram_pages: int, token_budget_pages: int,
+                 placement: str = "kvdrive") -> LLMEngine:
     """Two sequences at most, a device tier of ``gpu_pages`` pages (plus their open pages), DRAM of
-    ``dram_pages``, a 64 MiB SSD tier in ``ssd``."""
+    ``dram_pages``, a 64 MiB SSD tier in ``ssd``, under ``placement``."""
     layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
-    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=token_budget_pages * PAGE)
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=token_budget_pages * PAGE, placement=placement)
     gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
         envelope_bytes=with_reserve(layout, gpu_pages * page, shape), dram_bytes=dram_pages * page, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2))
+
+
+def plain_engine(loaded: LoadedModel, rows: int) -> LLMEngine:
+    """An engine of ``rows`` sequences on the default (untiered) cache."""
+    return LLMEngine(ModelRunner(loaded, EngineConfig(page_size=PAGE, max_sequences=rows)),
+                     SchedulerConfig(max_running=rows))
 
 
 def run_dry(engine: LLMEngine, steps: int = 3000) -> dict[str, list[RequestOutput]]:

@@ -12,16 +12,9 @@ import math
 
 import pytest
 import torch
-from enginekit import run_dry, tokens
+from enginekit import plain_engine, run_dry, tokens
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-)
+from kvdrive.runtime.engine import Request, SamplingParams
 from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls
 from kvdrive.runtime.model import LoadedModel, load_model
 
@@ -76,8 +69,7 @@ def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
 
 def _answers(loaded: LoadedModel, params: list[SamplingParams]) -> list[list[int]]:
     """Greedy answers of one prompt under each of ``params``, run together in one batch."""
-    engine = LLMEngine(ModelRunner(loaded, EngineConfig(page_size=4, max_sequences=4)),
-                       SchedulerConfig(max_running=4))
+    engine = plain_engine(loaded, 4)
     prompt = tuple(torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(2)).tolist())
     for i, p in enumerate(params):
         engine.add_request(Request(f"r{i}", prompt, p, 0.0))

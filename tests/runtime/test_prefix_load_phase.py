@@ -10,23 +10,14 @@ and it still answers exactly; the other request in the step runs on.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from enginekit import PAGE, run_dry, small_engine, tokens, with_reserve
+from enginekit import PAGE, run_dry, small_engine, tokens
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-    TierConfig,
-)
+from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.model import LoadedModel, load_model
 
 
@@ -139,11 +130,7 @@ def test_the_copies_a_steps_lower_tier_reads_earn_are_made_in_the_next_steps_loa
     Each step ends with placement deciding the copies those reads earn; the Mover makes them at the start of
     the next step, before placement's step begins, never during a forward pass; and every block it copies is
     one the previous step decided on."""
-    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
-    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=16 * PAGE, placement="lru")
-    engine = LLMEngine(ModelRunner(tiny, replace(shape, tiers=TierConfig(
-        envelope_bytes=with_reserve(layout, 8 * layout.page_bytes, shape), dram_bytes=8 * layout.page_bytes,
-        ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20))), SchedulerConfig(max_running=2))
+    engine = small_engine(tiny, tmp_path / "ssd", 8, 8, 16, placement="lru")
     cache = engine.runner.cache
     events: list[tuple[str, list[Any]]] = []
 
