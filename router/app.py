@@ -46,14 +46,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def prompt_tokens(path: str, body: bytes, tokenizer: Tokenizer | None) -> list[int] | None:
-    """The prompt's token ids exactly as a replica will compute them; None when it cannot be read."""
+def prompt_tokens(path: str, body: bytes, tokenizer: Tokenizer | None) -> tuple[list[int], str | None] | None:
+    """The prompt's token ids exactly as a replica will compute them, and its cache_salt (a salted prompt's
+    pages are addressed apart); None when it cannot be read."""
     kind = PROMPTED.get(path)
     if kind is None or tokenizer is None:
         return None
     model, build = kind
     try:
-        return build(model.model_validate(json.loads(body)), tokenizer)  # type: ignore[operator]
+        parsed = model.model_validate(json.loads(body))
+        return build(parsed, tokenizer), parsed.cache_salt  # type: ignore[operator]
     except (ValueError, ValidationError, TokenizerError):  # json.JSONDecodeError is a ValueError
         return None
 
@@ -95,10 +97,11 @@ def create_app(router: Router) -> FastAPI:
             body = await _read_body(request, router.config.max_body_bytes)
         except BodyTooLarge:
             return error(413, f"request body over {router.config.max_body_bytes} bytes", "invalid_request_error")
-        tokens = None
+        prompt = None
         if request.method == "POST" and path in PROMPTED:
-            tokens = await asyncio.to_thread(prompt_tokens, path, body, router.tokenizer)
-        digests = router.digests_for(tokens) if tokens is not None else None
+            prompt = await asyncio.to_thread(prompt_tokens, path, body, router.tokenizer)
+        tokens = prompt[0] if prompt is not None else None
+        digests = router.digests_for(*prompt) if prompt is not None else None
         qs = f"?{request.url.query}" if request.url.query else ""
         return await forward(router, metrics, request.method, f"/v1/{path}{qs}", request.headers, body, digests,
                              len(tokens) if tokens is not None else 0, request.is_disconnected,

@@ -16,7 +16,7 @@ from kvdrive.router.backends import Backend, BackendPool, Health, RoutingInfo
 from kvdrive.router.discovery import Discovery
 from kvdrive.router.index import PrefixIndex
 from kvdrive.router.selection import Candidate, Decision, Policy, affinity_key, choose
-from kvdrive.runtime.prompt import DIGEST_BYTES, Tokenizer, TokenizerError, page_digests
+from kvdrive.runtime.prompt import DIGEST_BYTES, Tokenizer, TokenizerError, page_digests, salted_root
 
 log = logging.getLogger("kvdrive.router")
 
@@ -140,14 +140,15 @@ class Router:
             b.failed(time.monotonic(), f"poll: {type(exc).__name__}: {exc}", self.pool.health)
 
     # --- routing ------------------------------------------------------------------------------------
-    def digests_for(self, tokens: Sequence[int]) -> dict[tuple[bytes, int], list[bytes]]:
-        """The prompt's page digests under each (root, page size) the usable replicas report."""
+    def digests_for(self, tokens: Sequence[int], salt: str | None = None) -> dict[tuple[bytes, int], list[bytes]]:
+        """The prompt's page digests under each (root, page size) the usable replicas report; a salted prompt's
+        on its salted chain (they match only pages stored under the same salt)."""
         out: dict[tuple[bytes, int], list[bytes]] = {}
         for b in self.pool.usable(time.monotonic()):
             assert b.info is not None
             key = (b.info.root, b.info.page_size)
             if key not in out:
-                out[key] = page_digests(b.info.root, tokens, b.info.page_size)
+                out[key] = page_digests(salted_root(b.info.root, salt), tokens, b.info.page_size)
         return out
 
     def pick(self, digests: dict[tuple[bytes, int], list[bytes]] | None, exclude: set[str],

@@ -75,6 +75,7 @@ class SeqKV:
     """One sequence in the cache. Its open (partial) page lives in the device pool's tail rows at ``row``."""
 
     row: int  # batch row: summaries, page table and tail rows are indexed by it
+    root: bytes = b""  # the digest chain's start: the cache's root, salted by the request's cache_salt
     tokens: list[int] = field(default_factory=list)  # tokens whose KV is stored (or being stored this step)
     length: int = 0
     digests: list[bytes] = field(default_factory=list)  # one per sealed page

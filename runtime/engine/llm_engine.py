@@ -114,7 +114,8 @@ class LLMEngine:
 
     def allocate(self, seq: SequenceState, n: int) -> int:
         if seq.seq_id is None:  # first chunk: open the sequence; stored prefix pages (read in the step's load
-            seq.seq_id, reused = self.runner.open_sequence(seq.tokens, load=False)  # phase) need no compute
+            # phase) need no compute; a salted request matches only its own salt's pages
+            seq.seq_id, reused = self.runner.open_sequence(seq.tokens, load=False, salt=seq.request.cache_salt)
             seq.num_computed += reused
             if seq.cached_tokens is None:  # what the client is told: its first admission (not a recompute's)
                 seq.cached_tokens = min(reused, len(seq.request.prompt_ids))

@@ -91,12 +91,12 @@ class ModelRunner:
     def new_sequence(self) -> int:
         return self.open_sequence(())[0]
 
-    def open_sequence(self, prompt: Sequence[int], load: bool = True) -> tuple[int, int]:
+    def open_sequence(self, prompt: Sequence[int], load: bool = True, salt: str | None = None) -> tuple[int, int]:
         """A new sequence; returns (seq_id, prompt tokens whose KV is reused from the tiers). ``load=False``
         looks the stored prefix up without reading it (the scheduler's call); ``load_prefix`` then reads it
-        before the sequence's first step."""
+        before the sequence's first step. ``salt``: the request's cache_salt (pages shared only within it)."""
         seq_id = next(self._ids)
-        matched = self.cache.add_sequence(seq_id, list(prompt), load=load)
+        matched = self.cache.add_sequence(seq_id, list(prompt), load=load, salt=salt)
         return seq_id, matched
 
     def load_prefix(self, seq_id: int) -> bool:

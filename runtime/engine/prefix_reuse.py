@@ -31,9 +31,9 @@ READ_CHUNK_PAGES = 32  # a stored prefix is read this many pages at a time, ever
 
 
 class PrefixPages:
-    def __init__(self, layout: KVLayout, root: bytes, store: TieredKVStore, mover: Mover, placer: Placer,
+    def __init__(self, layout: KVLayout, store: TieredKVStore, mover: Mover, placer: Placer,
                  summaries: SummaryTable, keeper: WindowKeeper | None) -> None:
-        self.layout, self.root, self.store, self.mover, self.placer = layout, root, store, mover, placer
+        self.layout, self.store, self.mover, self.placer = layout, store, mover, placer
         self.summaries, self.keeper = summaries, keeper
         self._refs: dict[bytes, list[int]] = {}  # digest -> [sequences referencing it, page id]
         self.hit_pages = 0  # pages reused from the tiers instead of recomputed
@@ -64,11 +64,12 @@ class PrefixPages:
         self.store.set_needed(self.keys(digest), False)  # stays cached (and persisted) until evicted
         self.store.unref_page(ref[1])
 
-    def stored_prefix(self, prompt: list[int]) -> list[bytes]:
+    def stored_prefix(self, prompt: list[int], root: bytes) -> list[bytes]:
         """Digests of the longest run of ``prompt``'s leading pages stored in the tiers (all layers), leaving
-        at least one token to compute. Reads nothing."""
+        at least one token to compute, on the chain that starts at ``root`` (a salted request's own). Reads
+        nothing."""
         s, L = self.layout.page_size, self.layout.num_layers
-        digests, prev = [], self.root
+        digests, prev = [], root
         for p in range((len(prompt) - 1) // s):
             prev = chain_digest(prev, prompt[p * s : (p + 1) * s])
             keys = [BlockKey(prev, layer) for layer in range(L)]

@@ -16,6 +16,7 @@ class Request:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     arrival: float
+    cache_salt: str | None = None  # its pages are shared only with requests of the same salt (tenant isolation)
 
 
 @dataclass(frozen=True)

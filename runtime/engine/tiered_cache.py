@@ -35,7 +35,7 @@ from kvdrive.runtime.engine.window_snapshots import WindowKeeper, WindowSnapshot
 from kvdrive.runtime.kvcache import BlockKey, BudgetError, KVLayout, TierBudgets, TieredKVStore, TierUsage
 from kvdrive.runtime.pipeline import Mover, TransferEngine
 from kvdrive.runtime.placement import PlacementPolicy, Placer, policy_for
-from kvdrive.runtime.prompt.digests import chain_digest, root_digest
+from kvdrive.runtime.prompt.digests import chain_digest, root_digest, salted_root
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class TieredKVCache:
         self.transfers = TransferEngine(self.mover, workers=1)
         self.envelope.bind(self.mover, self.transfers.drain)
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device)
-        self.prefix = PrefixPages(layout, self.root, self.store, self.mover, self.placer, self.summaries, self.keeper)
+        self.prefix = PrefixPages(layout, self.store, self.mover, self.placer, self.summaries, self.keeper)
         self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}
         self._rows = list(range(config.max_sequences))  # free rows, lowest first
@@ -149,16 +149,18 @@ class TieredKVCache:
         return self.store.tiers["gpu"].extra_base  # type: ignore[attr-defined]
 
     # --- sequences ---------------------------------------------------------------------------------
-    def add_sequence(self, seq_id: int, prompt: list[int] | None = None, load: bool = True) -> int:
+    def add_sequence(self, seq_id: int, prompt: list[int] | None = None, load: bool = True,
+                     salt: str | None = None) -> int:
         """Open a sequence on the longest stored prefix of ``prompt`` (at least one prompt token is left to
         compute). Returns the number of prompt tokens already in the cache. ``load``: read those pages now;
         otherwise they are only looked up and referenced (no tier I/O: the scheduler's call), and
-        ``load_prefix`` reads them before the sequence's first forward step."""
+        ``load_prefix`` reads them before the sequence's first forward step. ``salt``: the request's
+        cache_salt; its pages are addressed apart (``salted_root``): shared only with the same salt."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} already exists")
         if not self._rows:
             raise RuntimeError(f"{self.config.max_sequences} sequences already hold open pages")
-        seq = SeqKV(row=heapq.heappop(self._rows))
+        seq = SeqKV(row=heapq.heappop(self._rows), root=salted_root(self.root, salt))
         self._seqs[seq_id] = seq
         matched = self._match_prefix(seq, prompt or [])
         self.placer.hold(seq.pids)  # every chunk of the prompt attends to them: kept up until it is in
@@ -166,13 +168,13 @@ class TieredKVCache:
             return seq.length
         return matched * self.layout.page_size
 
-    def stored_prefix(self, prompt: list[int]) -> list[bytes]:
+    def stored_prefix(self, prompt: list[int], salt: str | None = None) -> list[bytes]:
         """Digests of the longest run of ``prompt``'s leading pages stored in the tiers (reads nothing)."""
-        return self.prefix.stored_prefix(prompt)
+        return self.prefix.stored_prefix(prompt, salted_root(self.root, salt))
 
     def _match_prefix(self, seq: SeqKV, prompt: list[int]) -> int:
         """Reference the stored prefix pages of ``prompt`` for ``seq`` (reads nothing); returns how many."""
-        digests = self.prefix.stored_prefix(prompt)
+        digests = self.prefix.stored_prefix(prompt, seq.root)
         if not digests:
             return 0
         pids = [self.prefix.ref(d) for d in digests]  # referenced first: nothing we read can be evicted as unneeded
@@ -232,7 +234,7 @@ class TieredKVCache:
         seq.tokens.extend(tokens)
         seq.length = start + len(tokens)
         new: list[bytes] = []
-        prev = seq.digests[-1] if seq.digests else self.root
+        prev = seq.digests[-1] if seq.digests else seq.root
         for p in range(start // s, seq.length // s):
             prev = chain_digest(prev, seq.tokens[p * s : (p + 1) * s], salt)
             new.append(prev)

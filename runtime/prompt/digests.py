@@ -20,6 +20,14 @@ def root_digest(fingerprint: str) -> bytes:
     return hashlib.blake2b(fingerprint.encode(), digest_size=DIGEST_BYTES).digest()
 
 
+def salted_root(root: bytes, salt: str | None) -> bytes:
+    """The chain's start of a request with a ``cache_salt``: none of its pages shares a digest with a page of
+    another salt or of no salt, so tenants with different salts never reuse (or time) each other's pages."""
+    if not salt:
+        return root
+    return hashlib.blake2b(root + b"cache_salt:" + salt.encode(), digest_size=DIGEST_BYTES).digest()
+
+
 def chain_digest(prev: bytes, tokens: Sequence[int], salt: bytes = b"") -> bytes:
     """A page's digest: the previous page's digest (or the root), a salt (how the KV was computed) and the
     page's tokens as native int64."""

@@ -210,8 +210,8 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
                                 f"context of {state.max_context} tokens", param="max_tokens")
 
-    async def run(prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[object]:
-        request = EngineRequest(uuid.uuid4().hex, tuple(prompt_ids), params, time.perf_counter())
+    async def run(prompt_ids: list[int], params: SamplingParams, salt: str | None) -> AsyncIterator[object]:
+        request = EngineRequest(uuid.uuid4().hex, tuple(prompt_ids), params, time.perf_counter(), cache_salt=salt)
         arrived, last = request.arrival, None
         try:
             async for out in state.engine.generate(request):
@@ -278,10 +278,10 @@ def create_app(state: ServerState) -> FastAPI:
         render = LogprobRenderer(state.tokenizer, chat=False) if body.logprobs is not None else None
         if body.stream:
             return await until_disconnect(request, stream(
-                rid, run(prompt_ids, params), chat=False, model=cfg.model_id,
+                rid, run(prompt_ids, params, body.cache_salt), chat=False, model=cfg.model_id,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage), prefix=prefix,
                 keepalive_s=cfg.sse_keepalive_seconds, render=render))
-        done = await until_disconnect(request, collect(run(prompt_ids, params), render))
+        done = await until_disconnect(request, collect(run(prompt_ids, params, body.cache_salt), render))
         return JSONResponse(s.CompletionResponse(id=rid, model=cfg.model_id, usage=done.usage, choices=[
             s.CompletionChoice(text=prefix + done.text, finish_reason=done.finish_reason,
                                logprobs=done.logprobs)]).model_dump())
@@ -300,10 +300,10 @@ def create_app(state: ServerState) -> FastAPI:
         render = LogprobRenderer(state.tokenizer, chat=True) if body.logprobs else None
         if body.stream:
             return await until_disconnect(request, stream(
-                rid, run(prompt_ids, params), chat=True, model=cfg.model_id,
+                rid, run(prompt_ids, params, body.cache_salt), chat=True, model=cfg.model_id,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
                 keepalive_s=cfg.sse_keepalive_seconds, render=render))
-        done = await until_disconnect(request, collect(run(prompt_ids, params), render))
+        done = await until_disconnect(request, collect(run(prompt_ids, params, body.cache_salt), render))
         return JSONResponse(s.ChatCompletionResponse(id=rid, model=cfg.model_id, usage=done.usage, choices=[
             s.ChatChoice(message=s.ChatMessageOut(content=done.text), finish_reason=done.finish_reason,
                          logprobs=done.logprobs)]).model_dump())

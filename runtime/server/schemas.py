@@ -46,6 +46,10 @@ class _SamplingFields(BaseModel):
     n: Int = Field(default=1, ge=1, le=1, description="only 1 completion per request is supported")
     ignore_eos: Bool = Field(default=False, description="vLLM extension for benchmarks")
     user: str | None = Field(default=None, description="an end-user id (accepted, not used)")
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=(
+        "vLLM extension: this request's KV pages are shared only with requests of the same salt (on every tier, "
+        "across restarts, and in a router's index): tenants with different salts cannot learn from timing "
+        "whether the other sent a prompt"))
     presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0,
                                            description="minus this for each token the completion has used")
     frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0,

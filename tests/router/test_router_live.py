@@ -59,6 +59,16 @@ def test_routing_through_two_replicas(cluster: tuple[Process, list[Process], Pat
     assert metric(router.url, "kvdrive_router_decisions_total", 'reason="prefix"') >= 1
     assert metric(router.url, "kvdrive_router_prefix_tokens_matched_total") >= 60 * 16
 
+    # a tenant with its own cache_salt reuses nothing of the document (on no replica, and the router's index
+    # matches none of its pages); asked again under the same salt, its own pages are reused
+    before = [_hits(r) for r in replicas]
+    matched = metric(router.url, "kvdrive_router_prefix_tokens_matched_total")
+    assert _ask(router.url, "How many ships in entry 3?", cache_salt="tenant-b").status_code == 200
+    assert [_hits(r) - b for r, b in zip(replicas, before, strict=True)] == [0, 0]
+    assert metric(router.url, "kvdrive_router_prefix_tokens_matched_total") == matched
+    assert _ask(router.url, "How many storms in entry 9?", cache_salt="tenant-b").status_code == 200
+    assert sum(_hits(r) - b for r, b in zip(replicas, before, strict=True)) >= 60
+
     # the official client, plain and streaming, through the router: the replica's own greedy answer
     client = openai.OpenAI(base_url=router.url + "/v1", api_key=API_KEY, max_retries=0)
     direct = openai.OpenAI(base_url=replicas[0].url + "/v1", api_key=API_KEY, max_retries=0)
