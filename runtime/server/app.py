@@ -11,6 +11,7 @@ The OpenAPI document declares exactly these.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -31,6 +32,7 @@ from kvdrive.runtime.prompt import Tokenizer
 from kvdrive.runtime.prompt.tokenizer import TokenizerError
 from kvdrive.runtime.server import schemas as s
 from kvdrive.runtime.server.errors import ApiError
+from kvdrive.runtime.server.fanout import Fanout
 from kvdrive.runtime.server.gate import Gate, GatePolicy
 from kvdrive.runtime.server.logprobs import LogprobRenderer
 from kvdrive.runtime.server.metrics import ServerMetrics
@@ -231,6 +233,14 @@ def create_app(state: ServerState) -> FastAPI:
         except PromptTooLongError as exc:
             raise ApiError(400, str(exc), param="prompt") from exc
 
+    def samples(prompt_ids: list[int], params: SamplingParams, salt: str | None, n: int) -> Fanout:
+        """The ``n`` choices of one prompt (``fanout.py``: the prompt computed once); with a seed, choice i
+        samples with seed + i, so the whole answer repeats."""
+        def start(i: int) -> AsyncIterator[object]:
+            seeded = params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+            return run(prompt_ids, seeded, salt)
+        return Fanout(start, n)  # type: ignore[arg-type]
+
     @app.get("/healthz", responses={503: GENERATION_ERRORS[503]})
     async def healthz() -> dict[str, str]:
         if not state.engine.alive:
@@ -275,16 +285,17 @@ def create_app(state: ServerState) -> FastAPI:
         params = sampling(body, body.max_tokens, len(prompt_ids), body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
-        render = LogprobRenderer(state.tokenizer, chat=False) if body.logprobs is not None else None
+        render = (lambda: LogprobRenderer(state.tokenizer, chat=False)) if body.logprobs is not None else None
+        outputs = samples(prompt_ids, params, body.cache_salt, body.n)
         if body.stream:
             return await until_disconnect(request, stream(
-                rid, run(prompt_ids, params, body.cache_salt), chat=False, model=cfg.model_id,
+                rid, outputs, chat=False, model=cfg.model_id,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage), prefix=prefix,
                 keepalive_s=cfg.sse_keepalive_seconds, render=render))
-        done = await until_disconnect(request, collect(run(prompt_ids, params, body.cache_salt), render))
+        done = await until_disconnect(request, collect(outputs, render))
         return JSONResponse(s.CompletionResponse(id=rid, model=cfg.model_id, usage=done.usage, choices=[
-            s.CompletionChoice(text=prefix + done.text, finish_reason=done.finish_reason,
-                               logprobs=done.logprobs)]).model_dump())
+            s.CompletionChoice(index=i, text=prefix + c.text, finish_reason=c.finish_reason, logprobs=c.logprobs)
+            for i, c in enumerate(done.choices)]).model_dump())
 
     @app.post("/v1/chat/completions", response_model=s.ChatCompletionResponse, responses=GENERATION_ERRORS)
     async def chat(body: s.ChatCompletionRequest, request: Request) -> Response:
@@ -297,16 +308,17 @@ def create_app(state: ServerState) -> FastAPI:
         check_length(len(prompt_ids), max_tokens)
         params = sampling(body, max_tokens, len(prompt_ids), (body.top_logprobs or 0) if body.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        render = LogprobRenderer(state.tokenizer, chat=True) if body.logprobs else None
+        render = (lambda: LogprobRenderer(state.tokenizer, chat=True)) if body.logprobs else None
+        outputs = samples(prompt_ids, params, body.cache_salt, body.n)
         if body.stream:
             return await until_disconnect(request, stream(
-                rid, run(prompt_ids, params, body.cache_salt), chat=True, model=cfg.model_id,
+                rid, outputs, chat=True, model=cfg.model_id,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
                 keepalive_s=cfg.sse_keepalive_seconds, render=render))
-        done = await until_disconnect(request, collect(run(prompt_ids, params, body.cache_salt), render))
+        done = await until_disconnect(request, collect(outputs, render))
         return JSONResponse(s.ChatCompletionResponse(id=rid, model=cfg.model_id, usage=done.usage, choices=[
-            s.ChatChoice(message=s.ChatMessageOut(content=done.text), finish_reason=done.finish_reason,
-                         logprobs=done.logprobs)]).model_dump())
+            s.ChatChoice(index=i, message=s.ChatMessageOut(content=c.text), finish_reason=c.finish_reason,
+                         logprobs=c.logprobs) for i, c in enumerate(done.choices)]).model_dump())
 
     @app.get("/admin/tiers", response_model=s.TiersResponse, responses={401: ERRORS[401]})
     async def get_tiers() -> s.TiersResponse:

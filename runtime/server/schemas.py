@@ -43,7 +43,9 @@ class _SamplingFields(BaseModel):
     seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: Bool = False
     stream_options: StreamOptions | None = None
-    n: Int = Field(default=1, ge=1, le=1, description="only 1 completion per request is supported")
+    n: Int = Field(default=1, ge=1, le=16, description=(
+        "choices to sample (at most 16); they share the prompt's pages, computed once; with a seed, choice i "
+        "samples with seed + i"))
     ignore_eos: Bool = Field(default=False, description="vLLM extension for benchmarks")
     user: str | None = Field(default=None, description="an end-user id (accepted, not used)")
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256, description=(

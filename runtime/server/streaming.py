@@ -1,4 +1,5 @@
-"""A request's outputs as an HTTP answer: collected into one body, or streamed as server-sent events.
+"""A request's outputs (its ``n`` choices, ``fanout.py``) as an HTTP answer: collected into one body, or
+streamed as server-sent events.
 
 A stream answers at once: the engine accepts the request (a full queue or a prompt too long is still a plain
 HTTP error, before any header), then the response headers go out and, while the prompt is being computed
@@ -12,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from kvdrive.runtime.engine import RequestOutput
 from kvdrive.runtime.engine.sampling import TokenLogprob
 from kvdrive.runtime.server import schemas as s
 from kvdrive.runtime.server.errors import ApiError
+from kvdrive.runtime.server.fanout import Fanout
 from kvdrive.runtime.server.logprobs import LogprobRenderer
 
 KEEPALIVE = ": keep-alive\n\n"
@@ -32,72 +34,89 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 @dataclass(frozen=True)
-class Collected:
-    """A whole answer: its text, why it ended, its usage, its tokens' log-probabilities when asked for."""
+class Choice:
+    """One whole choice: its text, why it ended, its tokens' log-probabilities when asked for."""
 
     text: str
     finish_reason: str | None
-    usage: s.Usage
     logprobs: s.ChatLogprobs | s.CompletionLogprobs | None
 
 
-async def collect(outputs: AsyncIterator[RequestOutput], render: LogprobRenderer | None = None) -> Collected:
-    parts, reason, prompt, completion, cached = [], None, 0, 0, 0
-    lps: list[TokenLogprob] = []
-    async for out in outputs:
-        parts.append(out.text_delta)
-        lps += out.logprobs
-        prompt, completion = out.prompt_tokens, out.completion_tokens
-        cached = out.cached_tokens
+@dataclass(frozen=True)
+class Collected:
+    choices: list[Choice]
+    usage: s.Usage  # the prompt counted once, every choice's tokens
+
+
+def _usage(seen: dict[int, RequestOutput]) -> s.Usage:
+    """The prompt once (as sample 0 saw it: computed, or reused from stored pages), every choice's tokens."""
+    first = seen.get(0) or next(iter(seen.values()))
+    return s.Usage.of(first.prompt_tokens, sum(o.completion_tokens for o in seen.values()), first.cached_tokens)
+
+
+async def collect(outputs: Fanout, render: Callable[[], LogprobRenderer] | None = None) -> Collected:
+    """Every choice whole. ``render``: a renderer per choice, when log-probabilities were asked for."""
+    parts: dict[int, list[str]] = {i: [] for i in range(outputs.n)}
+    lps: dict[int, list[TokenLogprob]] = {i: [] for i in range(outputs.n)}
+    reasons: dict[int, str | None] = {}
+    seen: dict[int, RequestOutput] = {}
+    async for i, out in outputs:
+        parts[i].append(out.text_delta)
+        lps[i] += out.logprobs
+        seen[i] = out
         if out.finished:
-            reason = finish_reason(out.finish_reason)
-    return Collected("".join(parts), reason, s.Usage.of(prompt, completion, cached),
-                     render.body(tuple(lps)) if render is not None else None)
+            reasons[i] = finish_reason(out.finish_reason)
+    choices = [Choice("".join(parts[i]), reasons.get(i), render().body(tuple(lps[i])) if render is not None else None)
+               for i in range(outputs.n)]
+    return Collected(choices, _usage(seen))
 
 
-async def stream(rid: str, outputs: AsyncIterator[RequestOutput], chat: bool, model: str, include_usage: bool,
-                 prefix: str = "", keepalive_s: float = 5.0, render: LogprobRenderer | None = None) -> StreamingResponse:
+async def stream(rid: str, outputs: Fanout, chat: bool, model: str, include_usage: bool, prefix: str = "",
+                 keepalive_s: float = 5.0, render: Callable[[], LogprobRenderer] | None = None) -> StreamingResponse:
     """Wait until the engine accepted the request (its first output: errors before that are HTTP errors),
-    then answer with SSE (each chunk with its tokens' log-probabilities when ``render`` is given)."""
+    then answer with SSE: each choice's chunks carry its index (and its tokens' log-probabilities when
+    ``render`` is given)."""
     it = outputs.__aiter__()
     first = await anext(it, None)
+    renders = {i: render() for i in range(outputs.n)} if render is not None else {}
 
-    def chunk(text: str | None, reason: str | None, role: bool = False,
+    def chunk(index: int, text: str | None, reason: str | None, role: bool = False,
               lps: tuple[TokenLogprob, ...] = ()) -> str:
         body: dict[str, Any]
+        r = renders.get(index)
         if chat:
             delta = s.ChatMessageOut(content=text) if not role else s.ChatMessageOut(content="")
-            logprobs = render.chat_body(lps) if render is not None and lps else None
-            body = s.ChatCompletionChunk(id=rid, model=model, choices=[
-                s.ChatDeltaChoice(delta=delta, finish_reason=reason, logprobs=logprobs)]).model_dump(exclude_none=False)
+            logprobs = r.chat_body(lps) if r is not None and lps else None
+            body = s.ChatCompletionChunk(id=rid, model=model, choices=[s.ChatDeltaChoice(
+                index=index, delta=delta, finish_reason=reason, logprobs=logprobs)]).model_dump(exclude_none=False)
         else:
-            cl = render.completion_body(lps) if render is not None and lps else None
-            body = s.CompletionResponse(id=rid, model=model, choices=[
-                s.CompletionChoice(text=text or "", finish_reason=reason, logprobs=cl)]).model_dump(exclude={"usage"})
+            cl = r.completion_body(lps) if r is not None and lps else None
+            body = s.CompletionResponse(id=rid, model=model, choices=[s.CompletionChoice(
+                index=index, text=text or "", finish_reason=reason, logprobs=cl)]).model_dump(exclude={"usage"})
         return f"data: {json.dumps(body)}\n\n"
 
     async def events() -> AsyncIterator[str]:
-        usage = None
-        if chat:
-            yield chunk(None, None, role=True)
-        elif prefix:
-            yield chunk(prefix, None)
-        out = first
-        pending: asyncio.Future[RequestOutput | None] | None = None
+        seen: dict[int, RequestOutput] = {}
+        for i in range(outputs.n):
+            if chat:
+                yield chunk(i, None, None, role=True)
+            elif prefix:
+                yield chunk(i, prefix, None)
+        item = first
+        pending: asyncio.Future[tuple[int, RequestOutput] | None] | None = None
         try:
-            while out is not None:
-                usage = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+            while item is not None:
+                i, out = item
+                seen[i] = out
                 reason = finish_reason(out.finish_reason) if out.finished else None
-                if out.text_delta or reason or (render is not None and out.logprobs):
-                    yield chunk(out.text_delta, reason, lps=out.logprobs)
-                if out.finished:
-                    break
+                if out.text_delta or reason or (i in renders and out.logprobs):
+                    yield chunk(i, out.text_delta, reason, lps=out.logprobs)
                 # the next output, read in a task of its own so that a keep-alive line goes out each time none
                 # came for keepalive_s (waiting with a timeout on the read itself would cancel it: an abort)
                 pending = asyncio.ensure_future(anext(it, None))
                 while not (await asyncio.wait({pending}, timeout=keepalive_s))[0]:
                     yield KEEPALIVE
-                out, pending = pending.result(), None
+                item, pending = pending.result(), None
         except ApiError as exc:
             yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind, 'code': exc.status}})}\n\n"
         finally:
@@ -105,11 +124,10 @@ async def stream(rid: str, outputs: AsyncIterator[RequestOutput], chat: bool, mo
                 pending.cancel()
                 with contextlib.suppress(BaseException):
                     await pending
-            await outputs.aclose()  # type: ignore[attr-defined]  # client gone: aborts the request
-        if include_usage and usage is not None:
-            u = s.Usage.of(*usage)
+            await outputs.aclose()  # client gone: aborts every choice still running
+        if include_usage and seen:
             body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
-                    "created": int(time.time()), "choices": [], "usage": u.model_dump()}
+                    "created": int(time.time()), "choices": [], "usage": _usage(seen).model_dump()}
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -80,6 +80,17 @@ def test_logprobs_and_penalties_parse_into_the_clients_types(client: openai.Open
     assert isinstance(penalised.choices[0].message.content, str) and penalised.choices[0].finish_reason
 
 
+def test_n_choices_with_a_seed_repeat_exactly(client: openai.OpenAI) -> None:
+    def ask() -> list[str]:
+        r = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=12, temperature=1.2, seed=7, n=3)
+        assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.prompt_tokens == 37
+        assert r.usage.completion_tokens == r.usage.total_tokens - 37 >= 3  # the prompt once, 3 choices' tokens
+        return [c.message.content or "" for c in r.choices]
+
+    first = ask()
+    assert ask() == first and len(set(first)) > 1  # repeats, and the choices are distinct samples
+
+
 def test_missing_or_wrong_api_key_is_401(live_server: LiveServer) -> None:
     bad = openai.OpenAI(base_url=live_server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -100,7 +111,7 @@ def test_admin_requires_the_admin_token(live_server: LiveServer) -> None:
     ({"model": "demo", "messages": QUESTION, "max_tokens": "many"}, 400, "max_tokens"),
     ({"model": "demo", "messages": []}, 400, "messages"),
     ({"model": "demo", "messages": QUESTION, "temperature": 7}, 400, "temperature"),
-    ({"model": "demo", "messages": QUESTION, "n": 2}, 400, "n"),
+    ({"model": "demo", "messages": QUESTION, "n": 17}, 400, "n"),
     ({"model": "demo", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ({"model": "demo", "messages": QUESTION, "max_tokens": 9000}, 400, "exceeds this model's context"),
 ])

@@ -68,3 +68,32 @@ async def test_a_stream_sends_keepalive_comments_while_its_prompt_is_computed(
         return [json.loads(ln[6:])["choices"][0]["text"] for ln in stream.split("\n\n") if ln.startswith("data: {")]
 
     assert texts(slowed) == texts(plain) and data[-1] == "data: [DONE]"
+
+
+async def _hit_pages(client: httpx.AsyncClient) -> float:
+    text = (await client.get("/metrics")).text
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("kvdrive_prefix_hit_pages_total")))
+
+
+async def test_n_choices_share_the_prompt_and_stream_with_their_index(client: httpx.AsyncClient) -> None:
+    """n=4 samples of one 100-token prompt: the prompt's 6 full pages are computed once and the other 3
+    choices reference them (18 page hits); the usage counts the prompt once; with a seed the 4 choices
+    repeat exactly, whole or streamed, each streamed chunk naming its choice."""
+    prompt = [(7 * i) % 200 + 3 for i in range(100)]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 4,
+            "ignore_eos": True}
+    before = await _hit_pages(client)
+    whole = (await client.post("/v1/completions", json=body)).json()
+    assert await _hit_pages(client) - before >= 3 * (100 // 16)
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    assert whole["usage"]["prompt_tokens"] == 100 and whole["usage"]["completion_tokens"] == 20
+    again = (await client.post("/v1/completions", json=body)).json()
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in whole["choices"]]
+    assert len({c["text"] for c in whole["choices"]}) > 1
+    text = (await client.post("/v1/completions", json={**body, "stream": True})).text
+    streamed: dict[int, str] = {}
+    for ln in text.split("\n\n"):
+        if ln.startswith("data: {"):
+            for ch in json.loads(ln[6:])["choices"]:
+                streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["text"]
+    assert [streamed[i] for i in range(4)] == [c["text"] for c in whole["choices"]]
