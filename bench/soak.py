@@ -1,6 +1,7 @@
 """Soak: a real `kvdrive serve` under mixed streaming load, disconnects, live budget changes and a corrupt SSD.
 
-  .venv/bin/python bench/soak.py --out bench/results/soak.json      (about 8 minutes)
+  .venv/bin/python bench/soak.py --out bench/results/soak.json      (about 8 minutes; the soak server's log is
+  kept as bench/results/soak.server.log)
 
 1. A clean server (fresh SSD directory, no load) answers 3 fixed prompts greedily: the reference.
 2. The soak server (same flags, its own fresh SSD directory) first stores the fixed prompts' pages and
@@ -25,6 +26,7 @@ import asyncio
 import json
 import random
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -266,12 +268,17 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the servers' logs and SSD files here")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     args = ap.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = args.workdir or Path(tmp)
         ref = asyncio.run(reference(args, work))
-        res = asyncio.run(soak(args, work, ref))
+        try:
+            res = asyncio.run(soak(args, work, ref))
+        finally:  # the soak server's log (its slow-turn lines name their cause) is kept beside the results
+            log = work / "soak" / "server.log"
+            if log.exists():
+                shutil.copyfile(log, args.out.with_suffix(".server.log"))
     print(json.dumps(res, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
     args.out.write_text(json.dumps({"args": settings, "result": res}, indent=2) + "\n")
     return 0
