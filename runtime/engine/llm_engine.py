@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvdrive.runtime.engine.detokenize import TextStream
-from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls
+from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls, prompt_vocab
 from kvdrive.runtime.engine.model_runner import ModelRunner
 from kvdrive.runtime.engine.pacing import StepPacer
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
@@ -295,10 +295,9 @@ class LLMEngine:
     def _history(seq: SequenceState) -> RowHistory:
         """What the logit controls of ``seq`` read: its completion so far and its prompt's distinct tokens."""
         params, prompt = seq.request.params, seq.request.prompt_ids
-        if params.repetition_penalty != 1.0 and seq.prompt_vocab is None:
-            seq.prompt_vocab = torch.unique(torch.tensor(prompt, dtype=torch.int64))
-        vocab = seq.prompt_vocab if seq.prompt_vocab is not None else torch.empty(0, dtype=torch.int64)
-        return RowHistory(params, seq.tokens[len(prompt) :], vocab)
+        if seq.prompt_vocab is None:
+            seq.prompt_vocab = prompt_vocab(params, prompt)
+        return RowHistory(params, seq.tokens[len(prompt) :], seq.prompt_vocab)
 
     def _fail_unservable(self) -> list[RequestOutput]:
         """A preempted sequence that outgrew the whole cache can never run again: end it."""

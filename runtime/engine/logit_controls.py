@@ -34,6 +34,13 @@ class RowHistory:
     prompt_vocab: torch.Tensor
 
 
+def prompt_vocab(params: SamplingParams, prompt: Sequence[int]) -> torch.Tensor:
+    """The distinct tokens of ``prompt`` ([n] int64) when a repetition penalty reads them; else empty."""
+    if params.repetition_penalty == 1.0:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.unique(torch.tensor(list(prompt), dtype=torch.int64))
+
+
 def apply_controls(logits: torch.Tensor, rows: Sequence[RowHistory], eos: frozenset[int]) -> torch.Tensor:
     """logits [b, V] (row i for rows[i]) -> the logits with each row's controls applied ([b, V] float32; the
     input is returned unchanged when no row sets any)."""

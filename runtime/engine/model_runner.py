@@ -16,7 +16,7 @@ import torch
 from kvdrive.runtime.engine.envelope import default_envelope_bytes
 from kvdrive.runtime.engine.heap import HeapTrimmer
 from kvdrive.runtime.engine.kv_state import EngineConfig
-from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls
+from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls, prompt_vocab
 from kvdrive.runtime.engine.sampling import SamplingParams, make_rng, sample
 from kvdrive.runtime.engine.sliding import SlidingWindows
 from kvdrive.runtime.engine.tiered_backend import TieredAttentionBackend
@@ -157,8 +157,7 @@ class ModelRunner:
         rng = make_rng(params)
         tokens = list(prompt)
         seq_id: int | None = None
-        vocab = torch.unique(torch.tensor(list(prompt), dtype=torch.int64)) if params.repetition_penalty != 1.0 \
-            else torch.empty(0, dtype=torch.int64)
+        vocab = prompt_vocab(params, prompt)
         try:
             seq_id, logits, undone = self._open(tokens, 0)
             while len(tokens) - len(prompt) < params.max_tokens:

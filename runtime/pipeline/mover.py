@@ -25,7 +25,7 @@ import time
 import torch
 
 from kvdrive.runtime.kvcache import BlockKey, CacheFullError, Move, TieredKVStore, TierName, VictimRules
-from kvdrive.runtime.kvcache.tiers.base import Tier, TierIOError
+from kvdrive.runtime.kvcache.tiers.base import TierIOError
 from kvdrive.runtime.kvcache.tiers.rows import gather_rows
 from kvdrive.runtime.pipeline.read_path import ReadPath
 from kvdrive.runtime.pipeline.resize import Resizer
@@ -71,7 +71,7 @@ class Mover(ReadPath, Resizer):
                 self.put(keys[i : i + cap], blocks[i : i + cap], tier, needed, persistent, pin_wait_s)
             return
         try:
-            rows = self.store.rows_to_write(keys, needed, persistent, self._replaces)
+            rows = self.store.rows_to_write(keys, needed, persistent, replaces_stored_copy)
         finally:
             self.settle_freed()
         if not rows:
@@ -85,10 +85,6 @@ class Mover(ReadPath, Resizer):
                 if time.monotonic() > deadline or not self.store.any_pinned():
                     raise
             time.sleep(0.002)
-
-    @staticmethod
-    def _replaces(fastest: Tier) -> bool:
-        return replaces_stored_copy(fastest)
 
     def admit(self, keys: list[BlockKey], blocks: torch.Tensor, tier: TierName = "gpu",
               src: list[TierName | None] | None = None) -> int:
