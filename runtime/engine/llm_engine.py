@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from kvdrive.runtime.engine.detokenize import TextStream
+from kvdrive.runtime.engine.grammar import GrammarMasks
 from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls, prompt_vocab
 from kvdrive.runtime.engine.model_runner import ModelRunner
 from kvdrive.runtime.engine.pacing import StepPacer
+from kvdrive.runtime.engine.prompt_logprobs import chunk_logprobs
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
 from kvdrive.runtime.engine.sampling import TokenLogprob, make_rng, sample, token_logprob
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -72,6 +74,7 @@ class LLMEngine:
         self._preemptions = 0
         self._cache_full_steps = 0  # steps in a row undone because a tier had no slot for their pages
         self.last_step = StepShape()
+        self._masks = GrammarMasks()  # structured outputs: the step's grammar masks
         self._undone = FaultLog(log, "engine")  # undone steps: counted, logged at most once per kind per 10 s
         self._reserved = 0  # pages promised to this step's chunks (the scheduler's plan)
         cfg = self.scheduler.config
@@ -115,7 +118,10 @@ class LLMEngine:
     def allocate(self, seq: SequenceState, n: int) -> int:
         if seq.seq_id is None:  # first chunk: open the sequence; stored prefix pages (read in the step's load
             # phase) need no compute; a salted request matches only its own salt's pages
-            seq.seq_id, reused = self.runner.open_sequence(seq.tokens, load=False, salt=seq.request.cache_salt)
+            # a request asking for its prompt's log-probabilities computes all of it (prompt_logprobs.py)
+            reuse = seq.request.params.prompt_logprobs is None
+            seq.seq_id, reused = self.runner.open_sequence(seq.tokens if reuse else (), load=False,
+                                                           salt=seq.request.cache_salt)
             seq.num_computed += reused
             if seq.cached_tokens is None:  # what the client is told: its first admission (not a recompute's)
                 seq.cached_tokens = min(reused, len(seq.request.prompt_ids))
@@ -134,6 +140,7 @@ class LLMEngine:
             stream=TextStream(self.tokenizer, request.params.stop),
             rng=make_rng(request.params),
             tokens=list(request.prompt_ids),
+            matcher=request.params.grammar.matcher() if request.params.grammar is not None else None,
         )
         self._seqs[request.request_id] = seq
         self._tick_queue()
@@ -272,7 +279,12 @@ class LLMEngine:
         ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1  # last row of each chunk
         completing = [i for i, c in enumerate(chunks) if c.completes]
         logits = self.runner.loaded.model.logits(hidden[ends[completing]]) if completing else None  # [B, V]
-        for c in chunks:
+        for c, end in zip(chunks, ends.tolist(), strict=True):
+            k, seq = c.seq.request.params.prompt_logprobs, c.seq
+            if k is not None and not c.decode:  # the prompt tokens this chunk's rows predict
+                rows = hidden[end + 1 - c.num_tokens : end + 1]  # [num_tokens, H]
+                seq.prompt_lps += chunk_logprobs(self.runner.loaded.model.logits, rows, seq.num_computed,
+                                                 seq.request.prompt_ids, 1 + len(seq.prompt_lps), k)
             c.seq.num_computed += c.num_tokens
         logprobs: dict[int, torch.Tensor] = {}  # row -> [V] log-probabilities of the model's logits
         if logits is not None:
@@ -281,15 +293,26 @@ class LLMEngine:
                 lp = torch.log_softmax(logits[want].float(), dim=-1)  # [w, V], before any sampling control
                 logprobs = {row: lp[j] for j, row in enumerate(want)}
             logits = apply_controls(logits, [self._history(chunks[i].seq) for i in completing], self._eos)
+            constrained = [(row, chunks[i].seq.matcher) for row, i in enumerate(completing) if chunks[i].seq.matcher]
+            logits = self._masks.apply(logits, [r for r, _ in constrained], [m for _, m in constrained])  # type: ignore[misc]
         outputs: list[RequestOutput] = []
         for row, i in enumerate(completing):
             assert logits is not None
             try:
-                outputs.append(self._emit(chunks[i], logits[row], logprobs.get(row)))
+                outputs.append(self._with_prompt_logprobs(chunks[i].seq, self._emit(chunks[i], logits[row],
+                                                                                    logprobs.get(row))))
             except Exception as exc:  # one request's failure (e.g. sampling) never ends the others
                 log.exception("request %s failed", chunks[i].seq.request.request_id)
                 outputs.append(self._fail(chunks[i].seq, f"sampling failed: {exc}"))
         return outputs
+
+    @staticmethod
+    def _with_prompt_logprobs(seq: SequenceState, out: RequestOutput) -> RequestOutput:
+        """The request's first output carries its prompt's log-probabilities, when it asked for them."""
+        if seq.request.params.prompt_logprobs is None or seq.prompt_lps_sent:
+            return out
+        seq.prompt_lps_sent = True
+        return dataclasses.replace(out, prompt_logprobs=tuple(seq.prompt_lps))
 
     @staticmethod
     def _history(seq: SequenceState) -> RowHistory:
@@ -328,18 +351,25 @@ class LLMEngine:
         log-probabilities there, when the request asked for them."""
         seq = chunk.seq
         params = seq.request.params
+        if seq.matcher is not None and not bool(torch.isfinite(logits).any()):
+            return self._fail(seq, f"the output's grammar allows no token here ({seq.matcher.get_error() or 'dead end'})")
         token = sample(logits, params, seq.rng)
         lps = (token_logprob(logprobs, token, params.logprobs or 0),) if logprobs is not None else ()
         now = time.perf_counter()
         seq.first_token_at = seq.first_token_at or now
         if (token in self._eos and not params.ignore_eos) or token in params.stop_token_ids:
-            return self._finish(seq, "stop", new_tokens=(), delta=seq.stream.flush())
+            # not emitted; its log-probability is reported (as vLLM does: an echo's last entry is the sampled token)
+            return self._finish(seq, "stop", new_tokens=(), delta=seq.stream.flush(), logprobs=lps)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            return self._fail(seq, f"token {token} does not continue the output's grammar: {seq.matcher.get_error()}")
         seq.tokens.append(token)
         seq.num_generated += 1
         self._generated += 1
         delta = seq.stream.push(token)
         if seq.stream.stopped:
             return self._finish(seq, "stop", new_tokens=(token,), delta=delta, logprobs=lps)
+        if seq.matcher is not None and seq.matcher.is_stopped():  # the document is whole: nothing can follow
+            return self._finish(seq, "stop", new_tokens=(token,), delta=delta + seq.stream.flush(), logprobs=lps)
         if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.runner.max_context:
             return self._finish(seq, "length", new_tokens=(token,), delta=delta + seq.stream.flush(), logprobs=lps)
         return RequestOutput(seq.request.request_id, (token,), delta, len(seq.request.prompt_ids),

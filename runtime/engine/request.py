@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdrive.runtime.engine.detokenize import TextStream
+from kvdrive.runtime.engine.grammar import Matcher
 from kvdrive.runtime.engine.sampling import SamplingParams, TokenLogprob
 
 
@@ -31,6 +32,8 @@ class RequestOutput:
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens whose K/V came from the tiers (stored pages) when it was admitted
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked for them
+    # prompt tokens 1.. (token 0 has none), with the request's first token, when it asked for them
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass
@@ -50,6 +53,9 @@ class SequenceState:
     undone_steps: int = 0  # steps of this request undone because a tier had no slot for their pages
     cached_tokens: int | None = None  # prompt tokens reused from stored pages at its first admission
     prompt_vocab: torch.Tensor | None = None  # the prompt's distinct token ids [n] (a repetition penalty's)
+    prompt_lps: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. so far (prompt_logprobs)
+    prompt_lps_sent: bool = False
+    matcher: Matcher | None = None  # where its output stands in its grammar (structured output)
 
     @property
     def prefill_left(self) -> int:

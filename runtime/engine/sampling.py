@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvdrive.runtime.engine.grammar import CompiledGrammar
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +28,8 @@ class SamplingParams:
     min_tokens: int = 0  # end-of-sequence and stop_token_ids cannot be sampled before this many tokens
     stop_token_ids: tuple[int, ...] = ()  # sampling one of these ends the completion (like EOS: not emitted)
     logprobs: int | None = None  # report each generated token's log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # report each prompt token's too (its whole prompt computed: no prefix reuse)
+    grammar: CompiledGrammar | None = None  # structured output: every sampled token continues it (grammar.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,8 +46,9 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be in (0, 2]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be in [0, 20]")
+        for k in (self.logprobs, self.prompt_logprobs):
+            if k is not None and not 0 <= k <= 20:
+                raise ValueError("logprobs and prompt_logprobs must be in [0, 20]")
 
     @property
     def controls_logits(self) -> bool:

@@ -124,6 +124,17 @@ def end_of_turn_ids(tokenizer: HFTokenizer, chat_template: str | None) -> list[i
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[dict[str, object], ...] = ()  # an assistant's calls ({"id", "type", "function"}), for templates
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def template_dict(self) -> dict[str, object]:
+        """The message as chat templates read it (the tool fields only where set)."""
+        out: dict[str, object] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class Tokenizer:
@@ -195,20 +206,28 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """Render messages with the model's own Jinja chat template."""
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list itself (otherwise a generic prompt describes them)."""
+        return bool(self.chat_template) and "tools" in (self.chat_template or "")
+
+    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, object]] | None = None) -> str:
+        """Render messages with the model's own Jinja chat template (``tools``: given to it, as transformers
+        does, for a template that renders them)."""
         if self._template is None:
             raise TokenizerError("this model has no chat template; use a plain completion prompt")
         bos = self.token_text(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.token_text(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        extra = {"tools": list(tools)} if tools else {}
         return self._template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=add_generation_prompt,
+            messages=[m.template_dict() for m in messages],
+            add_generation_prompt=add_generation_prompt, **extra,
             bos_token=bos or "",
             eos_token=eos or "",
         )
 
-    def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage], tools: Sequence[dict[str, object]] | None = None) -> list[int]:
         """The template's own text (its control tokens) with special tokens parsed; each message's content
         as plain text, so that no message can forge a turn. The template writes BOS where the model wants
         one. A conversation with no special-token spelling in any content is encoded in one piece (exactly
@@ -217,9 +236,10 @@ class Tokenizer:
         for m in messages:
             _check_text(m.content)
         if not any(sp in m.content for m in messages for sp in self._specials):
-            return self.encode(self.render_chat(messages), add_bos=False)
+            return self.encode(self.render_chat(messages, tools=tools), add_bos=False)
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        rendered = self.render_chat([ChatMessage(m.role, mark) for m, mark in zip(messages, marks, strict=True)])
+        rendered = self.render_chat([ChatMessage(m.role, mark, m.tool_calls, m.tool_call_id)
+                                     for m, mark in zip(messages, marks, strict=True)], tools=tools)
         ids: list[int] = []
         pos = 0
         for message, mark in zip(messages, marks, strict=True):

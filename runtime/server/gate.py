@@ -1,7 +1,8 @@
 """The HTTP gate in front of every route (pure ASGI): who may call what, and how large a body may be,
 decided before any route code runs or any body is parsed.
 
-- ``/v1/*`` needs the API key (``--api-key-file``), ``/admin/*`` the admin token (``--admin-token-file``).
+- ``/v1/*`` and vLLM's tokenizer routes (``/tokenize``, ``/detokenize``, ``/tokenizer_info``) need the API key
+  (``--api-key-file``), ``/admin/*`` the admin token (``--admin-token-file``).
 - ``/metrics``, ``/openapi.json``, ``/docs`` and ``/redoc`` are open by default, so that Prometheus and
   humans can read them without a credential (``/metrics`` names the SSD tier's path in its ``backing``
   label); ``--protect-metadata`` puts them behind the API key too. ``/healthz`` and ``/readyz`` are
@@ -26,6 +27,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 METADATA_PATHS = ("/metrics", "/openapi.json", "/docs", "/redoc")
+TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def _needed(policy: GatePolicy, path: str) -> tuple[str | None, str] | None:
     """(secret, what it is) a path needs, None when it is open."""
     if path.startswith("/admin/") or path == "/admin":
         return policy.admin_token, "admin token"
-    if path.startswith("/v1/") or (policy.protect_metadata and path.startswith(METADATA_PATHS)):
+    if path.startswith("/v1/") or path in TOKENIZER_PATHS or (policy.protect_metadata and path.startswith(METADATA_PATHS)):
         return policy.api_key, "API key"
     return None
 

@@ -8,19 +8,23 @@ refused by name when set to anything but their neutral value (rather than ignore
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]  # an int is a number too; a bool or a string is not
-Bool = Annotated[bool, Strict()]
-REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
+from kvdrive.runtime.server.fields import REQUEST, Bool, Float, Int
+from kvdrive.runtime.server.output_schemas import (
+    DeltaToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolCall,
+    ToolDef,
+)
+
 # OpenAI fields not implemented here, with the values that mean "not used"
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
-    "suffix": (None, ""), "best_of": (None, 1), "parallel_tool_calls": (None,), "modalities": (None, ["text"]),
+    "functions": (None, []), "function_call": (None, "none"),
+    "suffix": (None, ""), "best_of": (None, 1), "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "service_tier": (None, "auto", "default"),
 }
 
@@ -65,6 +69,10 @@ class _SamplingFields(BaseModel):
         "vLLM extension: end-of-sequence and stop_token_ids cannot end the completion before this many tokens"))
     stop_token_ids: list[Int] | None = Field(default=None, description=(
         "vLLM extension: sampling one of these token ids ends the completion (the id is not emitted)"))
+    guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=256, description=(
+        "vLLM extension: the output is exactly one of these strings"))
+    guided_regex: str | None = Field(default=None, min_length=1, max_length=4096, description=(
+        "vLLM extension: the output matches this regular expression"))
 
     @field_validator("logit_bias")
     @classmethod
@@ -92,12 +100,17 @@ class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
+MAX_PROMPTS = 32  # prompts in one completions request
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[Int] | list[str] = Field(description="text, one string in a list, or token ids")
+    prompt: str | list[Int] | list[str] | list[list[Int]] = Field(description=(
+        f"text, token ids, or a batch of either (at most {MAX_PROMPTS}): choice i * n + j is prompt i's sample j"))
     max_tokens: Int | None = Field(default=16, ge=1)
     echo: Bool = False
     logprobs: Int | None = Field(default=None, ge=0, le=20, description=(
-        "each generated token's log-probability and this many most likely alternatives"))
+        "each token's log-probability and this many most likely alternatives; with echo, the prompt's tokens "
+        "too (the first has none: null)"))
     suffix: Any = Field(default=None, description="not supported: refused unless null/empty")
     best_of: Any = Field(default=None, description="not supported: refused unless null/1")
 
@@ -108,22 +121,24 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            return v[0]
+    def _prompts(cls, v: str | list[int] | list[str] | list[list[int]]) -> str | list[int] | list[str] | list[list[int]]:
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts in one request; got {len(v)}")
+            if any(not p for p in v):
+                raise ValueError("a prompt of the batch is empty")
         if not v:
             raise ValueError("the prompt is empty")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_prompt_logprobs(cls, v: int | None, info: Any) -> int | None:
-        if v is not None and info.data.get("echo"):
-            raise ValueError("the prompt's log-probabilities (echo with logprobs) are not supported; "
-                             "use echo or logprobs, not both")
-        return v
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (one, or a batch), as text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
 
 class ContentPart(BaseModel):
@@ -137,6 +152,8 @@ class ChatMessageIn(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = ""
     name: str | None = Field(default=None, description="a participant name (accepted, not used)")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(default=None, description="a tool message: the id of the call it answers")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -150,23 +167,38 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Bool | None = Field(default=None, description="each generated token's log-probability")
     top_logprobs: Int | None = Field(default=None, ge=0, le=20,
                                      description="this many most likely alternatives of each token (needs logprobs)")
-    tools: Any = Field(default=None, description="not supported: refused unless null/[]")
-    tool_choice: Any = Field(default=None, description="not supported: refused unless null/'none'")
+    tools: list[ToolDef] | None = Field(default=None, max_length=128, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(default=None, description=(
+        "none: answer in text; auto (the default with tools): the model decides; required or a named function: "
+        "grammar-constrained, so the answer is always a call that parses"))
+    parallel_tool_calls: Bool = Field(default=True, description="whether the answer may hold more than one call")
     functions: Any = Field(default=None, description="not supported: refused unless null/[]")
     function_call: Any = Field(default=None, description="not supported: refused unless null/'none'")
-    response_format: Any = Field(default=None, description="not supported: refused unless null/{'type': 'text'}")
-    parallel_tool_calls: Any = Field(default=None, description="not supported: refused unless null")
+    response_format: ResponseFormat | None = Field(default=None, description=(
+        "text, json_object (any JSON object) or json_schema: the output is grammar-constrained to it"))
     modalities: Any = Field(default=None, description="not supported: refused unless null/['text']")
     audio: Any = Field(default=None, description="not supported: refused unless null")
     prediction: Any = Field(default=None, description="not supported: refused unless null")
     reasoning_effort: Any = Field(default=None, description="not supported: refused unless null")
     service_tier: Any = Field(default=None, description="accepted only as null, 'auto' or 'default'")
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls",
+    @field_validator("functions", "function_call",
                      "modalities", "audio", "prediction", "reasoning_effort", "service_tier")
     @classmethod
     def _unsupported_chat(cls, v: Any, info: Any) -> Any:
         return _refuse_unsupported(info.field_name, v)
+
+    @model_validator(mode="after")
+    def _tools_agree(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: function names must be unique; got {names}")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
+        return self
 
     @field_validator("top_logprobs")
     @classmethod
@@ -209,8 +241,8 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing predicts it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -233,6 +265,13 @@ class CompletionResponse(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = "assistant"
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -253,7 +292,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatDeltaChoice(BaseModel):
     index: int = 0
-    delta: ChatMessageOut
+    delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
 
@@ -289,56 +328,3 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
-
-
-class Readiness(BaseModel):
-    status: Literal["ready", "degraded"] = Field(description="degraded: serving, with a tier failing (see degraded)")
-    degraded: dict[str, str] = Field(default_factory=dict, description="tier -> why it is degraded")
-
-
-class TierUsageBody(BaseModel):
-    tier: Literal["gpu", "dram", "ssd"]
-    budget_bytes: int = Field(description="the configured budget (gpu: the envelope, the running sequences' "
-                              "reserve included)")
-    capacity_bytes: int = Field(description="bytes of pages the tier can hold now (<= budget)")
-    used_bytes: int = Field(description="bytes held for running sequences")
-    cached_bytes: int = Field(0, description="bytes of reusable pages no running sequence needs (evictable)")
-    pages: int = Field(0, description="blocks (one layer's page) stored")
-    backing: str
-    errors: int = 0
-
-
-class TiersUpdate(BaseModel):
-    """PUT /admin/tiers: new budgets and/or the envelope's split, applied live (a field left out is unchanged)."""
-
-    model_config = REQUEST
-    gpu_bytes: Int | None = Field(None, ge=0, description="the device envelope: hot tier + running sequences' reserve")
-    dram_bytes: Int | None = Field(None, ge=0)
-    ssd_bytes: Int | None = Field(None, ge=0)
-    max_running: Int | None = Field(None, ge=1, description="sequences that may run at once (at most --max-sequences); "
-                                    "each takes its decode step buffer from the hot tier")
-
-    @model_validator(mode="after")
-    def _something(self) -> TiersUpdate:
-        if all(v is None for v in (self.gpu_bytes, self.dram_bytes, self.ssd_bytes, self.max_running)):
-            raise ValueError("give at least one of gpu_bytes, dram_bytes, ssd_bytes, max_running")
-        return self
-
-
-class EnvelopeSplitBody(BaseModel):
-    """How the device envelope (the gpu budget) is split between the hot tier and running sequences."""
-
-    envelope_bytes: int
-    hot_bytes: int = Field(description="the hot KV tier")
-    reserve_bytes: int = Field(description="kept for running sequences: fixed_reserve_bytes + "
-                               "max_running x per_sequence_bytes")
-    fixed_reserve_bytes: int = Field(description="every row's open pages (and sliding windows)")
-    per_sequence_bytes: int = Field(description="one running sequence's decode step buffer")
-    max_running: int
-    max_sequences: int
-    pending_max_running: int | None = Field(None, description="a smaller limit applied once that few sequences run")
-
-
-class TiersResponse(BaseModel):
-    tiers: list[TierUsageBody]
-    split: EnvelopeSplitBody

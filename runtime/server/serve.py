@@ -17,10 +17,11 @@ from kvdrive.runtime.engine import AsyncEngine, EngineConfig, LLMEngine, ModelRu
 from kvdrive.runtime.kvcache import BudgetError
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.loader import DEMO_ALIAS, MODEL_ALIASES
-from kvdrive.runtime.server.app import ServerConfig, ServerState, create_app
+from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
+from kvdrive.runtime.server.app import create_app
 from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
 from kvdrive.runtime.server.routing_api import RoutingSource
-from kvdrive.runtime.server.schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
+from kvdrive.runtime.server.state import ServerConfig, ServerState
 
 log = logging.getLogger(__name__)
 

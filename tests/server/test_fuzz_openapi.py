@@ -10,7 +10,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from kvdrive.runtime.server.app import ServerState, create_app
+from kvdrive.runtime.server.app import create_app
+from kvdrive.runtime.server.state import ServerState
 
 
 @pytest.fixture(scope="module")

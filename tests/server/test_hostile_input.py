@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvdrive.runtime.server.app import ServerState, create_app
+from kvdrive.runtime.server.app import create_app
+from kvdrive.runtime.server.state import ServerState
 
 KEY = "k3y"
 ADMIN = "adm1n"
@@ -39,6 +40,7 @@ def chat(**fields: Any) -> dict[str, Any]:
 
 
 # (path, body, status, fragment of the message, param)
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 BAD_INPUT = [
     ("/v1/completions", {"model": "tiny", "prompt": "\udfff x"}, 400, "unpaired UTF-16 surrogate", "prompt"),
     ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "\ud800"}]), 400, "surrogate", "messages"),
@@ -47,13 +49,23 @@ BAD_INPUT = [
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), 400, "less than or equal to 20", "top_logprobs"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": -1}, 400, "greater than or equal to 0",
      "logprobs"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True, "logprobs": 2}, 400,
-     "echo with logprobs", "logprobs"),
-    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400,
-     "tools is not supported", "tools"),
-    ("/v1/chat/completions", chat(tool_choice="auto"), 400, "tool_choice is not supported", "tool_choice"),
-    ("/v1/chat/completions", chat(response_format={"type": "json_object"}), 400, "response_format is not supported",
-     "response_format"),
+    ("/v1/completions", {"model": "tiny", "prompt": [[5, 6]] * 33}, 400, "at most 32 prompts", "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [[5, 6], []]}, 400, "a prompt of the batch is empty", "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [[5, 6], [10**9]]}, 400, "token ids must be in", "prompt"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "has space"}}]), 400,
+     "should match pattern", "tools.0.function.name"),
+    ("/v1/chat/completions", chat(tools=[{"type": "retrieval", "function": {"name": "f"}}]), 400,
+     "Input should be 'function'", "tools.0.type"),
+    ("/v1/chat/completions", chat(tools=[TOOL, TOOL]), 400, "function names must be unique", None),
+    ("/v1/chat/completions", chat(tool_choice="auto"), 400, "tool_choice needs tools", None),
+    ("/v1/chat/completions", chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}), 400,
+     "not among the tools", None),
+    ("/v1/chat/completions", chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+     400, "cannot be combined with response_format", "tool_choice"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "minimum": 3, "maximum": 1}}, "required": ["x"]}}}],
+        tool_choice="required"), 400, "Unsatisfiable", "tools"),
+    ("/v1/chat/completions", chat(functions=[{"name": "f"}]), 400, "functions is not supported", "functions"),
     ("/v1/chat/completions", chat(presence_penalty=2.5), 400, "less than or equal to 2", "presence_penalty"),
     ("/v1/chat/completions", chat(frequency_penalty=-3), 400, "greater than or equal to -2", "frequency_penalty"),
     ("/v1/chat/completions", chat(frequency_penalty="high"), 400, "valid number", "frequency_penalty"),
@@ -89,7 +101,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize(("path", "body", "status", "fragment", "param"), BAD_INPUT,
                          ids=[f"{c[0].rsplit('/', 1)[-1]}-{c[4]}-{i}" for i, c in enumerate(BAD_INPUT)])
 async def test_bad_input_gets_the_openai_status_and_names_the_field(
-        client: httpx.AsyncClient, path: str, body: dict[str, Any], status: int, fragment: str, param: str) -> None:
+        client: httpx.AsyncClient, path: str, body: dict[str, Any], status: int, fragment: str, param: str | None) -> None:
     r = await client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     error = r.json()["error"]

@@ -9,8 +9,9 @@ import threading
 
 import httpx
 
-from kvdrive.runtime.server.app import ServerState, create_app
+from kvdrive.runtime.server.app import create_app
 from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
+from kvdrive.runtime.server.state import ServerState
 
 
 def test_a_slow_scrape_does_not_stall_other_requests(tiny_state: ServerState) -> None:

@@ -12,7 +12,8 @@ import json
 from fastapi.testclient import TestClient
 
 from kvdrive.runtime.prompt import ChatMessage, Tokenizer, page_digests
-from kvdrive.runtime.server.app import ServerState, create_app
+from kvdrive.runtime.server.app import create_app
+from kvdrive.runtime.server.state import ServerState
 
 
 def test_the_pages_a_replica_reports_are_the_digests_the_router_computes(tiny_state: ServerState) -> None:

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from kvdrive.runtime.server.app import ServerState, create_app
+from kvdrive.runtime.server.app import create_app
+from kvdrive.runtime.server.state import ServerState
 
 
 @pytest.fixture()

@@ -1,0 +1,49 @@
+"""What a request constrains its output to, read from its OpenAI fields: ``response_format`` (JSON mode, a
+JSON schema), vLLM's ``guided_choice`` / ``guided_regex``, and a forced tool call (``tools.py``). The engine's grammar (``engine/grammar.py``)
+then makes every sampled token continue it."""
+
+from __future__ import annotations
+
+import json
+
+from kvdrive.runtime.engine.grammar import GrammarSpec
+from kvdrive.runtime.server import schemas as s
+from kvdrive.runtime.server.output_schemas import ResponseFormat
+from kvdrive.runtime.server.tools import CLOSE, MAX_CALLS, OPEN, forced
+
+
+def grammar_spec(response_format: ResponseFormat | None, guided_choice: list[str] | None,
+                 guided_regex: str | None) -> tuple[GrammarSpec, str] | None:
+    """The request's constraint and the field it came from, or None. At most one may be given."""
+    given = [(name, v) for name, v in (("response_format", response_format if response_format is not None
+                                        and response_format.type != "text" else None),
+                                       ("guided_choice", guided_choice), ("guided_regex", guided_regex))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of response_format, guided_choice and guided_regex; got "
+                         f"{', '.join(n for n, _ in given)}")
+    if not given:
+        return None
+    name, value = given[0]
+    if isinstance(value, ResponseFormat):
+        if value.type == "json_object":
+            return GrammarSpec("json_object"), name
+        assert value.json_schema is not None
+        return GrammarSpec("json_schema", json.dumps(value.json_schema.schema_ or {})), name
+    if isinstance(value, list):
+        return GrammarSpec("choice", json.dumps(value)), name
+    return GrammarSpec("regex", str(value)), name
+
+
+def tool_grammar(body: s.ChatCompletionRequest) -> GrammarSpec | None:
+    """The Lark grammar of a forced answer: ``<tool_call>{"name": f, "arguments": <f's schema>}</tool_call>``,
+    once or (parallel_tool_calls) up to MAX_CALLS times; None when the model decides."""
+    must = forced(body)
+    if must is None:
+        return None
+    options = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters},
+                "required": ["name", "arguments"], "additionalProperties": False}
+               for t in body.tools or [] if must in ("*", t.function.name)]
+    start = f'start: call ("\\n" call)~0..{MAX_CALLS - 1}' if body.parallel_tool_calls else "start: call"
+    lark = f'{start}\ncall: "{OPEN}" body "{CLOSE}"\nbody: %json {json.dumps({"anyOf": options})}'
+    return GrammarSpec("lark", lark)
