@@ -63,7 +63,7 @@ def _grammar_text(spec: GrammarSpec) -> str:
     if spec.kind == "regex":
         return m.grammar_from_regex(spec.source)
     if spec.kind == "choice":
-        return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec.source)))
+        return m.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec.source)))
     return m.grammar_from_lark(spec.source)
 
 

@@ -221,7 +221,7 @@ def test_runtime_service_monitor_scrapes_each_runtime_pod_once(routing: str) -> 
     (container,) = sts["spec"]["template"]["spec"]["containers"]
     assert endpoint["port"] in {p["name"] for p in container["ports"]}
     assert endpoint["path"] == "/metrics"
-    assert '@app.get("/metrics"' in (REPO / "runtime" / "server" / "app.py").read_text()
+    assert '@router.get("/metrics"' in (REPO / "runtime" / "server" / "ops_api.py").read_text()
     assert spec["namespaceSelector"] == {"matchNames": ALL_ON["metrics"]["serviceMonitor"]["runtime"]["namespaces"]}
     assert _by_kind(render_chart({"metrics": {"serviceMonitor": {"runtime": {"enabled": True}}}}))[
         "ServiceMonitor"][0]["spec"]["namespaceSelector"] == {"any": True}

@@ -64,7 +64,7 @@ async def test_json_object_mode_answers_an_object_and_a_cut_one_says_length(clie
 
 
 async def test_guided_choice_and_regex_streamed_and_whole(client: httpx.AsyncClient) -> None:
-    choices = ["yes", "no", "maybe later"]
+    choices = ["yes", "no", "maybe later", "café \"au lait\""]
     for seed in range(4):
         r = (await client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 20,
                                                         "temperature": 1.0, "seed": seed,
