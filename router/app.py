@@ -22,6 +22,7 @@ from kvdrive.router.core import Router
 from kvdrive.router.metrics import RouterMetrics
 from kvdrive.router.proxy import error, forward
 from kvdrive.runtime.prompt import Tokenizer, TokenizerError
+from kvdrive.runtime.prompt.digests import tenant_salt
 from kvdrive.runtime.server import schemas as s
 from kvdrive.runtime.server.prompts import chat_prompt, completion_prompt
 
@@ -46,18 +47,27 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def prompt_tokens(path: str, body: bytes, tokenizer: Tokenizer | None) -> tuple[list[int], str | None] | None:
-    """The prompt's token ids exactly as a replica will compute them, and its cache_salt (a salted prompt's
-    pages are addressed apart); None when it cannot be read."""
+def prompt_tokens(path: str, body: bytes, tokenizer: Tokenizer | None,
+                  tenant_key: str | None = None) -> tuple[list[int], str | None] | None:
+    """The prompt's token ids exactly as a replica will compute them, and its cache salt (a salted prompt's
+    pages are addressed apart): under ``--isolate-tenants`` derived from the caller's key, as the replica
+    derives it (``tenant_salt``); None when it cannot be read."""
     kind = PROMPTED.get(path)
     if kind is None or tokenizer is None:
         return None
     model, build = kind
     try:
         parsed = model.model_validate(json.loads(body))
-        return build(parsed, tokenizer), parsed.cache_salt  # type: ignore[operator]
+        salt = tenant_salt(tenant_key, parsed.cache_salt) if tenant_key is not None else parsed.cache_salt
+        return build(parsed, tokenizer), salt  # type: ignore[operator]
     except (ValueError, ValidationError, TokenizerError):  # json.JSONDecodeError is a ValueError
         return None
+
+
+def _bearer(authorization: str | None) -> str | None:
+    """The credential of a ``Bearer`` Authorization header (the replica checks it; the router only hashes)."""
+    scheme, _, credential = (authorization or "").strip().partition(" ")
+    return credential.strip() if scheme.lower() == "bearer" and credential.strip() else None
 
 
 def create_app(router: Router) -> FastAPI:
@@ -99,7 +109,8 @@ def create_app(router: Router) -> FastAPI:
             return error(413, f"request body over {router.config.max_body_bytes} bytes", "invalid_request_error")
         prompt = None
         if request.method == "POST" and path in PROMPTED:
-            prompt = await asyncio.to_thread(prompt_tokens, path, body, router.tokenizer)
+            tenant = _bearer(request.headers.get("authorization")) if router.config.isolate_tenants else None
+            prompt = await asyncio.to_thread(prompt_tokens, path, body, router.tokenizer, tenant)
         tokens = prompt[0] if prompt is not None else None
         digests = router.digests_for(*prompt) if prompt is not None else None
         qs = f"?{request.url.query}" if request.url.query else ""

@@ -30,6 +30,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--affinity-share", type=float, default=0.5,
                    help="a replica holding this share of a prompt's pages keeps it unless an idle replica is faster")
     p.add_argument("--api-key-file", type=Path, help="the replicas' API key, for the router's own polls")
+    p.add_argument("--isolate-tenants", action="store_true", help=(
+        "the replicas run --isolate-tenants: a prompt's pages are found under its caller's key"))
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20)
     p.add_argument("--poll-seconds", type=float, default=1.0)
 
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> None:
     policy = Policy(mode=args.policy, load_tokens=args.load_tokens, recompute_weight=args.recompute_weight,
                     max_imbalance=args.max_imbalance, affinity_share=args.affinity_share)
     config = RouterConfig(policy=policy, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                          isolate_tenants=args.isolate_tenants,
                           poll_seconds=args.poll_seconds)
     logging.getLogger("kvdrive.router").info("routing (%s) on http://%s:%d", args.policy, args.host, args.port)
     uvicorn.run(create_app(Router(config, discovery)), host=args.host, port=args.port, log_level="warning")

@@ -31,6 +31,7 @@ class RouterConfig:
     discover_seconds: float = 2.0
     recent_seconds: float = 10.0
     max_body_bytes: int = 8 << 20
+    isolate_tenants: bool = False  # the replicas run --isolate-tenants: a prompt's pages are keyed by its caller's key
     attempts: int = 3  # replicas tried for one request while nothing has been streamed
 
 

@@ -78,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", default=None, help="model id served by /v1/models")
-    s.add_argument("--api-key-file", default=None, help="file holding the Bearer key required on /v1")
+    s.add_argument("--api-key-file", default=None, help=(
+        "file of the Bearer keys that open /v1: one key, or one a line as KEY or TENANT KEY (one per tenant)"))
+    s.add_argument("--isolate-tenants", action="store_true", help=(
+        "each API key's requests share prefix pages only among themselves (a cache salt derived from the key, "
+        "on every tier and across restarts); needs --api-key-file"))
     s.add_argument("--admin-token-file", default=None, help="file holding the Bearer token required on /admin")
     s.add_argument("--protect-metadata", action="store_true",
                    help="require the API key on /metrics, /openapi.json and /docs too (open by default)")
@@ -153,9 +157,11 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
 
 def _serve(args: argparse.Namespace) -> int:
     from kvdrive.runtime.engine import SchedulerConfig
-    from kvdrive.runtime.server.auth import read_secret
+    from kvdrive.runtime.server.auth import read_api_keys, read_secret
     from kvdrive.runtime.server.serve import ServeOptions, serve
 
+    if args.isolate_tenants and not args.api_key_file:
+        raise ValueError("--isolate-tenants needs --api-key-file: the tenants are told apart by their API keys")
     ceiling = args.max_sequences if args.max_sequences is not None else args.max_running
     if not 1 <= args.max_running <= ceiling:
         raise ValueError(f"--max-running {args.max_running} must be between 1 and --max-sequences {ceiling}")
@@ -164,7 +170,8 @@ def _serve(args: argparse.Namespace) -> int:
         weights=args.weights,
         engine=engine_config(args, max_sequences=ceiling, max_running=args.max_running),
         served_model_name=args.served_model_name,
-        api_key=read_secret(args.api_key_file), admin_token=read_secret(args.admin_token_file),
+        api_keys=read_api_keys(args.api_key_file), isolate_tenants=args.isolate_tenants,
+        admin_token=read_secret(args.admin_token_file),
         protect_metadata=args.protect_metadata, max_body_bytes=args.max_body_bytes, drain_seconds=args.drain_seconds,
         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                   step_token_budget=args.step_tokens, step_seconds=args.step_seconds,

@@ -28,6 +28,13 @@ def salted_root(root: bytes, salt: str | None) -> bytes:
     return hashlib.blake2b(root + b"cache_salt:" + salt.encode(), digest_size=DIGEST_BYTES).digest()
 
 
+def tenant_salt(api_key: str, cache_salt: str | None) -> str:
+    """The cache salt of a request under ``--isolate-tenants``: derived from its API key (a secret, so no other
+    tenant can compute it, even knowing this function), then narrowed by the request's own ``cache_salt``."""
+    tenant = hashlib.blake2b(b"kvdrive-tenant:" + api_key.encode(), digest_size=DIGEST_BYTES).hexdigest()
+    return tenant if not cache_salt else f"{tenant}/{cache_salt}"
+
+
 def chain_digest(prev: bytes, tokens: Sequence[int], salt: bytes = b"") -> bytes:
     """A page's digest: the previous page's digest (or the root), a salt (how the KV was computed) and the
     page's tokens as native int64."""

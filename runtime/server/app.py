@@ -44,7 +44,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="KVDrive", version="0.1.0",
                   description="OpenAI-compatible LLM serving with a three-tier (GPU/DRAM/SSD) KV cache")
     cfg = state.config
-    app.add_middleware(Gate, policy=GatePolicy(api_key=cfg.api_key, admin_token=cfg.admin_token,
+    app.add_middleware(Gate, policy=GatePolicy(api_keys=cfg.api_keys, admin_token=cfg.admin_token,
                                                protect_metadata=cfg.protect_metadata,
                                                max_body_bytes=cfg.max_body_bytes))
 

@@ -1,15 +1,45 @@
 """Secrets of the API (``--api-key-file``) and admin (``--admin-token-file``) routes, read from files.
 
-The checks themselves are the gate's (``gate.py``)."""
+An API key file holds one key, or one per tenant: each line ``KEY`` or ``TENANT KEY`` (blank lines and ``#``
+comments skipped). The tenant names only label logs; under ``--isolate-tenants`` a request's prefix pages are
+keyed by a salt derived from its key (``prompt/digests.py:tenant_salt``). The checks themselves are the
+gate's (``gate.py``)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    tenant: str
+    key: str
+
+
+def read_api_keys(path: str | Path | None) -> tuple[ApiKey, ...]:
+    """The keys of an API key file (module docstring); () when no file is given. Raises ValueError on an
+    empty file, a malformed line or a key given twice."""
+    if path is None:
+        return ()
+    read_secret(path)  # the permission warning, and an empty file refused
+    keys: list[ApiKey] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2:
+            raise ValueError(f"{path}:{n}: expected KEY or TENANT KEY, got {len(words)} words")
+        tenant, key = (words[0], words[1]) if len(words) == 2 else (f"key{len(keys) + 1}", words[0])
+        if any(k.key == key for k in keys):
+            raise ValueError(f"{path}:{n}: this key is given twice")
+        keys.append(ApiKey(tenant, key))
+    return tuple(keys)
 
 
 def read_secret(path: str | Path | None) -> str | None:

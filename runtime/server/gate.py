@@ -1,8 +1,9 @@
 """The HTTP gate in front of every route (pure ASGI): who may call what, and how large a body may be,
 decided before any route code runs or any body is parsed.
 
-- ``/v1/*`` and vLLM's tokenizer routes (``/tokenize``, ``/detokenize``, ``/tokenizer_info``) need the API key
-  (``--api-key-file``), ``/admin/*`` the admin token (``--admin-token-file``).
+- ``/v1/*`` and vLLM's tokenizer routes (``/tokenize``, ``/detokenize``, ``/tokenizer_info``) need an API key
+  (``--api-key-file``: one, or one per tenant; the caller's is left in ``request.state.api_key``), ``/admin/*``
+  the admin token (``--admin-token-file``).
 - ``/metrics``, ``/openapi.json``, ``/docs`` and ``/redoc`` are open by default, so that Prometheus and
   humans can read them without a credential (``/metrics`` names the SSD tier's path in its ``backing``
   label); ``--protect-metadata`` puts them behind the API key too. ``/healthz`` and ``/readyz`` are
@@ -21,6 +22,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvdrive.runtime.server.auth import ApiKey
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -32,28 +35,30 @@ TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 @dataclass(frozen=True)
 class GatePolicy:
-    api_key: str | None = None
+    api_keys: tuple[ApiKey, ...] = ()  # any of them opens the API (one per tenant); none: open access
     admin_token: str | None = None
     protect_metadata: bool = False
     max_body_bytes: int = 8 << 20
 
 
-def bearer_ok(expected: str | None, authorization: str | None) -> bool:
-    """Constant-time comparison of a ``Bearer`` credential; no configured secret means open access."""
-    if expected is None:
-        return True
+def bearer_key(expected: tuple[str, ...], authorization: str | None) -> int | None:
+    """Which of ``expected`` a ``Bearer`` credential is (its index), compared in constant time with each;
+    None when it is none of them."""
     scheme, _, credential = (authorization or "").strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(credential.strip().encode(), expected.encode())
+    given = credential.strip().encode()
+    found = None
+    for i, secret in enumerate(expected):
+        if hmac.compare_digest(given, secret.encode()) and scheme.lower() == "bearer":
+            found = i
+    return found
 
 
-def _needed(policy: GatePolicy, path: str) -> tuple[str | None, str] | None:
-    """(secret, what it is) a path needs, None when it is open."""
+def _needed(policy: GatePolicy, path: str) -> tuple[tuple[str, ...], str] | None:
+    """(the secrets that open it, what they are) for a path, None when it is open."""
     if path.startswith("/admin/") or path == "/admin":
-        return policy.admin_token, "admin token"
+        return ((policy.admin_token,) if policy.admin_token else ()), "admin token"
     if path.startswith("/v1/") or path in TOKENIZER_PATHS or (policy.protect_metadata and path.startswith(METADATA_PATHS)):
-        return policy.api_key, "API key"
+        return tuple(k.key for k in policy.api_keys), "API key"
     return None
 
 
@@ -77,10 +82,14 @@ class Gate:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
         needed = _needed(self.policy, scope["path"])
-        if needed is not None and not bearer_ok(needed[0], headers.get("authorization")):
-            await _refuse(send, 401, f"missing or invalid {needed[1]} (Authorization: Bearer <{needed[1]}>)",
-                          "authentication_error", {"WWW-Authenticate": "Bearer"})
-            return
+        if needed is not None and needed[0]:
+            which = bearer_key(needed[0], headers.get("authorization"))
+            if which is None:
+                await _refuse(send, 401, f"missing or invalid {needed[1]} (Authorization: Bearer <{needed[1]}>)",
+                              "authentication_error", {"WWW-Authenticate": "Bearer"})
+                return
+            if needed[1] == "API key":  # the routes read the caller's key (its tenant) from request.state
+                scope.setdefault("state", {})["api_key"] = self.policy.api_keys[which]
         limit = self.policy.max_body_bytes
         length = headers.get("content-length")
         if length is not None:

@@ -20,8 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from kvdrive.runtime.engine import PromptTooLongError, QueueFullError, SamplingParams
 from kvdrive.runtime.engine import Request as EngineRequest
 from kvdrive.runtime.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec
+from kvdrive.runtime.prompt.digests import tenant_salt
 from kvdrive.runtime.prompt.tokenizer import TokenizerError
 from kvdrive.runtime.server import schemas as s
+from kvdrive.runtime.server.auth import ApiKey
 from kvdrive.runtime.server.errors import ERRORS, GENERATION_ERRORS, ApiError
 from kvdrive.runtime.server.fanout import Fanout
 from kvdrive.runtime.server.logprobs import LogprobRenderer
@@ -153,6 +155,12 @@ def openai_routes(state: ServerState) -> APIRouter:
         except PromptTooLongError as exc:
             raise ApiError(400, str(exc), param="prompt") from exc
 
+    def salt_of(request: Request, cache_salt: str | None) -> str | None:
+        """The request's cache salt: under --isolate-tenants derived from its API key (``tenant_salt``), then
+        narrowed by its own ``cache_salt``; otherwise its ``cache_salt``."""
+        key: ApiKey | None = getattr(request.state, "api_key", None)
+        return tenant_salt(key.key, cache_salt) if cfg.isolate_tenants and key is not None else cache_salt
+
     def samples(prompts: list[list[int]], params: list[SamplingParams], salt: str | None, n: int) -> Fanout:
         """The ``n`` choices of each prompt (``fanout.py``: each prompt computed once); with a seed, sample j
         samples with seed + j, so the whole answer repeats. Only a prompt's sample 0 computes the prompt's
@@ -201,7 +209,7 @@ def openai_routes(state: ServerState) -> APIRouter:
             return LogprobRenderer(state.tokenizer, chat=False, echo_first=prompts[c // n][0])
 
         renders = render if body.logprobs is not None else None
-        outputs = samples(prompts, params, body.cache_salt, n)
+        outputs = samples(prompts, params, salt_of(request, body.cache_salt), n)
         if body.stream:
             return await until_disconnect(request, stream(
                 rid, outputs, chat=False, model=cfg.model_id,
@@ -229,7 +237,7 @@ def openai_routes(state: ServerState) -> APIRouter:
                           grammar=grammar)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         render = (lambda _: LogprobRenderer(state.tokenizer, chat=True)) if body.logprobs else None
-        outputs = samples([prompt_ids], [params], body.cache_salt, body.n)
+        outputs = samples([prompt_ids], [params], salt_of(request, body.cache_salt), body.n)
         names = {t.function.name for t in body.tools or []}
         if body.stream:
             return await until_disconnect(request, stream(

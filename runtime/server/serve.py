@@ -19,6 +19,7 @@ from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.loader import DEMO_ALIAS, MODEL_ALIASES
 from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
 from kvdrive.runtime.server.app import create_app
+from kvdrive.runtime.server.auth import ApiKey
 from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
 from kvdrive.runtime.server.routing_api import RoutingSource
 from kvdrive.runtime.server.state import ServerConfig, ServerState
@@ -36,7 +37,8 @@ class ServeOptions:
     weights: str = "auto"  # the projections' format (--weights)
     engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_name: str | None = None
-    api_key: str | None = None
+    api_keys: tuple[ApiKey, ...] = ()
+    isolate_tenants: bool = False
     admin_token: str | None = None
     protect_metadata: bool = False
     max_body_bytes: int = 8 << 20
@@ -99,7 +101,8 @@ def build_state(opts: ServeOptions) -> ServerState:
 
     metrics = ServerMetrics(engine.stats, tiers, counters)
     async_engine = AsyncEngine(engine, metrics.engine_step.observe)
-    config = ServerConfig(model_id=loaded.model_id, aliases=aliases, api_key=opts.api_key,
+    config = ServerConfig(model_id=loaded.model_id, aliases=aliases, api_keys=opts.api_keys,
+                          isolate_tenants=opts.isolate_tenants,
                           admin_token=opts.admin_token, protect_metadata=opts.protect_metadata,
                           max_body_bytes=opts.max_body_bytes)
     return ServerState(config=config, engine=async_engine, tokenizer=loaded.tokenizer, max_context=gen.max_context,

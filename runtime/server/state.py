@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvdrive.runtime.engine import AsyncEngine
 from kvdrive.runtime.prompt import Tokenizer
 from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
+from kvdrive.runtime.server.auth import ApiKey
 from kvdrive.runtime.server.metrics import ServerMetrics
 from kvdrive.runtime.server.routing_api import RoutingSource
 
@@ -16,7 +17,8 @@ from kvdrive.runtime.server.routing_api import RoutingSource
 class ServerConfig:
     model_id: str
     aliases: tuple[str, ...] = ()
-    api_key: str | None = None
+    api_keys: tuple[ApiKey, ...] = ()  # any opens the API (one per tenant); none: open access
+    isolate_tenants: bool = False  # each key's requests share prefix pages only among themselves
     admin_token: str | None = None
     protect_metadata: bool = False
     max_body_bytes: int = 8 << 20

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from kvdrive.runtime.prompt import ChatMessage, Tokenizer, page_digests
 from kvdrive.runtime.server.app import create_app
+from kvdrive.runtime.server.auth import ApiKey
 from kvdrive.runtime.server.state import ServerState
 
 
@@ -50,7 +51,7 @@ def test_the_tokenizer_spec_rebuilds_the_replicas_tokenizer(tiny_state: ServerSt
 def test_the_routing_endpoints_need_the_api_key_like_the_rest_of_v1(tiny_state: ServerState) -> None:
     import dataclasses
 
-    state = dataclasses.replace(tiny_state, config=dataclasses.replace(tiny_state.config, api_key="k-123"))
+    state = dataclasses.replace(tiny_state, config=dataclasses.replace(tiny_state.config, api_keys=(ApiKey("t", "k-123"),)))
     client = TestClient(create_app(state))
     for path in ("/v1/kvdrive/routing", "/v1/kvdrive/tokenizer", "/v1/kvdrive/prefixes"):
         assert client.get(path).status_code == 401

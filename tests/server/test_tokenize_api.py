@@ -12,6 +12,7 @@ import pytest
 
 from kvdrive.runtime.prompt import ChatMessage
 from kvdrive.runtime.server.app import create_app
+from kvdrive.runtime.server.auth import ApiKey
 from kvdrive.runtime.server.state import ServerState
 
 
@@ -55,7 +56,7 @@ async def test_bad_input_is_a_4xx_naming_the_field(client: httpx.AsyncClient, pa
 
 
 async def test_the_routes_need_the_api_key(tiny_state: ServerState) -> None:
-    state = dataclasses.replace(tiny_state, config=dataclasses.replace(tiny_state.config, api_key="k"))
+    state = dataclasses.replace(tiny_state, config=dataclasses.replace(tiny_state.config, api_keys=(ApiKey("t", "k"),)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://t") as c:
         assert (await c.post("/tokenize", json={"prompt": "x"})).status_code == 401
         assert (await c.get("/tokenizer_info")).status_code == 401
