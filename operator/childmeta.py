@@ -57,6 +57,10 @@ class Names:
         return f"{self.instance}-router"
 
 
+ENGINE_TYPE_LABEL = "inference.networking.k8s.io/engine-type"  # Gateway API Inference Extension: metric mapping
+ENGINE_TYPE = "kvdrive"
+
+
 def selector_labels(name: str) -> dict[str, str]:
     """Labels that select the runtime pods of one CR (immutable StatefulSet selector)."""
     return {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": name}

@@ -21,6 +21,8 @@ import yaml
 from kvdrive.operator import router_manifests
 from kvdrive.operator.childmeta import (
     CONTAINER_PORT,
+    ENGINE_TYPE,
+    ENGINE_TYPE_LABEL,
     Names,
     common_labels,
     container_security,
@@ -260,7 +262,9 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
             "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
             "template": {
                 "metadata": {
-                    "labels": common_labels(name, "server"),
+                    # the engine-type label tells an inference gateway's endpoint picker which metric names
+                    # this pod serves (docs/gateway-api-inference-extension.md)
+                    "labels": {**common_labels(name, "server"), ENGINE_TYPE_LABEL: ENGINE_TYPE},
                     "annotations": {"kvdrive.io/config-hash": config_hash},
                 },
                 "spec": pod_spec,

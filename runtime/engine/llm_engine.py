@@ -57,6 +57,8 @@ class EngineStats:
     prompt_tokens_total: int
     preemptions_total: int
     queue_wait_seconds: float = 0.0  # requests x seconds spent queued for a running slot, since start
+    page_size: int = 0  # tokens a page
+    gpu_pages: int = 0  # pages the device tier holds
 
 
 class LLMEngine:
@@ -157,11 +159,14 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
+        cache = self.runner.cache
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             generated_tokens_total=self._generated, prompt_tokens_total=self._prompt_tokens,
             preemptions_total=self._preemptions,
             queue_wait_seconds=self._queued_seconds + len(self.scheduler.waiting) * (time.monotonic() - self._queue_tick),
+            page_size=cache.layout.page_size,
+            gpu_pages=cache.device_pages,
         )
 
     # --- the step -----------------------------------------------------------------------------

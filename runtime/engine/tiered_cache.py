@@ -115,6 +115,12 @@ class TieredKVCache:
         return self.store.capacity_blocks // self.layout.num_layers
 
     @property
+    def device_pages(self) -> int:
+        """Sealed pages the device tier holds now."""
+        gpu = self.store.tiers.get("gpu")
+        return gpu.allocator.capacity // self.layout.num_layers if gpu is not None else 0
+
+    @property
     def memory_pages(self) -> int:
         """Sealed pages the memory tiers (device and DRAM) hold."""
         tiers = self.store.tiers

@@ -42,6 +42,8 @@ class _LiveCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self._stats()
+        tiers = self._tiers()
+        yield from _pool_metrics(s, tiers)
         running = GaugeMetricFamily("kvdrive_requests_running", "requests in the running batch")
         running.add_metric([], s.running)
         waiting = GaugeMetricFamily("kvdrive_requests_waiting", "requests queued for admission")
@@ -59,7 +61,7 @@ class _LiveCollector(Collector):
                                  labels=["tier"])
         cached = GaugeMetricFamily("kvdrive_tier_cached_bytes", "KV bytes of reusable pages no running sequence "
                                    "needs (evictable)", labels=["tier"])
-        for t in self._tiers():
+        for t in tiers:
             cap.add_metric([t.tier, t.backing], t.capacity_bytes)
             budget.add_metric([t.tier], t.budget_bytes)
             used.add_metric([t.tier], t.used_bytes)
@@ -110,6 +112,21 @@ class _LiveCollector(Collector):
         yield queued
         if c.split is not None:
             yield from _split_metrics(c.split)
+
+
+def _pool_metrics(s: EngineStats, tiers: list[TierUsageBody]) -> Iterator[GaugeMetricFamily]:
+    """What an inference gateway's endpoint picker reads (the Gateway API Inference Extension's model-server
+    protocol, docs/gateway-api-inference-extension.md): KV-cache usage and the cache's shape."""
+    usage = GaugeMetricFamily("kvdrive_kv_cache_usage_ratio", "share (0-1) of the KV bytes of all tiers (device, "
+                              "DRAM, SSD) held for running requests; pages kept only for reuse are evictable and "
+                              "not counted")
+    capacity = sum(t.capacity_bytes for t in tiers)
+    usage.add_metric([], min(1.0, sum(t.used_bytes for t in tiers) / capacity) if capacity else 0.0)
+    yield usage
+    info = GaugeMetricFamily("kvdrive_cache_config_info", "the KV cache's shape: tokens a page (block_size) and pages "
+                             "the device tier holds (num_gpu_blocks)", labels=["block_size", "num_gpu_blocks"])
+    info.add_metric([str(s.page_size), str(s.gpu_pages)], 1.0)
+    yield info
 
 
 def _split_metrics(split: EnvelopeSplit) -> Iterator[GaugeMetricFamily]:

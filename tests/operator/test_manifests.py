@@ -166,6 +166,9 @@ def test_children_are_owned_and_labelled() -> None:
     selector = kinds["StatefulSet"][0]["spec"]["selector"]["matchLabels"]
     assert selector_string("chat") == ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
     assert kinds["PodDisruptionBudget"][0]["spec"]["selector"]["matchLabels"] == selector
+    # an inference gateway's endpoint picker reads the engine type to map metric names (GIE model-server protocol)
+    pod_labels = kinds["StatefulSet"][0]["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels["inference.networking.k8s.io/engine-type"] == "kvdrive"
     for service in kinds["Service"]:
         assert service["spec"]["selector"] == selector
     headless = [s for s in kinds["Service"] if s["spec"].get("clusterIP") == "None"]

@@ -4,6 +4,7 @@ prompt takes long sends SSE keep-alive comments until its first token."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -98,3 +99,28 @@ async def test_n_choices_share_the_prompt_and_stream_with_their_index(client: ht
             for ch in json.loads(ln[6:])["choices"]:
                 streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["text"]
     assert [streamed[i] for i in range(4)] == [c["text"] for c in whole["choices"]]
+
+
+async def test_the_kv_usage_gauge_counts_pages_promised_to_running_requests(tiny_state: ServerState) -> None:
+    """The Gateway API Inference Extension's KV-usage metric: 0 with nothing running, above 0 while a request
+    holds pages, back to 0 once it ended (its pages stay stored for reuse, evictable: free); the cache's shape
+    is an info gauge."""
+    def gauge(text: str, name: str) -> float:
+        return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name + " ")))
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(tiny_state)), base_url="http://t") as c:
+        before = (await c.get("/metrics")).text
+        assert gauge(before, "kvdrive_kv_cache_usage_ratio") == 0.0
+        info = next(ln for ln in before.splitlines() if ln.startswith("kvdrive_cache_config_info{"))
+        assert 'block_size="' in info and 'num_gpu_blocks="' in info and info.endswith(" 1.0")
+        body = {"model": "tiny", "prompt": list(range(5, 165)), "max_tokens": 90, "ignore_eos": True}
+        answer = asyncio.ensure_future(c.post("/v1/completions", json=body))
+        during = 0.0
+        while not answer.done():  # scraped while the request runs (the engine has its own thread)
+            text = (await c.get("/metrics")).text
+            if gauge(text, "kvdrive_requests_running") >= 1:
+                during = max(during, gauge(text, "kvdrive_kv_cache_usage_ratio"))
+            await asyncio.sleep(0.005)
+        assert (await answer).status_code == 200
+        assert 0.0 < during <= 1.0
+        assert gauge((await c.get("/metrics")).text, "kvdrive_kv_cache_usage_ratio") == 0.0
