@@ -35,9 +35,14 @@ from kvdrive.operator.childmeta import (
 from kvdrive.operator.quantity import to_bytes
 from kvdrive.operator.spec import KVDriveDeployment, KVDriveSpec
 
-DRAIN_SECONDS = 120  # terminationGracePeriodSeconds of the runtime pods
 PRESTOP_SECONDS = 5  # preStop sleep: the Service stops routing to a terminating pod first
-SERVER_DRAIN_SECONDS = 90  # the server's own deadline (--drain-seconds) after SIGTERM: 5 + 90 < 120
+DRAIN_MARGIN_SECONDS = 25  # left of the grace period after the server's own drain: flushing the SSD index, exit
+
+
+def server_drain_seconds(spec: KVDriveSpec) -> int:
+    """The server's deadline (--drain-seconds) after SIGTERM: within the pods' grace period (default 120 s:
+    5 s preStop + 90 s drain + 25 s to flush and exit)."""
+    return spec.termination_grace_period_seconds - PRESTOP_SECONDS - DRAIN_MARGIN_SECONDS
 SSD_BUDGET_FRACTION_PERCENT = 90  # leave file-system headroom: the tier never fills the volume
 HUGEPAGE_DIR = "/var/lib/kvdrive/hugepages"
 SSD_DIR = "/var/lib/kvdrive/ssd"
@@ -89,7 +94,7 @@ def serve_args(spec: KVDriveSpec) -> list[str]:
     args += ["--token-budget", str(s["token_budget"]), "--page-size", str(s["page_size"])]
     args += ["--max-running", str(s["max_running"]), "--max-sequences", str(s["max_sequences"])]
     args += ["--placement", s["placement"], "--admin-token-file", s["admin_token_file"]]
-    args += ["--drain-seconds", str(SERVER_DRAIN_SECONDS)]
+    args += ["--drain-seconds", str(server_drain_seconds(spec))]
     if spec.model.name:
         args += ["--served-model-name", spec.model.name]
     return args
@@ -200,6 +205,8 @@ def _volumes(cr: KVDriveDeployment) -> tuple[list[dict[str, Any]], list[dict[str
         claim = spec.model.source.removeprefix("pvc://").split("/", 1)[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    volumes += [v.model_dump(by_alias=True) for v in spec.extra_volumes]
+    mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in spec.extra_volume_mounts]
     return volumes, mounts
 
 
@@ -222,19 +229,32 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
         # the endpoints drop the pod before SIGTERM arrives; the server then drains within its
         # --drain-seconds, inside terminationGracePeriodSeconds
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
-        "securityContext": container_security(),
+        "securityContext": {**container_security(), **spec.security_context},
     }
+    env = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env]
     if not spec.resources.gpus:
         # the runtime image sets NVIDIA_VISIBLE_DEVICES=all: where the NVIDIA runtime is the node's
         # default, a container without a GPU limit would otherwise be handed every GPU of the node
-        container["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+        env.insert(0, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"})
+    if env:
+        container["env"] = env
+    if spec.env_from:
+        container["envFrom"] = [dict(e) for e in spec.env_from]
     pod_spec: dict[str, Any] = {
-        "terminationGracePeriodSeconds": DRAIN_SECONDS,
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
         "securityContext": pod_security(fs_group=True),
-        "automountServiceAccountToken": False,
+        # a service account of the user's is there to be used (workload identity, registry access)
+        "automountServiceAccountToken": spec.service_account_name is not None,
         "containers": [container],
         "volumes": volumes,
     }
+    for key, value in (("serviceAccountName", spec.service_account_name),
+                       ("priorityClassName", spec.priority_class_name),
+                       ("runtimeClassName", spec.runtime_class_name)):
+        if value is not None:
+            pod_spec[key] = value
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [r.model_dump(by_alias=True) for r in spec.image_pull_secrets]
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.tolerations:
@@ -258,14 +278,15 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
             "serviceName": Names(name).headless,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(name)},
-            "updateStrategy": {"type": "RollingUpdate"},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxUnavailable": spec.rollout.max_unavailable, "partition": spec.rollout.partition}},
             "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
             "template": {
                 "metadata": {
                     # the engine-type label tells an inference gateway's endpoint picker which metric names
                     # this pod serves (docs/gateway-api-inference-extension.md)
-                    "labels": {**common_labels(name, "server"), ENGINE_TYPE_LABEL: ENGINE_TYPE},
-                    "annotations": {"kvdrive.io/config-hash": config_hash},
+                    "labels": {**spec.pod_labels, **common_labels(name, "server"), ENGINE_TYPE_LABEL: ENGINE_TYPE},
+                    "annotations": {**spec.pod_annotations, "kvdrive.io/config-hash": config_hash},
                 },
                 "spec": pod_spec,
             },

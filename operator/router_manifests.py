@@ -30,9 +30,9 @@ from kvdrive.operator.spec import KVDriveDeployment, KVDriveSpec
 
 COMPONENT = "router"
 ROUTER_PORT = 8080  # `kvdrive route --port`
-# A streamed answer passes through the router for as long as the runtime may take to finish it
-# (manifests.DRAIN_SECONDS: its preStop sleep plus its own drain deadline).
-GRACE_SECONDS = 120
+# A streamed answer passes through the router for as long as the runtime may take to finish it: the router
+# pods get the runtime pods' grace period (spec.terminationGracePeriodSeconds: a preStop sleep plus the
+# server's own drain deadline).
 PRESTOP_SECONDS = 5  # the Services stop sending new requests to a terminating router first
 # Creation order (the ServiceAccount and its rights before the pods that use them). The handlers
 # delete in the reverse order, so the ServiceAccount goes last: while any router object is left, the
@@ -132,7 +132,7 @@ def deployment(cr: KVDriveDeployment) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "serviceAccountName": Names(name).router,
         "automountServiceAccountToken": True,  # it lists EndpointSlices with the in-cluster config
-        "terminationGracePeriodSeconds": GRACE_SECONDS,
+        "terminationGracePeriodSeconds": cr.spec.termination_grace_period_seconds,
         "securityContext": pod_security(fs_group=False),
         # spread over nodes where the scheduler can, so that one node's loss leaves a router
         "topologySpreadConstraints": [{

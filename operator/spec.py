@@ -11,9 +11,18 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
 
+from kvdrive.operator.podsettings import (
+    DNS_SUBDOMAIN,
+    EnvVar,
+    LocalObjectReference,
+    Rollout,
+    Volume,
+    VolumeMount,
+    check_pod_settings,
+)
 from kvdrive.operator.quantity import QuantityError, parse_quantity
+from kvdrive.operator.specbase import FIELD_MARK, Model, cross
 
 GROUP = "kvdrive.io"
 VERSION = "v1alpha1"
@@ -36,84 +45,70 @@ def _quantity(value: Any) -> str:
     return str(value)
 
 
-_FIELD_MARK = "@field:"
-
-
-def _cross(field: str, message: str) -> ValueError:
-    """A cross-field error reported against ``field`` of the model that raised it."""
-    return ValueError(f"{_FIELD_MARK}{field}:{message}")
-
-
 Quantity = Annotated[str, BeforeValidator(_quantity), Field(max_length=32)]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=False
-    )
-
-
-class ModelSource(_Model):
+class ModelSource(Model):
     source: str = Field(pattern=MODEL_SOURCE_PATTERN, max_length=1024)
     name: str | None = Field(default=None, max_length=253)
 
 
-class Resources(_Model):
+class Resources(Model):
     gpus: int = Field(default=1, ge=0, le=16)
     cpu: Quantity = "4"
     memory: Quantity = "16Gi"
 
 
-class GpuTier(_Model):
+class GpuTier(Model):
     budget: Quantity = "4Gi"
 
 
-class DramTier(_Model):
+class DramTier(Model):
     size: Quantity = "8Gi"
     huge_page_size: Literal["2Mi", "1Gi"] = "2Mi"
 
     @model_validator(mode="after")
     def _whole_pages(self) -> DramTier:
         if parse_quantity(self.size) % parse_quantity(self.huge_page_size) != 0:
-            raise _cross("size", f"must be a whole number of hugePageSize ({self.huge_page_size}) pages")
+            raise cross("size", f"must be a whole number of hugePageSize ({self.huge_page_size}) pages")
         return self
 
 
-class SsdTier(_Model):
+class SsdTier(Model):
     size: Quantity = "100Gi"
     storage_class_name: str = Field(default="local-nvme", min_length=1, max_length=253)
 
     @model_validator(mode="after")
     def _positive(self) -> SsdTier:
         if parse_quantity(self.size) <= 0:
-            raise _cross("size", "must be greater than zero")
+            raise cross("size", "must be greater than zero")
         return self
 
 
-class Tiers(_Model):
+class Tiers(Model):
     gpu: GpuTier = GpuTier()
     dram: DramTier = DramTier()
     ssd: SsdTier = SsdTier()
 
 
-class Attention(_Model):
+class Attention(Model):
     token_budget: int = Field(default=2048, ge=16, le=1048576)
     page_size: int = Field(default=16, ge=1, le=1024)
 
     @model_validator(mode="after")
     def _whole_pages(self) -> Attention:
         if self.token_budget % self.page_size != 0:
-            raise _cross("tokenBudget", "must be a multiple of pageSize")
+            raise cross("tokenBudget", "must be a multiple of pageSize")
         return self
 
 
-class Concurrency(_Model):
+class Concurrency(Model):
     """Sequences each pod runs at once to start with (``kvdrive serve --max-running``)."""
 
     max_running: int = Field(default=16, ge=1, le=1024)
 
 
-class ConcurrencyBounds(_Model):
+class ConcurrencyBounds(Model):
     """Where the live tuner may move each pod's ``max_running`` (the envelope's split)."""
 
     min: int = Field(default=1, ge=1, le=1024, alias="min")
@@ -123,11 +118,11 @@ class ConcurrencyBounds(_Model):
     @model_validator(mode="after")
     def _ordered(self) -> ConcurrencyBounds:
         if self.min > self.max:
-            raise _cross("min", "must not exceed max")
+            raise cross("min", "must not exceed max")
         return self
 
 
-class Tuning(_Model):
+class Tuning(Model):
     enabled: bool = True
     interval_seconds: int = Field(default=30, ge=1, le=3600)
     scrape_timeout_seconds: int = Field(default=5, ge=1, le=60)
@@ -136,13 +131,13 @@ class Tuning(_Model):
     concurrency: ConcurrencyBounds = ConcurrencyBounds()
 
 
-class AutoscalingTargets(_Model):
+class AutoscalingTargets(Model):
     queue_depth: int = Field(default=8, ge=1, le=10000)
     kv_utilization: float = Field(default=0.8, gt=0, le=1)
     tokens_per_second: float | None = Field(default=None, gt=0, le=1e9)
 
 
-class Autoscaling(_Model):
+class Autoscaling(Model):
     mode: Literal["operator", "external", "none"] = "none"
     min_replicas: int = Field(default=1, ge=1, le=1000)
     max_replicas: int = Field(default=4, ge=1, le=1000)
@@ -154,23 +149,23 @@ class Autoscaling(_Model):
     @model_validator(mode="after")
     def _ordered(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
-            raise _cross("minReplicas", "must not exceed maxReplicas")
+            raise cross("minReplicas", "must not exceed maxReplicas")
         return self
 
 
-class Service(_Model):
+class Service(Model):
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     port: int = Field(default=8000, ge=1, le=65535)
 
 
-class Routing(_Model):
+class Routing(Model):
     """The prefix-aware router (``kvdrive route``) in front of the replicas."""
 
     mode: Literal["none", "prefix"] = "none"
     replicas: int = Field(default=2, ge=1, le=16)
 
 
-class KVDriveSpec(_Model):
+class KVDriveSpec(Model):
     model: ModelSource
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
     replicas: int | None = Field(default=None, ge=0, le=1000)
@@ -186,18 +181,38 @@ class KVDriveSpec(_Model):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] = Field(default_factory=dict)
+    # pod settings passed through to the runtime pods (podsettings.py)
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    env_from: list[dict[str, Any]] = Field(default_factory=list, max_length=32)
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16)
+    service_account_name: str | None = Field(default=None, pattern=DNS_SUBDOMAIN, max_length=253)
+    priority_class_name: str | None = Field(default=None, pattern=DNS_SUBDOMAIN, max_length=253)
+    runtime_class_name: str | None = Field(default=None, pattern=DNS_SUBDOMAIN, max_length=253)
+    pod_labels: dict[str, str] = Field(default_factory=dict)
+    pod_annotations: dict[str, str] = Field(default_factory=dict)
+    extra_volumes: list[Volume] = Field(default_factory=list, max_length=32)
+    extra_volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=32)
+    security_context: dict[str, Any] = Field(default_factory=dict)
+    termination_grace_period_seconds: int = Field(default=120, ge=40, le=3600)
+    rollout: Rollout = Rollout()
+
+    @model_validator(mode="after")
+    def _pod_settings(self) -> KVDriveSpec:
+        check_pod_settings(self.env, self.extra_volumes, self.extra_volume_mounts, self.pod_labels,
+                           self.pod_annotations)
+        return self
 
     @model_validator(mode="after")
     def _replicas_xor_operator(self) -> KVDriveSpec:
         if self.replicas is not None and self.autoscaling.mode == "operator":
-            raise _cross("replicas", "must not be set when autoscaling.mode is operator")
+            raise cross("replicas", "must not be set when autoscaling.mode is operator")
         return self
 
     @model_validator(mode="after")
     def _running_within_tuning(self) -> KVDriveSpec:
         bounds = self.tuning.concurrency
         if self.tuning.enabled and not bounds.min <= self.concurrency.max_running <= bounds.max:
-            raise _cross("concurrency.maxRunning", f"must be within tuning.concurrency.min and max "
+            raise cross("concurrency.maxRunning", f"must be within tuning.concurrency.min and max "
                                                    f"([{bounds.min}, {bounds.max}]) when tuning is enabled")
         return self
 
@@ -232,7 +247,7 @@ class KVDriveDeployment(BaseModel):
     spec: KVDriveSpec
 
 
-class Condition(_Model):
+class Condition(Model):
     type: Literal["Ready", "Progressing", "Degraded", "RouterReady"]
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
@@ -241,7 +256,7 @@ class Condition(_Model):
     observed_generation: int | None = None
 
 
-class TierRecommendation(_Model):
+class TierRecommendation(Model):
     """A right-sizing hint for one ``tiers.*`` size of the CR (quantities); the operator changes nothing."""
 
     tier: Literal["dram", "ssd"]
@@ -251,7 +266,7 @@ class TierRecommendation(_Model):
     reason: str = Field(default="", max_length=1024)
 
 
-class PodStatus(_Model):
+class PodStatus(Model):
     """One pod as the live tuner last saw it (budgets in bytes, as the pod reported them)."""
 
     name: str
@@ -269,7 +284,7 @@ class PodStatus(_Model):
     last_change: str | None = None
 
 
-class BudgetSummary(_Model):
+class BudgetSummary(Model):
     """Per-tier budgets across the pods, for ``kubectl get`` (``12Mi``, or ``8Mi-12Mi`` when pods differ)."""
 
     gpu: str = ""
@@ -277,7 +292,7 @@ class BudgetSummary(_Model):
     ssd: str = ""
 
 
-class AutoscalingStatus(_Model):
+class AutoscalingStatus(Model):
     mode: Literal["operator", "external", "none"]
     desired_replicas: int | None = None
     recommendation: int | None = None
@@ -285,14 +300,14 @@ class AutoscalingStatus(_Model):
     last_decision: str | None = None
 
 
-class RouterStatus(_Model):
+class RouterStatus(Model):
     """The router's pods (routing mode prefix): how many pass their readiness probe, of how many."""
 
     ready: int = 0
     desired: int = 0
 
 
-class KVDriveStatus(_Model):
+class KVDriveStatus(Model):
     observed_generation: int | None = None
     replicas: int = 0
     ready_replicas: int = 0
@@ -330,8 +345,8 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
 def _problem(prefix: str, err: Any) -> str:
     path = _field_path(tuple(err["loc"]))
     message = str(err["msg"]).removeprefix("Value error, ")
-    if message.startswith(_FIELD_MARK):
-        field, message = message.removeprefix(_FIELD_MARK).split(":", 1)
+    if message.startswith(FIELD_MARK):
+        field, message = message.removeprefix(FIELD_MARK).split(":", 1)
         path = f"{path}.{field}" if path != "<root>" else field
     return f"{prefix}{path}: {message}"
 

@@ -160,3 +160,7 @@ bos_token  # unused variable (TokenizerInfo)
 pad_token  # unused variable (TokenizerInfo)
 add_bos_token  # unused variable (TokenizerInfo)
 model_max_length  # unused variable (TokenizerInfo)
+# operator/podsettings.py: VolumeMount fields, rendered by model_dump
+mount_path  # unused variable (VolumeMount)
+read_only  # unused variable (VolumeMount)
+sub_path  # unused variable (VolumeMount)

@@ -12,7 +12,8 @@ from crdcheck import apply_defaults, crd_violations, load_crd, load_example, ver
 from kvdrive.operator.spec import SpecError, parse_cr
 
 # Spec fields that deliberately have no default (absence means something).
-NO_DEFAULT = {"model.source", "model.name", "replicas", "autoscaling.targets.tokensPerSecond"}
+NO_DEFAULT = {"model.source", "model.name", "replicas", "autoscaling.targets.tokensPerSecond",
+              "serviceAccountName", "priorityClassName", "runtimeClassName"}  # absent: not set on the pods
 NO_DEFAULT_PARENTS = {"model"}  # required objects
 
 
@@ -95,7 +96,25 @@ def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 DELETE = object()
 
 # (base example, field, value): accepted by the CRD and by the pydantic model.
+POD_SETTINGS = {
+    "model": {"source": "demo"},
+    "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+            {"name": "LOG_LEVEL", "value": "debug"}],
+    "envFrom": [{"configMapRef": {"name": "extra-env"}}],
+    "imagePullSecrets": [{"name": "registry-creds"}],
+    "serviceAccountName": "inference",
+    "priorityClassName": "high-priority",
+    "runtimeClassName": "nvidia",
+    "podLabels": {"sidecar.istio.io/inject": "false", "team": "ml"},
+    "podAnnotations": {"prometheus.io/scrape": "true"},
+    "extraVolumes": [{"name": "certs", "secret": {"secretName": "ca-bundle"}}],
+    "extraVolumeMounts": [{"name": "certs", "mountPath": "/etc/certs", "readOnly": True}],
+    "securityContext": {"runAsUser": 1234},
+    "terminationGracePeriodSeconds": 300,
+    "rollout": {"maxUnavailable": 2, "partition": 1},
+}
 GOOD_VARIANTS = [
+    ("minimal.yaml", "spec", POD_SETTINGS),
     ("minimal.yaml", "spec.tiers.dram.size", 0),
     ("minimal.yaml", "spec.tuning", {"intervalSeconds": 1, "stabilizationIntervals": 1,
                                      "concurrency": {"min": 16, "max": 16, "minStep": 4}}),
@@ -162,6 +181,24 @@ BAD_VARIANTS = [
     ("full.yaml", "spec.concurrency.maxRunning", 3, "spec.concurrency.maxRunning", "cel"),
     ("minimal.yaml", "spec.tuning.concurrency", {"max": 8}, "spec.concurrency.maxRunning", "cel"),  # default 16
     ("minimal.yaml", "metadata.name", "a" * 53, "metadata.name", "cel"),
+    # pod settings passed through to the runtime pods
+    ("minimal.yaml", "spec.env", [{"name": "A"}, {"name": "A", "value": "2"}], "spec.env", "cel"),
+    ("minimal.yaml", "spec.env", [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}], "spec.env", "cel"),
+    ("minimal.yaml", "spec.env", [{"name": "1 bad"}], "spec.env", "schema"),
+    ("minimal.yaml", "spec.podLabels", {"app.kubernetes.io/name": "x"}, "spec.podLabels", "cel"),
+    ("minimal.yaml", "spec.podAnnotations", {"kvdrive.io/config-hash": "x"}, "spec.podAnnotations", "cel"),
+    ("minimal.yaml", "spec.extraVolumes", [{"name": "config", "emptyDir": {}}], "spec.extraVolumes", "cel"),
+    ("minimal.yaml", "spec.extraVolumes", [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}],
+     "spec.extraVolumes", "cel"),
+    ("minimal.yaml", "spec.extraVolumes", [{"emptyDir": {}}], "spec.extraVolumes", "schema"),
+    ("minimal.yaml", "spec.extraVolumeMounts", [{"name": "nope", "mountPath": "/x"}], "spec.extraVolumeMounts", "cel"),
+    ("minimal.yaml", "spec.extraVolumeMounts", [{"name": "a", "mountPath": "relative"}], "spec.extraVolumeMounts",
+     "schema"),
+    ("minimal.yaml", "spec.terminationGracePeriodSeconds", 10, "spec.terminationGracePeriodSeconds", "schema"),
+    ("minimal.yaml", "spec.rollout.partition", -1, "spec.rollout.partition", "schema"),
+    ("minimal.yaml", "spec.rollout.surge", 1, "spec.rollout", "schema"),
+    ("minimal.yaml", "spec.serviceAccountName", "Bad_Name", "spec.serviceAccountName", "schema"),
+    ("minimal.yaml", "spec.imagePullSecrets", [{}], "spec.imagePullSecrets", "schema"),
 ]
 
 

@@ -231,3 +231,45 @@ def test_a_pod_computes_on_the_gpus_it_reserves(gpus: int) -> None:
         assert "NVIDIA_VISIBLE_DEVICES" not in env  # the device plugin says which GPUs
     else:
         assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
+
+
+def test_pod_settings_reach_the_runtime_pods_and_validate_strictly() -> None:
+    """Every pod setting of the CR lands in the StatefulSet as Kubernetes spells it (valid for 1.30 and 1.33,
+    strict), after the operator's own: its env first, its labels, annotations, volumes and security settings
+    kept; the server drains within the grace period given; the router pods get the same grace period."""
+    from test_crd import POD_SETTINGS
+
+    cr = _cr(load_example("minimal.yaml"), **{k: v for k, v in POD_SETTINGS.items() if k != "model"},
+             resources={"gpus": 0}, routing={"mode": "prefix"})
+    children = render(cr, "t0ken")
+    for child in children:
+        for version in ("1.30", "1.33"):
+            kubernetes_validate.validate(child, version, strict=True)
+    sts = _by_kind(children)["StatefulSet"][0]
+    template = sts["spec"]["template"]
+    pod, (container,) = template["spec"], template["spec"]["containers"]
+    assert [e["name"] for e in container["env"]] == ["NVIDIA_VISIBLE_DEVICES", "HF_TOKEN", "LOG_LEVEL"]
+    assert container["env"][1]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert container["envFrom"] == [{"configMapRef": {"name": "extra-env"}}]
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert pod["serviceAccountName"] == "inference" and pod["automountServiceAccountToken"] is True
+    assert pod["priorityClassName"] == "high-priority" and pod["runtimeClassName"] == "nvidia"
+    assert template["metadata"]["labels"]["team"] == "ml"
+    assert template["metadata"]["labels"]["app.kubernetes.io/instance"] == "demo"
+    assert set(template["metadata"]["annotations"]) == {"prometheus.io/scrape", "kvdrive.io/config-hash"}
+    assert {"name": "certs", "secret": {"secretName": "ca-bundle"}} in pod["volumes"]
+    assert {"name": "certs", "mountPath": "/etc/certs", "readOnly": True} in container["volumeMounts"]
+    security = container["securityContext"]
+    assert security["runAsUser"] == 1234 and security["readOnlyRootFilesystem"] is True  # merged over ours
+    assert pod["terminationGracePeriodSeconds"] == 300
+    args = container["args"]
+    assert int(args[args.index("--drain-seconds") + 1]) == 300 - 30
+    assert sts["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 2, "partition": 1}
+    router = _by_kind(children)["Deployment"][0]["spec"]["template"]["spec"]
+    assert router["terminationGracePeriodSeconds"] == 300 and "imagePullSecrets" not in router
+
+
+def test_without_pod_settings_the_pods_are_as_before() -> None:
+    pod = _sts(_cr(load_example("minimal.yaml")))["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False and pod["terminationGracePeriodSeconds"] == 120
+    assert not {"serviceAccountName", "imagePullSecrets", "priorityClassName", "runtimeClassName"} & set(pod)

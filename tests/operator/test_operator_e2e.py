@@ -139,6 +139,40 @@ async def test_fields_dropped_from_the_cr_leave_the_statefulset(operator: Cluste
     await eventually(dropped, what="nodeSelector, tolerations, affinity and the GPU limit gone from the pod template")
 
 
+async def test_pod_settings_come_and_go_with_the_cr(operator: Cluster) -> None:
+    """Pod settings given in the CR (env, pull secrets, pod labels, an extra volume and its mount) reach the
+    StatefulSet through the real API server; dropped from the CR, they leave it (server-side apply)."""
+    await ready_cluster(operator)
+    cr = chat_cr()
+    cr["spec"] = {**cr["spec"], "env": [{"name": "LOG_LEVEL", "value": "debug"}],
+                  "imagePullSecrets": [{"name": "registry-creds"}], "podLabels": {"team": "ml"},
+                  "extraVolumes": [{"name": "certs", "secret": {"secretName": "ca"}}],
+                  "extraVolumeMounts": [{"name": "certs", "mountPath": "/etc/certs"}]}
+    await operator.create(CR, cr)
+    sts = await eventually(lambda: operator.get(STATEFULSETS, "chat"), what="StatefulSet")
+    pod = _pod_spec(sts)
+    assert {"name": "LOG_LEVEL", "value": "debug"} in pod["containers"][0]["env"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert sts["spec"]["template"]["metadata"]["labels"]["team"] == "ml"
+    assert any(v["name"] == "certs" for v in pod["volumes"])
+    await operator.patch(CR, "chat", {"spec": {"env": None, "imagePullSecrets": None, "podLabels": None,
+                                               "extraVolumes": None, "extraVolumeMounts": None}})
+
+    async def dropped() -> dict[str, Any] | None:
+        sts = await operator.get(STATEFULSETS, "chat")
+        if not sts:
+            return None
+        pod = _pod_spec(sts)
+        env = [e["name"] for e in pod["containers"][0].get("env", [])]
+        mounts = [m["name"] for m in pod["containers"][0]["volumeMounts"]]
+        gone = ("LOG_LEVEL" not in env and "imagePullSecrets" not in pod and "certs" not in mounts
+                and all(v["name"] != "certs" for v in pod["volumes"])
+                and "team" not in sts["spec"]["template"]["metadata"]["labels"])
+        return pod if gone else None
+
+    await eventually(dropped, what="env, pull secrets, pod labels and the extra volume gone from the pod template")
+
+
 async def test_fields_of_other_managers_are_left_alone(operator: Cluster) -> None:
     """``kubectl rollout restart`` stamps a template annotation, a tool labels the StatefulSet: the
     operator's next applies (here: a spec change) keep both."""

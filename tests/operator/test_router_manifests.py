@@ -148,7 +148,8 @@ def test_the_router_runs_kvdrive_route_against_the_headless_service() -> None:
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
     assert "nodeSelector" not in pod and "tolerations" not in pod  # the GPU pods' placement is not the router's
-    assert pod["terminationGracePeriodSeconds"] == manifests.DRAIN_SECONDS  # streams drain through it
+    runtime_pod = manifests.statefulset(cr)["spec"]["template"]["spec"]  # streams drain through the router
+    assert pod["terminationGracePeriodSeconds"] == runtime_pod["terminationGracePeriodSeconds"]
     strategy = deployment["spec"]["strategy"]["rollingUpdate"]
     assert strategy["maxUnavailable"] == 0
     service = _named(children, "Service", "chat-router")

@@ -1,0 +1,84 @@
+"""The pod settings a ``KVDriveDeployment`` passes through to its runtime pods (pydantic, the CR's edge):
+environment, pull secrets, service account, priority and runtime classes, pod labels and annotations, extra
+volumes, the container's security context, the grace period, and the StatefulSet's rollout.
+
+The core/v1 objects whose shape Kubernetes owns (``valueFrom``, ``envFrom`` sources, volume sources, the
+security context) are passed as they are; every rendered StatefulSet is validated against the official
+schemas in the tests (``kubernetes-validate``). What would break the pods KVDrive manages is refused here and
+by the CRD's CEL rules with the same message: a reserved name, a mount of an unknown volume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ConfigDict, Field, model_validator
+
+from kvdrive.operator.specbase import Model, cross
+
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+RESERVED_ENV = ("NVIDIA_VISIBLE_DEVICES",)  # the operator sets it on GPU-less pods
+RESERVED_VOLUMES = ("kv-ssd", "admin-token", "config", "tmp", "hugepages", "model")  # the pod's own volumes (manifests.py)
+RESERVED_LABEL_PREFIX = "app.kubernetes.io/"  # the pods' selector and ownership labels
+RESERVED_ANNOTATION_PREFIX = "kvdrive.io/"
+
+
+class EnvVar(Model):
+    name: str = Field(pattern=ENV_NAME, max_length=256)
+    value: str | None = Field(default=None, max_length=32768)
+    value_from: dict[str, Any] | None = None  # a core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise cross("valueFrom", "must not be set together with value")
+        return self
+
+
+class LocalObjectReference(Model):
+    name: str = Field(pattern=DNS_SUBDOMAIN, max_length=253)
+
+
+class Volume(Model):
+    """A core/v1 Volume: its name, and its source as Kubernetes defines it (passed as it is)."""
+
+    model_config = ConfigDict(**{**Model.model_config, "extra": "allow"})
+    name: str = Field(pattern=DNS_LABEL, max_length=63)
+
+
+class VolumeMount(Model):
+    name: str = Field(pattern=DNS_LABEL, max_length=63)
+    mount_path: str = Field(pattern=r"^/", max_length=4096)
+    read_only: bool | None = None
+    sub_path: str | None = Field(default=None, max_length=4096)
+
+
+class Rollout(Model):
+    """The StatefulSet's rolling update: pods replaced at once, and the ordinal below which pods keep the old
+    template (a canary: ``partition: 1`` updates only pods 1 and up)."""
+
+    max_unavailable: int = Field(default=1, ge=1, le=1000)
+    partition: int = Field(default=0, ge=0, le=1000)
+
+
+def check_pod_settings(env: list[EnvVar], volumes: list[Volume], mounts: list[VolumeMount],
+                       labels: dict[str, str], annotations: dict[str, str]) -> None:
+    """The cross-field rules (the same as the CRD's CEL rules), raised against the field they name."""
+    names = [e.name for e in env]
+    if len(set(names)) != len(names):
+        raise cross("env", "names must be unique")
+    if set(names) & set(RESERVED_ENV):
+        raise cross("env", f"must not set {', '.join(RESERVED_ENV)} (the operator sets it)")
+    volume_names = [v.name for v in volumes]
+    if len(set(volume_names)) != len(volume_names):
+        raise cross("extraVolumes", "names must be unique")
+    if set(volume_names) & set(RESERVED_VOLUMES):
+        raise cross("extraVolumes", f"names must not be the pod's own ({', '.join(RESERVED_VOLUMES)})")
+    if any(m.name not in volume_names for m in mounts):
+        raise cross("extraVolumeMounts", "must mount volumes of extraVolumes")
+    if any(k.startswith(RESERVED_LABEL_PREFIX) for k in labels):
+        raise cross("podLabels", f"must not set {RESERVED_LABEL_PREFIX}* labels (the pods' selector)")
+    if any(k.startswith(RESERVED_ANNOTATION_PREFIX) for k in annotations):
+        raise cross("podAnnotations", f"must not set {RESERVED_ANNOTATION_PREFIX}* annotations")
