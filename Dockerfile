@@ -37,7 +37,7 @@ RUN useradd --uid 10001 --user-group --no-create-home --home-dir /nonexistent --
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001
 WORKDIR /tmp
-EXPOSE 8080
+EXPOSE 8080 8081
 ENTRYPOINT ["kvdrive-operator"]
 CMD ["run", "--all-namespaces"]
 

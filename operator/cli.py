@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="http://0.0.0.0:8080/healthz",
         help="liveness endpoint of the operator itself (default: %(default)s)",
     )
+    run.add_argument("--metrics", default="http://0.0.0.0:8081/metrics", help=(
+        "where the operator serves its own Prometheus metrics (reconciles, decisions, scrape failures); "
+        "'' for nowhere (default: %(default)s)"))
     run.add_argument("--resync-seconds", type=float, default=60.0, help="periodic re-reconcile interval")
     run.add_argument("--peering", default=None, help="Kopf peering name for several operator replicas")
     run.add_argument("--verbose", action="store_true", help="debug logging")
@@ -109,7 +112,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kvdrive.operator.login import login
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
-    registry = build_registry(connect=login, resync_seconds=args.resync_seconds)
+    registry = build_registry(connect=login, resync_seconds=args.resync_seconds, metrics_address=args.metrics or None)
     kopf.run(
         registry=registry,
         clusterwide=not args.namespace,

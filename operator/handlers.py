@@ -54,6 +54,7 @@ from kvdrive.operator.objects import (
     STORAGE_CLASSES,
     pod_ready,
 )
+from kvdrive.operator.opmetrics import MetricsServer, OperatorMetrics
 from kvdrive.operator.spec import GROUP, PLURAL, VERSION, KVDriveDeployment, SpecError, parse_cr, routing_of
 
 __all__ = ["CHILDREN", "CLAIMS", "CR", "PODS", "STATEFULSETS", "STORAGE_CLASSES", "Reconciler", "build_registry"]
@@ -116,9 +117,10 @@ def _conflict_problem(kind: str, name: str, exc: Conflict) -> Problem:
 class Reconciler:
     """Reconciles CRs through one API session; one lock per CR serializes its reconciles."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: OperatorMetrics | None = None) -> None:
         self.api: KubeApi | None = None
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.metrics = metrics or OperatorMetrics()
 
     async def connect(self, info: kopf.ConnectionInfo) -> None:
         old, self.api = self.api, KubeApi(info)
@@ -143,10 +145,12 @@ class Reconciler:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
 
     async def reconcile(self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter) -> None:
-        """Bring the children and the status of one CR in line with its spec."""
-        async with self._lock(namespace, name):
+        """Bring the children and the status of one CR in line with its spec (counted and timed by result:
+        ``opmetrics.py``)."""
+        async with self._lock(namespace, name), self.metrics.reconcile() as result:
             cr = await self._api().get(CR, namespace, name)
             if cr is None or cr.get("metadata", {}).get("deletionTimestamp"):
+                result.append("gone")
                 return  # gone or going: owner references let the garbage collector take the children
             problem, model = None, None
             try:
@@ -160,6 +164,7 @@ class Reconciler:
                 if problem is None:
                     await self._prune_router(model, logger)
             await self._write_status(cr, problem, logger)
+            result.append(problem.reason if problem is not None else "ok")
 
     async def refresh_status(self, namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter) -> None:
         """Recompute only the status (pods changed); a Degraded CR stays Degraded."""
@@ -313,11 +318,15 @@ def _post_event(cr: dict[str, Any], kind: str, reason: str, message: str) -> Non
     kopf.event(cr, type=kind, reason=reason, message=message)
 
 
-def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> kopf.OperatorRegistry:
-    """A fresh registry with every handler; ``connect`` is the login (tests log in to their own API server)."""
+def build_registry(connect: Connect = login, resync_seconds: float = 60.0,
+                   metrics_address: str | None = None, metrics: OperatorMetrics | None = None) -> kopf.OperatorRegistry:
+    """A fresh registry with every handler; ``connect`` is the login (tests log in to their own API server);
+    ``metrics_address``: where the operator serves its own ``/metrics`` (``opmetrics.py``), None: nowhere."""
     registry = kopf.OperatorRegistry()
-    reconciler = Reconciler()
-    live = LiveController(reconciler.session, _post_event)
+    metrics = metrics or OperatorMetrics()
+    reconciler = Reconciler(metrics)
+    live = LiveController(reconciler.session, metrics.counting(_post_event), metrics=metrics)
+    server = MetricsServer(metrics, metrics_address) if metrics_address else None
 
     @kopf.on.login(registry=registry)
     async def log_in(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -335,9 +344,13 @@ def build_registry(connect: Connect = login, resync_seconds: float = 60.0) -> ko
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
         settings.persistence.finalizer = f"{GROUP}/finalizer"
+        if server is not None:
+            await server.start()
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        if server is not None:
+            await server.stop()
         await live.close()
         await reconciler.close()
 

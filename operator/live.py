@@ -47,6 +47,7 @@ from kvdrive.operator.objects import (
     pod_ready,
     pod_url,
 )
+from kvdrive.operator.opmetrics import OperatorMetrics
 from kvdrive.operator.podclient import PodClient
 from kvdrive.operator.podmetrics import rates
 from kvdrive.operator.quantity import to_bytes
@@ -80,10 +81,11 @@ class LiveController:
     """Runs rounds for any number of CRs; ``session`` gives the Kubernetes API once logged in."""
 
     def __init__(self, session: Callable[[], KubeApi | None], post_event: PostEvent,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, metrics: OperatorMetrics | None = None) -> None:
         """``post_event(cr, type, reason, message)``: a core/v1 Event on the CR (``kubectl describe kvd``
         shows it); handlers.py passes Kopf's poster, which retries and logs a failure."""
         self._session, self._event, self._clock = session, post_event, clock
+        self._metrics = metrics
         self._pods = PodClient()
         self._memory: dict[tuple[str, str], _Memory] = {}
 
@@ -114,6 +116,8 @@ class LiveController:
             keep = tuning.policy_from_spec(spec).history
             for pod, scrape in zip(pods, scrapes, strict=True):
                 memory.pods[pod.uid] = memory.pods.get(pod.uid, tuning.PodHistory()).add(scrape, keep=keep)
+                if scrape.metrics is None and self._metrics is not None:
+                    self._metrics.scrape_failures.labels(namespace, pod.name).inc()
             for uid in set(memory.pods) - {p.uid for p in pods}:
                 memory.pods.pop(uid)
                 memory.changed_at.pop(uid, None)

@@ -104,9 +104,11 @@ def test_operator_deployment(values: dict[str, Any]) -> None:
     assert container["command"] == ["kvdrive-operator"]
     args = build_parser().parse_args(container["args"])
     assert args.command == "run" and args.all_namespaces and args.resync_seconds == merged["operator"]["resyncSeconds"]
-    port = merged["operator"]["healthPort"]
+    port, metrics_port = merged["operator"]["healthPort"], merged["operator"]["metricsPort"]
     assert args.liveness == f"http://0.0.0.0:{port}/healthz"
-    assert container["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"}]
+    assert args.metrics == f"http://0.0.0.0:{metrics_port}/metrics"  # the operator's own metrics
+    assert container["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"},
+                                  {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"}]
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     # non-root, read-only root file system, a writable /tmp, resources set
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] >= 1
@@ -148,6 +150,7 @@ def test_existing_service_account_and_no_rbac() -> None:
         ({"operator": {"resyncSeconds": 0}}, "/operator/resyncSeconds"),
         ({"operator": {"resyncSeconds": "60"}}, "/operator/resyncSeconds"),
         ({"operator": {"healthPort": 80}}, "/operator/healthPort"),
+        ({"operator": {"metricsPort": 80}}, "/operator/metricsPort"),
         ({"runAsUser": 0}, "/runAsUser"),
         ({"resources": {"limits": {"memory": "lots"}}}, "/resources/limits/memory"),
         ({"resources": {"limits": {"gpu": 1}}}, "gpu"),
@@ -225,3 +228,21 @@ def test_runtime_service_monitor_scrapes_each_runtime_pod_once(routing: str) -> 
     assert spec["namespaceSelector"] == {"matchNames": ALL_ON["metrics"]["serviceMonitor"]["runtime"]["namespaces"]}
     assert _by_kind(render_chart({"metrics": {"serviceMonitor": {"runtime": {"enabled": True}}}}))[
         "ServiceMonitor"][0]["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_operator_service_monitor_scrapes_the_operators_own_metrics_port() -> None:
+    """The operator's ServiceMonitor names a port its Service has, which targets a port of the operator's
+    container that serves ``--metrics`` (kvdrive-operator run), at the path the operator serves."""
+    from urllib.parse import urlparse
+
+    from kvdrive.operator.cli import build_parser
+
+    kinds = _by_kind(render_chart(ALL_ON))
+    monitor = next(m for m in kinds["ServiceMonitor"] if not m["metadata"]["name"].endswith("-runtime"))
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (service,) = kinds["Service"]
+    port = next(p for p in service["spec"]["ports"] if p["name"] == endpoint["port"])
+    container = _container(render_chart(ALL_ON))
+    target = next(p for p in container["ports"] if p["name"] == port["targetPort"])
+    served = urlparse(build_parser().parse_args(container["args"]).metrics)
+    assert served.port == target["containerPort"] and served.path == endpoint["path"] == "/metrics"

@@ -153,7 +153,7 @@ def test_users_and_ports_match_the_pods_and_the_chart() -> None:
     assert runtime.last("USER") == f"{RUN_AS_USER}:{RUN_AS_USER}"
     assert operator.last("USER") == f"{CHART_VALUES['runAsUser']}:{CHART_VALUES['runAsUser']}"
     assert runtime.last("EXPOSE") == str(CONTAINER_PORT)
-    assert operator.last("EXPOSE") == str(CHART_VALUES["operator"]["healthPort"])
+    assert operator.last("EXPOSE") == f"{CHART_VALUES['operator']['healthPort']} {CHART_VALUES['operator']['metricsPort']}"
     # read-only root file systems: nothing needs to write outside /tmp
     assert "HOME=/tmp" in (runtime.last("ENV") or "") and runtime.last("WORKDIR") == "/tmp"
 

@@ -119,6 +119,12 @@ def test_metrics_reference_lists_exactly_the_router_metrics() -> None:
     assert defined == documented
 
 
+def test_operator_metrics_reference_lists_exactly_the_operator_metrics() -> None:
+    defined, documented = runtime_metrics("operator"), _documented("## Operator metrics")
+    assert "kvdrive_operator_reconciles_total" in defined
+    assert defined == documented
+
+
 def test_architecture_metrics_are_all_defined() -> None:
     required = re.findall(r"`(kvdrive_[a-z_]+)", (REPO.parent / "shared" / "ARCHITECTURE.md").read_text()) if (
         REPO.parent / "shared" / "ARCHITECTURE.md").exists() else []

@@ -5,6 +5,7 @@ operator watching only that namespace, and a ``Cluster`` handle with which the t
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ class Cluster:
     api: KubeApi
     namespace: str
     dynamic: Any = field(default=None)
+    operator_metrics: str | None = None  # the running operator's own /metrics (run_operator), when it serves one
 
     async def create(self, ref: Ref, body: dict[str, Any], namespace: str | None = "") -> dict[str, Any] | None:
         namespace = self.namespace if namespace == "" else namespace
@@ -101,6 +103,12 @@ async def cluster(control_plane: ControlPlane) -> AsyncIterator[Cluster]:
         await api.close()
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class run_operator:
     """Kopf with our handlers in its own thread and loop, a fresh registry, standalone, watching one
     namespace (or all of them, as the chart's Deployment runs it), logged in with ``token``
@@ -108,8 +116,9 @@ class run_operator:
     on exit, which would include pytest-asyncio's teardown task in a shared loop."""
 
     def __init__(self, cluster: Cluster, token: str | None = None, resync_seconds: float = 3600,
-                 clusterwide: bool = False) -> None:
+                 clusterwide: bool = False, metrics_address: str | None = None) -> None:
         self.cluster, self.token, self.resync_seconds = cluster, token, resync_seconds
+        self.metrics_address = metrics_address
         self.clusterwide = clusterwide
         self.stop, self.ready = threading.Event(), threading.Event()
         self.thread: threading.Thread | None = None
@@ -122,10 +131,12 @@ class run_operator:
         settings.batching.batch_window = 0.02
         settings.posting.level = 0
         info = self.cluster.plane.info(self.token)
-        registry = build_registry(connect=lambda **_: info, resync_seconds=self.resync_seconds)
+        registry = build_registry(connect=lambda **_: info, resync_seconds=self.resync_seconds,
+                                  metrics_address=self.metrics_address)
         namespaces = [] if self.clusterwide else [self.cluster.namespace]
         coro = kopf.operator(clusterwide=self.clusterwide, namespaces=namespaces, registry=registry,
                              settings=settings, stop_flag=self.stop, ready_flag=self.ready)
+        self.cluster.operator_metrics = self.metrics_address
         self.thread = threading.Thread(target=asyncio.run, args=(coro,), name="kopf", daemon=True)
         self.thread.start()
         assert await asyncio.to_thread(self.ready.wait, 30), "the operator did not start"
@@ -140,5 +151,5 @@ class run_operator:
 
 @pytest.fixture()
 async def operator(cluster: Cluster) -> AsyncIterator[Cluster]:
-    async with run_operator(cluster) as running:
+    async with run_operator(cluster, metrics_address=f"http://127.0.0.1:{_free_port()}/metrics") as running:
         yield running

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from kopfenv import Cluster, eventually, never
 from livekit import admin_token, create_pod, events, live_cr, pod_status, scaled_earlier, status
@@ -101,6 +102,13 @@ async def test_a_pod_that_cannot_be_read_keeps_its_limit_and_blocks_scaling_down
 
     entry = await eventually(missing, timeout=15, what="chat-1 reported missing")
     assert "no answer within 1s" in entry["scrapeError"]
+    # the operator's own /metrics counts the failed reads, per pod
+    assert operator.operator_metrics is not None
+    text = httpx.get(operator.operator_metrics, timeout=5).text
+    failures = {ln.split("{")[1].split("}")[0]: float(ln.split()[-1]) for ln in text.splitlines()
+                if ln.startswith("kvdrive_operator_pod_scrape_failures_total{")}
+    assert any('pod="chat-1"' in labels and n >= 1 for labels, n in failures.items()), failures
+    assert not any('pod="chat-0"' in labels for labels in failures), failures
     await eventually(lambda: _true(busy.puts), timeout=15, what="the readable pod tuned")
     assert busy.puts[0] == {"max_running": 1}  # the unused slots go back to the hot tier
     shrunk = await eventually(lambda: events(operator, "ConcurrencyChanged"), what="an Event")

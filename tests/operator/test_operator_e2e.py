@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import httpx
 from crdcheck import load_example
-from kopfenv import Cluster, eventually, never
+from kopfenv import Cluster, eventually, never, run_operator
 from livekit import EVENTS
+from liveservers import free_port
 
 from kvdrive.operator.handlers import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS
 from kvdrive.operator.objects import RECONCILER
@@ -381,3 +383,29 @@ async def test_missing_model_claim_degrades_without_children(operator: Cluster) 
     assert "spec.model.source" in degraded["message"] and "'models'" in degraded["message"]
     await eventually(lambda: _events(operator, "ModelClaimNotFound"), what="a Warning event")
     await never(lambda: children(operator), 1.0, "children of a degraded CR")
+
+
+async def test_the_operator_serves_its_own_metrics(cluster: Cluster) -> None:
+    """``/metrics`` of the operator itself (``--metrics``): a CR that cannot be reconciled yet (its
+    StorageClass is missing) is counted under that problem's reason, then under ok once the cluster is
+    ready; each reconcile is timed."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    async with run_operator(cluster, metrics_address=url) as running:
+        await running.create(CR, chat_cr())
+
+        async def counted(result: str) -> float | None:
+            async with httpx.AsyncClient() as client:
+                text = (await client.get(url, timeout=5)).text
+            line = f'kvdrive_operator_reconciles_total{{result="{result}"}}'
+            found = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(line + " ")]
+            return found[0] if found and found[0] >= 1 else None
+
+        await eventually(lambda: counted("StorageClassNotFound"), what="a reconcile counted as StorageClassNotFound")
+        await ready_cluster(running)
+        await running.patch(CR, "chat", {"spec": {"placement": "lru"}})  # reconciled again, now with its class
+        await eventually(lambda: counted("ok"), what="a reconcile counted as ok")
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(url, timeout=5)).text
+        assert 'kvdrive_operator_reconcile_seconds_count{result="ok"}' in text
+
