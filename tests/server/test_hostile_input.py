@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvdrive.runtime.server.app import create_app
+from kvdrive.runtime.server.auth import ApiKey
 from kvdrive.runtime.server.state import ServerState
 
 KEY = "k3y"
@@ -23,7 +24,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 def _app(state: ServerState, **config: Any) -> Any:
-    settings = {"api_key": KEY, "admin_token": ADMIN, **config}
+    settings = {"api_keys": (ApiKey("t", KEY),), "admin_token": ADMIN, **config}
     return create_app(dataclasses.replace(state, config=dataclasses.replace(state.config, **settings)))
 
 
