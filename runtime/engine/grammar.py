@@ -103,18 +103,24 @@ class GrammarCompiler:
 class GrammarMasks:
     """The step's masks: one bitmask row per constrained sequence, computed in parallel."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int) -> None:
+        """``vocab_size``: the tokenizer's (the grammars'); a model may have more logits (padded embeddings),
+        which no grammar allows, or fewer."""
         self._executor = llguidance.LLExecutor()
+        self._vocab = vocab_size
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[Matcher]) -> torch.Tensor:
         """logits [B, V] (float32) with -inf for each token the matcher of ``rows[i]`` does not allow."""
         if not rows:
             return logits
         batch, vocab = logits.shape
-        bitmask = llt.allocate_token_bitmask(len(rows), vocab)  # int32 [b, ceil(V / 32)]
+        bitmask = llt.allocate_token_bitmask(len(rows), self._vocab)  # int32 [b, ceil(V_tok / 32)]
         llt.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
         shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, :vocab].bool()  # [b, V]
+        bits = ((bitmask[:, :, None] >> shifts) & 1).reshape(len(rows), -1)[:, : self._vocab].bool()  # [b, V_tok]
+        allowed = torch.zeros(len(rows), vocab, dtype=torch.bool)  # [b, V]: a logit past the tokenizer: never
+        n = min(vocab, self._vocab)
+        allowed[:, :n] = bits[:, :n]
         keep = torch.ones(batch, vocab, dtype=torch.bool)  # [B, V]
         keep[torch.tensor(list(rows), dtype=torch.int64)] = allowed
-        return logits.masked_fill(~keep, float("-inf"))
+        return logits.masked_fill(~keep.to(logits.device), float("-inf"))

@@ -76,7 +76,7 @@ class LLMEngine:
         self._preemptions = 0
         self._cache_full_steps = 0  # steps in a row undone because a tier had no slot for their pages
         self.last_step = StepShape()
-        self._masks = GrammarMasks()  # structured outputs: the step's grammar masks
+        self._masks = GrammarMasks(self.tokenizer.vocab_size)  # structured outputs: the step's grammar masks
         self._undone = FaultLog(log, "engine")  # undone steps: counted, logged at most once per kind per 10 s
         self._reserved = 0  # pages promised to this step's chunks (the scheduler's plan)
         cfg = self.scheduler.config

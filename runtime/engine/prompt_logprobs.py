@@ -31,7 +31,7 @@ def chunk_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: to
     for lo in range(first, last, ROWS_PER_PASS):
         hi = min(lo + ROWS_PER_PASS, last)
         lp = torch.log_softmax(logits_of(hidden[lo:hi]).float(), dim=-1)  # [r, V]
-        targets = torch.tensor(prompt[start + lo + 1 : start + hi + 1], dtype=torch.int64)  # [r]
+        targets = torch.tensor(prompt[start + lo + 1 : start + hi + 1], dtype=torch.int64, device=lp.device)  # [r]
         chosen = lp.gather(1, targets[:, None])[:, 0].tolist()  # [r]
         top = torch.topk(lp, k, dim=-1) if k else None
         for r in range(hi - lo):

@@ -93,9 +93,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | 
     """Pick the next token from logits [V] (float32)."""
     if params.greedy:
         return int(torch.argmax(logits).item())
-    scores = logits.float().cpu() / params.temperature  # [V]
-    if not bool(torch.isfinite(scores).all()):  # a vanishing temperature overflows: its limit is greedy
-        return int(torch.argmax(logits).item())
+    scores = logits.float().cpu() / params.temperature  # [V]; -inf: a token masked out (a grammar, a bias)
+    if bool(torch.isnan(scores).any() or torch.isposinf(scores).any()):  # a vanishing temperature overflows:
+        return int(torch.argmax(logits).item())  # its limit is greedy
     if params.top_k > 0:
         kth = torch.topk(scores, min(params.top_k, scores.shape[-1])).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
