@@ -43,12 +43,14 @@ def run(args: argparse.Namespace) -> None:
     from kvdrive.router.core import Router, RouterConfig
     from kvdrive.router.discovery import Discovery, EndpointSliceDiscovery, StaticDiscovery
     from kvdrive.router.selection import Policy
+    from kvdrive.runtime.server.auth import read_api_keys
 
     if bool(args.backend) == bool(args.service):
         raise SystemExit("kvdrive route: error: give either --backend URL (one or more) or --service NAME")
     discovery: Discovery = StaticDiscovery(tuple(args.backend)) if args.backend else EndpointSliceDiscovery(
         args.service, args.namespace, args.backend_port, args.backend_port_name, args.kubeconfig)
-    api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
+    keys = read_api_keys(args.api_key_file)  # one key, or the replicas' per-tenant file: its first key
+    api_key = keys[0].key if keys else None
     policy = Policy(mode=args.policy, load_tokens=args.load_tokens, recompute_weight=args.recompute_weight,
                     max_imbalance=args.max_imbalance, affinity_share=args.affinity_share)
     config = RouterConfig(policy=policy, api_key=api_key, max_body_bytes=args.max_body_bytes,

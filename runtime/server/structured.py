@@ -35,15 +35,28 @@ def grammar_spec(response_format: ResponseFormat | None, guided_choice: list[str
     return GrammarSpec("regex", str(value)), name
 
 
+def _call_schema(name: str, parameters: dict[str, object]) -> dict[str, object]:
+    """A call of one function as a JSON schema; the parameters' ``$defs`` (pydantic puts nested models there)
+    move to the root, where their ``#/$defs/...`` references point."""
+    arguments = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    schema: dict[str, object] = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+                                 "required": ["name", "arguments"], "additionalProperties": False}
+    for key in ("$defs", "definitions"):
+        if key in parameters:
+            schema[key] = parameters[key]
+    return schema
+
+
 def tool_grammar(body: s.ChatCompletionRequest) -> GrammarSpec | None:
     """The Lark grammar of a forced answer: ``<tool_call>{"name": f, "arguments": <f's schema>}</tool_call>``,
-    once or (parallel_tool_calls) up to MAX_CALLS times; None when the model decides."""
+    once or (parallel_tool_calls) up to MAX_CALLS times, one rule per function; None when the model decides."""
     must = forced(body)
     if must is None:
         return None
-    options = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
-               for t in body.tools or [] if must in ("*", t.function.name)]
+    tools = [t for t in body.tools or [] if must in ("*", t.function.name)]
+    rules = [f"fn{i}: %json {json.dumps(_call_schema(t.function.name, t.function.parameters))}"
+             for i, t in enumerate(tools)]
     start = f'start: call ("\\n" call)~0..{MAX_CALLS - 1}' if body.parallel_tool_calls else "start: call"
-    lark = f'{start}\ncall: "{OPEN}" body "{CLOSE}"\nbody: %json {json.dumps({"anyOf": options})}'
+    body_rule = "body: " + " | ".join(f"fn{i}" for i in range(len(tools)))
+    lark = "\n".join([start, f'call: "{OPEN}" body "{CLOSE}"', body_rule, *rules])
     return GrammarSpec("lark", lark)

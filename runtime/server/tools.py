@@ -24,7 +24,6 @@ that does not parse is answered as text, never as an error.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +40,6 @@ from kvdrive.runtime.server.output_schemas import (
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALLS = 8  # calls in one forced answer with parallel_tool_calls (a small model may repeat a call without end)
-BLOCK = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.DOTALL)
 
 
 def active(body: s.ChatCompletionRequest) -> bool:
@@ -81,8 +79,10 @@ def _call_text(call: ToolCall) -> str:
 
 def messages(body: s.ChatCompletionRequest, template_has_tools: bool) -> tuple[list[ChatMessage], list[dict[str, Any]] | None]:
     """The conversation as the chat template gets it, and the tools it renders itself (None: described in
-    the generic prompt, or no tools in play)."""
-    if template_has_tools or not active(body):
+    the generic prompt, or no tools in play). Earlier calls and tool results are written in the generic form
+    for a template without tools even when no tools are in play now (``tool_choice: none``)."""
+    tool_turns = any(m.role == "tool" or m.tool_calls for m in body.messages)
+    if template_has_tools or not (active(body) or tool_turns):
         tools = [t.model_dump() for t in body.tools or []] if active(body) else None
         return [ChatMessage(m.role, m.text(), tuple(c.model_dump() for c in m.tool_calls or ()), m.tool_call_id)
                 for m in body.messages], tools
@@ -94,10 +94,12 @@ def messages(body: s.ChatCompletionRequest, template_has_tools: bool) -> tuple[l
         elif m.role == "tool":
             role = "user"
             text = "<tool_response>" + json.dumps({"tool_call_id": m.tool_call_id, "content": text}) + "</tool_response>"
-        if out and out[-1].role == role == "user":  # templates that require alternating turns accept this
+        if m.role == "tool" and out and out[-1].role == "user":  # templates requiring alternating turns accept it
             out[-1] = ChatMessage(role, out[-1].content + "\n" + text)
         else:
             out.append(ChatMessage(role, text))
+    if not active(body):
+        return out, None
     if out and out[0].role in ("system", "developer"):
         out[0] = ChatMessage(out[0].role, _preamble(body) + "\n\n" + out[0].content)
     else:
@@ -106,18 +108,17 @@ def messages(body: s.ChatCompletionRequest, template_has_tools: bool) -> tuple[l
 
 
 def _parse_block(raw: str, names: set[str]) -> ToolCall | None:
+    """A block's call, or None when it is not a call of a known function (whatever the model wrote: deep
+    nesting, a name that is not a string)."""
     try:
         call = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or call.get("name") not in names:
-        return None
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):  # a model may write the arguments as a JSON text already
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or call["name"] not in names:
             return None
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # a model may write the arguments as a JSON text already
+            arguments = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return None
     if not isinstance(arguments, dict):
         return None
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=CallFunction(name=call["name"],
@@ -125,18 +126,17 @@ def _parse_block(raw: str, names: set[str]) -> ToolCall | None:
 
 
 def parse(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """(the content outside the calls, or None when only calls; the calls). A text whose blocks do not all
-    parse as calls of known functions is all content, with no calls."""
-    blocks = BLOCK.findall(text)
-    calls = [_parse_block(b, names) for b in blocks]
-    if not blocks or any(c is None for c in calls):
+    """(the content outside the calls, or None when only calls; the calls), as ``ToolStream`` sends them: a
+    block that is not a call of a known function stays in the content as written. One pass over the text."""
+    stream = ToolStream(names)
+    content, deltas = stream.feed(text)
+    content += stream.finish()
+    calls = [ToolCall(id=d.id or "", function=CallFunction(name=d.function.name or "", arguments=args.function.arguments
+                                                           or ""))
+             for d, args in zip(deltas[::2], deltas[1::2], strict=True)]
+    if not calls:
         return text, []
-    content = BLOCK.sub("", text).strip()
-    unique: dict[tuple[str, str], ToolCall] = {}
-    for c in calls:
-        if c is not None:
-            unique.setdefault((c.function.name, c.function.arguments), c)
-    return content or None, list(unique.values())
+    return content.strip() or None, calls
 
 
 @dataclass

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -48,6 +49,53 @@ async def test_json_schema_answers_always_parse_and_follow_the_schema(client: ht
     for choice in r.json()["choices"]:
         assert choice["finish_reason"] == "stop", choice  # the document ended itself, well before max_tokens
         jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    # sampled, not greedy: the masked tokens' -inf must not turn sampling into argmax
+    assert len({c["message"]["content"] for c in r.json()["choices"]}) > 1
+
+
+@pytest.fixture(scope="module")
+def long_client_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerState]:
+    """The tiny random-weight model with a context long enough for the generic tools prompt."""
+    import importlib.util
+    import sys
+
+    from kvdrive.runtime.engine import SchedulerConfig
+    from kvdrive.runtime.server.serve import ServeOptions, build_state
+
+    path = Path(__file__).resolve().parents[1] / "runtime" / "conftest.py"
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    spec = importlib.util.spec_from_file_location("runtime_test_models_long", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    d = tmp_path_factory.mktemp("tiny-long")
+    module.make_hf_model(d, arch="llama", max_position_embeddings=2048)
+    state = build_state(ServeOptions(model=str(d), served_model_name="tiny", progress=False,
+                                     scheduler=SchedulerConfig(max_waiting=8)))
+    state.engine.start()
+    yield state
+    state.engine.shutdown()
+
+
+async def test_a_forced_tool_call_follows_a_schema_with_defs(long_client_state: ServerState) -> None:
+    """pydantic (and the openai SDK's pydantic_function_tool) put nested models in $defs: a forced call still
+    compiles and its arguments follow the schema, references included."""
+    params = {"$defs": {"Address": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                                    "required": ["city"], "additionalProperties": False}},
+              "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}, "count": {"type": "integer",
+                                                                                           "minimum": 1, "maximum": 9}},
+              "required": ["to", "count"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "ship", "parameters": params}}]
+    app = create_app(long_client_state)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        r = await client.post("/v1/chat/completions", json=chat(tools=tools, tool_choice="required", temperature=1.0,
+                                                                seed=4, parallel_tool_calls=False))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "ship"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), params)
 
 
 async def test_json_object_mode_answers_an_object_and_a_cut_one_says_length(client: httpx.AsyncClient) -> None:
