@@ -219,6 +219,14 @@ class Reconciler:
             except Conflict as exc:
                 logger.warning("not applied: %s", exc)
                 return _conflict_problem(kind, child_name, exc)
+            except ApiError as exc:
+                if exc.status not in (400, 422):
+                    raise
+                # the API server refused the child as rendered: a pod setting of the spec that neither the
+                # schema nor the model can check (a core/v1 fragment passed as it is): say so in the status
+                logger.warning("not applied: %s", exc)
+                return Problem("ChildRejected", f"{kind} {child_name!r} was refused by the API server: "
+                                                f"{exc.message[:900]}")
         return None
 
     async def _clients_to_router(self, model: KVDriveDeployment, client: Mapping[str, Any] | None) -> bool:

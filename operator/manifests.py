@@ -205,7 +205,7 @@ def _volumes(cr: KVDriveDeployment) -> tuple[list[dict[str, Any]], list[dict[str
         claim = spec.model.source.removeprefix("pvc://").split("/", 1)[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
-    volumes += [v.model_dump(by_alias=True) for v in spec.extra_volumes]
+    volumes += [v.model_dump(by_alias=True, exclude_none=True) for v in spec.extra_volumes]
     mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in spec.extra_volume_mounts]
     return volumes, mounts
 
@@ -229,7 +229,8 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
         # the endpoints drop the pod before SIGTERM arrives; the server then drains within its
         # --drain-seconds, inside terminationGracePeriodSeconds
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
-        "securityContext": {**container_security(), **spec.security_context},
+        "securityContext": {**container_security(), **spec.security_context.model_dump(by_alias=True,
+                                                                                         exclude_none=True)},
     }
     env = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env]
     if not spec.resources.gpus:

@@ -42,10 +42,39 @@ class LocalObjectReference(Model):
 
 
 class Volume(Model):
-    """A core/v1 Volume: its name, and its source as Kubernetes defines it (passed as it is)."""
+    """A core/v1 Volume: its name, and its source as Kubernetes defines it (passed as it is), except a host
+    path: a CR must not give its pods the node's file system."""
 
     model_config = ConfigDict(**{**Model.model_config, "extra": "allow"})
     name: str = Field(pattern=DNS_LABEL, max_length=63)
+    host_path: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_host_path(self) -> Volume:
+        if self.host_path is not None:
+            raise cross("hostPath", "is not allowed: a CR must not give its pods the node's file system")
+        return self
+
+
+class SecurityContext(Model):
+    """The runtime container's core/v1 SecurityContext, merged over the operator's hardened one. Whoever may
+    create a CR must not get privileged pods through it: no privilege, no escalation, no capabilities (the
+    operator drops them all)."""
+
+    model_config = ConfigDict(**{**Model.model_config, "extra": "allow"})
+    privileged: bool | None = None
+    allow_privilege_escalation: bool | None = None
+    capabilities: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _unprivileged(self) -> SecurityContext:
+        if self.privileged:
+            raise cross("privileged", "must not be true")
+        if self.allow_privilege_escalation:
+            raise cross("allowPrivilegeEscalation", "must not be true")
+        if self.capabilities is not None:
+            raise cross("capabilities", "must not be set: the operator drops every capability")
+        return self
 
 
 class VolumeMount(Model):

@@ -17,6 +17,7 @@ from kvdrive.operator.podsettings import (
     EnvVar,
     LocalObjectReference,
     Rollout,
+    SecurityContext,
     Volume,
     VolumeMount,
     check_pod_settings,
@@ -192,7 +193,7 @@ class KVDriveSpec(Model):
     pod_annotations: dict[str, str] = Field(default_factory=dict)
     extra_volumes: list[Volume] = Field(default_factory=list, max_length=32)
     extra_volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=32)
-    security_context: dict[str, Any] = Field(default_factory=dict)
+    security_context: SecurityContext = SecurityContext()
     termination_grace_period_seconds: int = Field(default=120, ge=40, le=3600)
     rollout: Rollout = Rollout()
 

@@ -13,7 +13,8 @@ from kvdrive.operator.spec import SpecError, parse_cr
 
 # Spec fields that deliberately have no default (absence means something).
 NO_DEFAULT = {"model.source", "model.name", "replicas", "autoscaling.targets.tokensPerSecond",
-              "serviceAccountName", "priorityClassName", "runtimeClassName"}  # absent: not set on the pods
+              "serviceAccountName", "priorityClassName", "runtimeClassName", "securityContext.privileged",
+              "securityContext.allowPrivilegeEscalation", "securityContext.capabilities"}  # absent: not set on the pods
 NO_DEFAULT_PARENTS = {"model"}  # required objects
 
 
@@ -199,6 +200,13 @@ BAD_VARIANTS = [
     ("minimal.yaml", "spec.rollout.surge", 1, "spec.rollout", "schema"),
     ("minimal.yaml", "spec.serviceAccountName", "Bad_Name", "spec.serviceAccountName", "schema"),
     ("minimal.yaml", "spec.imagePullSecrets", [{}], "spec.imagePullSecrets", "schema"),
+    ("minimal.yaml", "spec.securityContext", {"privileged": True}, "spec.securityContext.privileged", "cel"),
+    ("minimal.yaml", "spec.securityContext", {"allowPrivilegeEscalation": True},
+     "spec.securityContext.allowPrivilegeEscalation", "cel"),
+    ("minimal.yaml", "spec.securityContext", {"capabilities": {"add": ["NET_ADMIN"]}},
+     "spec.securityContext.capabilities", "cel"),
+    ("minimal.yaml", "spec.extraVolumes", [{"name": "root", "hostPath": {"path": "/"}}], "spec.extraVolumes[0].hostPath",
+     "cel"),
 ]
 
 

@@ -175,6 +175,20 @@ async def test_pod_settings_come_and_go_with_the_cr(operator: Cluster) -> None:
     await eventually(dropped, what="env, pull secrets, pod labels and the extra volume gone from the pod template")
 
 
+async def test_a_pod_setting_the_api_server_refuses_is_a_degraded_condition(operator: Cluster) -> None:
+    """A core/v1 fragment passed as it is (an env valueFrom naming no source) that the API server refuses in
+    the StatefulSet: the CR says so in a Degraded condition, naming the child and the server's reason."""
+    await ready_cluster(operator)
+    await operator.create(CR, chat_cr(env=[{"name": "TOKEN", "valueFrom": {}}]))
+
+    async def degraded() -> dict[str, Any] | None:
+        cond = await condition(operator, "Degraded")
+        return cond if cond and cond["status"] == "True" and cond["reason"] == "ChildRejected" else None
+
+    cond = await eventually(degraded, what="a Degraded condition with reason ChildRejected")
+    assert "StatefulSet" in cond["message"] and "valueFrom" in cond["message"]
+
+
 async def test_fields_of_other_managers_are_left_alone(operator: Cluster) -> None:
     """``kubectl rollout restart`` stamps a template annotation, a tool labels the StatefulSet: the
     operator's next applies (here: a spec change) keep both."""
