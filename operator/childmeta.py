@@ -9,6 +9,7 @@ user, the probe and security-context shapes). Pure: used by ``manifests`` and ``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,3 +144,11 @@ def pod_security(fs_group: bool) -> dict[str, Any]:
         context["fsGroup"] = RUN_AS_USER
     context["seccompProfile"] = {"type": "RuntimeDefault"}
     return context
+
+
+def controller_uid(obj: Mapping[str, Any]) -> str | None:
+    """The uid of the object's controlling owner, or None."""
+    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None

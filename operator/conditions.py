@@ -175,3 +175,18 @@ def degraded_changed(previous: Mapping[str, Any], problem: Problem | None) -> bo
                 and condition.get("message") == problem.message
             )
     return True
+
+
+def current_problem(status: Mapping[str, Any]) -> Problem | None:
+    """The problem a CR's status reports now (its Degraded condition), or None."""
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "Degraded" and condition.get("status") == "True":
+            return Problem(str(condition.get("reason", "Degraded")), str(condition.get("message", "")))
+    return None
+
+
+def conflict_problem(kind: str, name: str, fields: Sequence[object]) -> Problem:
+    """A child's fields that another manager owns: the operator does not force them."""
+    listed = ", ".join(str(f) for f in fields)
+    return Problem("FieldConflict", f"{kind} {name!r}: {listed}; the operator does not force fields that another "
+                                    "manager owns: remove them there, or let the CR stop setting them")

@@ -29,12 +29,21 @@ from typing import Any
 import kopf
 
 from kvdrive.operator import router_manifests
-from kvdrive.operator.childmeta import MANAGER, ROUTER_APP, Names, router_selector_labels, selector_labels
+from kvdrive.operator.childmeta import (
+    MANAGER,
+    ROUTER_APP,
+    Names,
+    controller_uid,
+    router_selector_labels,
+    selector_labels,
+)
 from kvdrive.operator.conditions import (
     Observed,
     Problem,
     RouterObserved,
     build_status,
+    conflict_problem,
+    current_problem,
     degraded_changed,
     now_rfc3339,
     status_differs,
@@ -66,20 +75,6 @@ STS_IMMUTABLE = "updates to statefulset spec for fields other than"
 Existing = dict[tuple[str, str], dict[str, Any] | None]  # children as they are now, by (kind, name)
 
 
-def _controller_uid(obj: Mapping[str, Any]) -> str | None:
-    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
-        if ref.get("controller"):
-            return str(ref.get("uid"))
-    return None
-
-
-def _current_problem(status: Mapping[str, Any]) -> Problem | None:
-    for condition in status.get("conditions") or []:
-        if condition.get("type") == "Degraded" and condition.get("status") == "True":
-            return Problem(str(condition.get("reason", "Degraded")), str(condition.get("message", "")))
-    return None
-
-
 def last_written_by_us(obj: Mapping[str, Any]) -> bool:
     """True when the newest change to ``obj`` (status subresource left out) is one of the operator's own
     applies: its watch event needs no reconcile (the reconcile that wrote it is the one in flight)."""
@@ -106,12 +101,6 @@ def statefulset_replicas(model: KVDriveDeployment, sts: Mapping[str, Any] | None
     if owns_field(dict(sts), RECONCILER, ("spec", "replicas")):
         return int(sts.get("spec", {}).get("replicas") or spec.autoscaling.min_replicas)
     return None
-
-
-def _conflict_problem(kind: str, name: str, exc: Conflict) -> Problem:
-    fields = ", ".join(str(f) for f in exc.fields)
-    return Problem("FieldConflict", f"{kind} {name!r}: {fields}; the operator does not force fields that another "
-                                    "manager owns: remove them there, or let the CR stop setting them")
 
 
 class Reconciler:
@@ -172,7 +161,7 @@ class Reconciler:
             cr = await self._api().get(CR, namespace, name)
             if cr is None or cr.get("metadata", {}).get("deletionTimestamp"):
                 return
-            await self._write_status(cr, _current_problem(cr.get("status") or {}), logger)
+            await self._write_status(cr, current_problem(cr.get("status") or {}), logger)
 
     async def _preflight(self, model: KVDriveDeployment) -> tuple[Problem | None, Existing]:
         """What the schema cannot check; nothing is applied while any of it fails. Returns the children
@@ -195,7 +184,7 @@ class Reconciler:
         for child in render(model, admin_token="-"):
             kind, child_name = child["kind"], child["metadata"]["name"]
             existing[kind, child_name] = found = await api.get(CHILDREN[kind], namespace, child_name)
-            owner = None if found is None else _controller_uid(found)
+            owner = None if found is None else controller_uid(found)
             if owner is not None and owner != model.metadata.uid:
                 return Problem("ChildConflict", f"{kind} {child_name!r} is controlled by another owner ({owner})"), existing
         return None, existing
@@ -218,7 +207,7 @@ class Reconciler:
                     await api.apply(CHILDREN[kind], namespace, child, RECONCILER)
             except Conflict as exc:
                 logger.warning("not applied: %s", exc)
-                return _conflict_problem(kind, child_name, exc)
+                return conflict_problem(kind, child_name, exc.fields)
             except ApiError as exc:
                 if exc.status not in (400, 422):
                     raise
@@ -248,11 +237,11 @@ class Reconciler:
         api, namespace, uid = self._api(), model.metadata.namespace, model.metadata.uid
         name = Names(model.metadata.name).router
         account = await api.get(CHILDREN["ServiceAccount"], namespace, name)
-        if account is None or _controller_uid(account) != uid:
+        if account is None or controller_uid(account) != uid:
             return
         for kind in reversed(router_manifests.KINDS):
             found = account if kind == "ServiceAccount" else await api.get(CHILDREN[kind], namespace, name)
-            if found is not None and _controller_uid(found) == uid:
+            if found is not None and controller_uid(found) == uid:
                 logger.info("routing off: deleting %s %s", kind, name)
                 await api.delete(CHILDREN[kind], namespace, name)
 

@@ -84,8 +84,9 @@ def _imports(path: Path) -> set[str]:
 def test_only_handlers_and_its_transport_talk_to_kopf() -> None:
     talkers = {p.name for p in OPERATOR_DIR.glob("*.py") if {"kopf", "aiohttp", "kubernetes"} & _imports(p)}
     # cli only calls kopf.run(); podclient talks HTTP to the pods, not to the API server; login only
-    # says where the API server is and with which credentials (a kopf.ConnectionInfo)
-    assert talkers == {"handlers.py", "kubeclient.py", "podclient.py", "cli.py", "login.py"}
+    # says where the API server is and with which credentials (a kopf.ConnectionInfo); opmetrics serves
+    # the operator's own /metrics over HTTP (aiohttp), to no API server
+    assert talkers == {"handlers.py", "kubeclient.py", "podclient.py", "cli.py", "login.py", "opmetrics.py"}
     users_of_transport = {p.name for p in OPERATOR_DIR.glob("*.py") if "kvdrive.operator.kubeclient" in _imports(p)}
     assert users_of_transport == {"handlers.py", "live.py", "objects.py"}  # objects: only the Ref addresses
 
