@@ -198,8 +198,8 @@ def openai_routes(state: ServerState) -> APIRouter:
         grammar = await constraint(body, None)
         params = [sampling(body, body.max_tokens, len(ids), body.logprobs, prompt_lps, grammar) for ids in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        texts = body.prompts()
-        echoes = [t if isinstance(t, str) else state.tokenizer.decode(t, skip_special_tokens=False) for t in texts]
+        echoes = [t if isinstance(t, str) else state.tokenizer.decode(t, skip_special_tokens=False)
+                  for t in body.prompts()] if body.echo else []  # token-id prompts decoded only to echo them
         n = body.n
 
         def prefix(c: int) -> str:

@@ -68,9 +68,8 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     server.process.wait(30)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight llama in HF format (fast generation)."""
+def make_tiny_model(folder: Path, positions: int) -> Path:
+    """A tiny random-weight llama in HF format in ``folder`` (fast generation), with ``positions`` of context."""
     import importlib.util
     import sys
 
@@ -80,9 +79,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     spec = importlib.util.spec_from_file_location("runtime_test_models", path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    d = tmp_path_factory.mktemp("tiny")
-    module.make_hf_model(d, arch="llama", max_position_embeddings=256)
-    return d
+    module.make_hf_model(folder, arch="llama", max_position_embeddings=positions)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight llama in HF format (fast generation)."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), 256)
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
+from conftest import make_tiny_model
 
 from kvdrive.runtime.server.app import create_app
 from kvdrive.runtime.server.state import ServerState
@@ -56,20 +56,10 @@ async def test_json_schema_answers_always_parse_and_follow_the_schema(client: ht
 @pytest.fixture(scope="module")
 def long_client_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerState]:
     """The tiny random-weight model with a context long enough for the generic tools prompt."""
-    import importlib.util
-    import sys
-
     from kvdrive.runtime.engine import SchedulerConfig
     from kvdrive.runtime.server.serve import ServeOptions, build_state
 
-    path = Path(__file__).resolve().parents[1] / "runtime" / "conftest.py"
-    if str(path.parent) not in sys.path:
-        sys.path.append(str(path.parent))
-    spec = importlib.util.spec_from_file_location("runtime_test_models_long", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    d = tmp_path_factory.mktemp("tiny-long")
-    module.make_hf_model(d, arch="llama", max_position_embeddings=2048)
+    d = make_tiny_model(tmp_path_factory.mktemp("tiny-long"), 2048)
     state = build_state(ServeOptions(model=str(d), served_model_name="tiny", progress=False,
                                      scheduler=SchedulerConfig(max_waiting=8)))
     state.engine.start()
