@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scheduling", choices=("fair", "fifo"), default="fair",
                    help="how prompts share a step: fair (shortest remaining first, the oldest always moves) "
                         "or fifo (arrival order)")
+    s.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ_ADDRESS", help=(
+        "publish KV events (vLLM's kv_events wire: pages stored on / removed from each tier) on this ZMQ "
+        "address: tcp://*:5557 binds it (routers and indexers subscribe), tcp://HOST:PORT connects to an "
+        "indexer that binds"))
+    s.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ADDRESS",
+                   help="bind a replay (ROUTER) socket here for subscribers that join late, e.g. tcp://*:5558")
+    s.add_argument("--kv-events-topic", default="", help="the topic of every KV-event message (llm-d: kv@POD@MODEL)")
     s.add_argument("--config", default=None,
                    help="YAML/JSON file of flag values (keys as the long flags, e.g. gpu_budget: 512MiB); "
                         "flags given on the command line win")
@@ -158,10 +165,13 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
 def _serve(args: argparse.Namespace) -> int:
     from kvdrive.runtime.engine import SchedulerConfig
     from kvdrive.runtime.server.auth import read_api_keys, read_secret
+    from kvdrive.runtime.server.kv_events import KVEventsConfig
     from kvdrive.runtime.server.serve import ServeOptions, serve
 
     if args.isolate_tenants and not args.api_key_file:
         raise ValueError("--isolate-tenants needs --api-key-file: the tenants are told apart by their API keys")
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
     ceiling = args.max_sequences if args.max_sequences is not None else args.max_running
     if not 1 <= args.max_running <= ceiling:
         raise ValueError(f"--max-running {args.max_running} must be between 1 and --max-sequences {ceiling}")
@@ -177,6 +187,8 @@ def _serve(args: argparse.Namespace) -> int:
                                   step_token_budget=args.step_tokens, step_seconds=args.step_seconds,
                                   policy=args.scheduling),
         progress=sys.stderr.isatty() or args.verbose,
+        kv_events=KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic)
+        if args.kv_events_endpoint else None,
     )
     serve(opts)
     return 0

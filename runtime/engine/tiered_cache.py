@@ -33,6 +33,7 @@ from kvdrive.runtime.engine.promotions import PromotionQueue
 from kvdrive.runtime.engine.sliding import SlidingWindows
 from kvdrive.runtime.engine.window_snapshots import WindowKeeper, WindowSnapshots
 from kvdrive.runtime.kvcache import BlockKey, BudgetError, KVLayout, TierBudgets, TieredKVStore, TierUsage
+from kvdrive.runtime.kvcache.page_events import PageEvents
 from kvdrive.runtime.pipeline import Mover, TransferEngine
 from kvdrive.runtime.placement import PlacementPolicy, Placer, policy_for
 from kvdrive.runtime.prompt.digests import chain_digest, root_digest, salted_root
@@ -91,6 +92,7 @@ class TieredKVCache:
         self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}
         self._rows = list(range(config.max_sequences))  # free rows, lowest first
+        self.page_events: PageEvents | None = None  # KV events on: sealed pages are described to it
         self.fetch_wait_seconds = 0.0
         self.decode_steps = 0
         self.pages_lost = 0
@@ -103,6 +105,11 @@ class TieredKVCache:
     def _store_budgets(self, envelope: int, dram: int, ssd: int) -> TierBudgets:
         """The store's tier budgets: its gpu tier is the envelope's hot part."""
         return TierBudgets(gpu_bytes=self.envelope.hot_bytes(envelope), dram_bytes=dram, ssd_bytes=ssd)
+
+    def watch_pages(self, events: PageEvents) -> None:
+        """Turn KV events on: ``events`` hears of every page a tier gains or loses, with its tokens."""
+        self.page_events = events
+        self.store.watch_pages(events)
 
     def _table(self, rows: int, pages: int) -> torch.Tensor:
         with torch.inference_mode(False):
@@ -244,6 +251,11 @@ class TieredKVCache:
         for p in range(start // s, seq.length // s):
             prev = chain_digest(prev, seq.tokens[p * s : (p + 1) * s], salt)
             new.append(prev)
+        if new and self.page_events is not None:
+            first_page = start // s
+            self.page_events.describe(
+                (d, (new[i - 1] if i else seq.digests[-1] if seq.digests else None),
+                 tuple(seq.tokens[(first_page + i) * s : (first_page + i + 1) * s])) for i, d in enumerate(new))
         pids = [self.prefix.ref(d) for d in new]
         first = len(seq.digests)
         seq.digests.extend(new)

@@ -37,6 +37,7 @@ import torch
 from kvdrive.runtime.kvcache.block_index import MEMORY_TIERS, BlockIndex
 from kvdrive.runtime.kvcache.budgets import TIER_ORDER, TierBudgets, TierName
 from kvdrive.runtime.kvcache.keys import BlockKey
+from kvdrive.runtime.kvcache.page_events import PageEvents
 from kvdrive.runtime.kvcache.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class Residency:
         self._owner_thread: int | None = None
         self.transfer_bytes: dict[tuple[str, str], int] = {}
         self.dropped = 0
+        self.page_events: PageEvents | None = None  # told when a page's layer-0 block gains or loses a tier
 
     def bind_owner(self) -> None:
         """The calling thread runs the decode loop: only it may drop published memory-tier copies."""
@@ -198,6 +200,8 @@ class Residency:
         self._set_copy(b, tier, Copy(slot, True))
         if tier in MEMORY_TIERS:
             self.index.place(tier, b.pid, b.key.layer, slot)
+        if self.page_events is not None and b.key.layer == 0 and (old is None or not old.ready):
+            self.page_events.changed(b.key.digest, tier, True)
 
     def _drop(self, b: Block, tier: TierName) -> None:
         """Remove ``b``'s copy in ``tier``; its slot waits in ``_freed`` for the Mover to discard and release."""
@@ -210,6 +214,8 @@ class Residency:
             self.index.unplace(tier, b.pid, b.key.layer, c.slot)
         del self._owner[(tier, c.slot)]
         self._freed.append((tier, c.slot))
+        if self.page_events is not None and b.key.layer == 0 and c.ready:
+            self.page_events.changed(b.key.digest, tier, False)
         if not b.copies:
             self._forget(b)
 

@@ -31,6 +31,7 @@ from kvdrive.runtime.kvcache.compression import Int8Codec
 from kvdrive.runtime.kvcache.keys import BlockKey
 from kvdrive.runtime.kvcache.layout import CacheFullError, KVLayout
 from kvdrive.runtime.kvcache.live_resize import LiveResize
+from kvdrive.runtime.kvcache.page_events import PageEvents
 from kvdrive.runtime.kvcache.reads import BlockReads
 from kvdrive.runtime.kvcache.residency import Block, Copy, Move, VictimOrder
 from kvdrive.runtime.kvcache.tiers.arena import HostArena
@@ -138,6 +139,13 @@ class TieredKVStore(BlockReads, LiveResize):
         """Digests of the pages whose first layer's block is held in some tier (what a router indexes)."""
         with self._lock:
             return [k.digest for k in self._blocks if k.layer == 0]
+
+    def watch_pages(self, events: PageEvents) -> None:
+        """From now on tell ``events`` whenever a page gains or loses a tier, starting with what is held now."""
+        with self._lock:
+            events.seed((k.digest, t) for k, b in self._blocks.items() if k.layer == 0
+                        for t, c in b.copies.items() if c.ready)
+            self.page_events = events
 
     def ref_page(self, digest: bytes) -> int:
         """The dense id of page ``digest``, held for a sequence until ``unref_page`` (ids of pages a

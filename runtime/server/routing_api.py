@@ -7,6 +7,9 @@
 - ``GET /v1/kvdrive/prefixes``: the digests of every page this replica's tiers hold now, 16 raw bytes
   each (``application/octet-stream``), read between two engine steps.
 
+With KV events on (``--kv-events-endpoint`` bound on a TCP port), the routing info names the ports, so a
+router subscribes to the changes (``kv_events``) and polls the prefix list only to start over.
+
 They are under ``/v1``: the API key protects them like the rest of the API. What the router learns is a
 hint: the runtime still checks every page it reuses, so a stale index costs a prefill, never a wrong token.
 """
@@ -26,11 +29,18 @@ from kvdrive.runtime.prompt import Tokenizer
 PREFIXES_MEDIA_TYPE = "application/octet-stream"
 
 
+class KVEventsInfo(BaseModel):
+    port: int = Field(description="TCP port of the replica's KV-event PUB socket (vLLM's kv_events wire)")
+    replay_port: int | None = Field(default=None, description="TCP port of its replay (ROUTER) socket")
+    topic: str = Field(default="", description="the topic its messages carry")
+
+
 class RoutingInfoBody(BaseModel):
     model: str
     root: str = Field(description="hex digest that starts this replica's page-digest chain")
     page_size: int = Field(description="tokens per page")
     instance: str = Field(description="changes with every start of the process (its index starts over)")
+    kv_events: KVEventsInfo | None = Field(default=None, description="where to subscribe to its KV events")
 
 
 class TokenizerSpec(BaseModel):
@@ -48,6 +58,7 @@ class RoutingSource:
     page_size: int
     tokenizer: Tokenizer
     prefixes: Callable[[], Awaitable[list[bytes]]]  # digests of the pages held now
+    kv_events: KVEventsInfo | None = None
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -58,7 +69,7 @@ def routing_routes(source: RoutingSource, errors: dict[int | str, dict[str, obje
     @api.get("/routing", response_model=RoutingInfoBody, responses=errors)
     async def routing() -> RoutingInfoBody:
         return RoutingInfoBody(model=source.model, root=source.root.hex(), page_size=source.page_size,
-                           instance=source.instance)
+                               instance=source.instance, kv_events=source.kv_events)
 
     @api.get("/tokenizer", response_model=TokenizerSpec, responses=errors)
     async def tokenizer() -> TokenizerSpec:

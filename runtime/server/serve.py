@@ -14,14 +14,17 @@ from dataclasses import asdict, dataclass, field
 import uvicorn
 
 from kvdrive.runtime.engine import AsyncEngine, EngineConfig, LLMEngine, ModelRunner, SchedulerConfig
+from kvdrive.runtime.engine.tiered_cache import TieredKVCache
 from kvdrive.runtime.kvcache import BudgetError
+from kvdrive.runtime.kvcache.page_events import PageEvents
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.loader import DEMO_ALIAS, MODEL_ALIASES
 from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
 from kvdrive.runtime.server.app import create_app
 from kvdrive.runtime.server.auth import ApiKey
+from kvdrive.runtime.server.kv_events import KVEventPublisher, KVEventsConfig, binds
 from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
-from kvdrive.runtime.server.routing_api import RoutingSource
+from kvdrive.runtime.server.routing_api import KVEventsInfo, RoutingSource
 from kvdrive.runtime.server.state import ServerConfig, ServerState
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,30 @@ class ServeOptions:
     drain_seconds: float = 30.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     progress: bool = True
+    kv_events: KVEventsConfig | None = None  # publish KV events (--kv-events-endpoint)
+
+
+def _tcp_port(endpoint: str | None) -> int | None:
+    """The port of a bound ``tcp://*:PORT`` address (what a subscriber connects to on this pod)."""
+    if endpoint is None or not endpoint.startswith("tcp://") or not binds(endpoint):
+        return None
+    try:
+        return int(endpoint.rsplit(":", 1)[1])
+    except ValueError:
+        return None
+
+
+def kv_events_of(cache: TieredKVCache, config: KVEventsConfig | None, page_size: int) -> tuple[
+        KVEventPublisher | None, KVEventsInfo | None]:
+    """The publisher of KV events (not started) and what a router is told of it; (None, None) when off."""
+    if config is None:
+        return None, None
+    events = PageEvents()
+    cache.watch_pages(events)
+    port = _tcp_port(config.endpoint)
+    info = KVEventsInfo(port=port, replay_port=_tcp_port(config.replay_endpoint), topic=config.topic) \
+        if port is not None else None
+    return KVEventPublisher(events, config, page_size), info
 
 
 def build_state(opts: ServeOptions) -> ServerState:
@@ -100,6 +127,7 @@ def build_state(opts: ServeOptions) -> ServerState:
                                       "its size)") from exc
 
     metrics = ServerMetrics(engine.stats, tiers, counters)
+    publisher, events_info = kv_events_of(cache, opts.kv_events, cache.layout.page_size)
     async_engine = AsyncEngine(engine, metrics.engine_step.observe)
     config = ServerConfig(model_id=loaded.model_id, aliases=aliases, api_keys=opts.api_keys,
                           isolate_tenants=opts.isolate_tenants,
@@ -110,7 +138,8 @@ def build_state(opts: ServeOptions) -> ServerState:
                        metrics=metrics, tiers=tiers, split=split, set_tiers=set_tiers, ready=lambda: async_engine.alive,
                        started=int(time.time()), health=lambda: dict(cache.store.health()),
                        routing=RoutingSource(loaded.model_id, cache.root, cache.layout.page_size, loaded.tokenizer,
-                                             lambda: asyncio.to_thread(cache.store.page_digests)))
+                                             lambda: asyncio.to_thread(cache.store.page_digests), events_info),
+                       kv_events=publisher)
 
 
 class _Server(uvicorn.Server):
@@ -138,6 +167,8 @@ def serve(opts: ServeOptions) -> None:
     the SSD index, and return (exit status 0)."""
     state = build_state(opts)
     app = create_app(state)
+    if state.kv_events is not None:
+        state.kv_events.start()  # raises if its address cannot be bound: before the engine starts
     state.engine.start()
     import torch
 
@@ -152,4 +183,6 @@ def serve(opts: ServeOptions) -> None:
     finally:
         state.engine.shutdown()
         state.engine.engine.runner.cache.close()  # finish write-backs, flush the SSD index
+        if state.kv_events is not None:
+            state.kv_events.close()
         log.info("stopped")

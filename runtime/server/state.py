@@ -9,6 +9,7 @@ from kvdrive.runtime.engine import AsyncEngine
 from kvdrive.runtime.prompt import Tokenizer
 from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
 from kvdrive.runtime.server.auth import ApiKey
+from kvdrive.runtime.server.kv_events import KVEventPublisher
 from kvdrive.runtime.server.metrics import ServerMetrics
 from kvdrive.runtime.server.routing_api import RoutingSource
 
@@ -42,3 +43,4 @@ class ServerState:
     started: int
     health: Callable[[], dict[str, str]] = dict  # degraded tier -> why
     routing: RoutingSource | None = None  # what a router learns from this replica (``routing_api``)
+    kv_events: KVEventPublisher | None = None  # its KV-event publisher (``serve`` starts and closes it)

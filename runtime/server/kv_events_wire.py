@@ -1,0 +1,77 @@
+"""The KV-event wire format: vLLM's ``kv_events`` messages, byte for byte, and how KVDrive's tiers map onto it.
+
+A message is a ZMQ multipart ``(topic, sequence, payload)``: the topic as the publisher was told
+(``--kv-events-topic``; llm-d expects ``kv@<pod>@<model>``), the batch's sequence number as 8 bytes big-endian,
+and the payload, one msgpack ``EventBatch``. Structs are msgspec *tagged arrays*, as vLLM declares them
+(``array_like``, ``tag=True``, ``omit_defaults``), which is what llm-d's KV-cache indexer and Dynamo's KV router
+decode:
+
+- ``EventBatch`` = ``[ts, [event, ...], data_parallel_rank]``
+- ``BlockStored`` = ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name]``
+- ``BlockRemoved`` = ``["BlockRemoved", block_hashes, medium]``
+- ``AllBlocksCleared`` = ``["AllBlocksCleared"]``
+
+A block is one KVDrive page (``page_size`` tokens, every layer); its hash is the page's 16-byte content digest
+(``kvdrive.runtime.prompt.digests``), sent as msgpack bin (vLLM's ``ExternalBlockHash`` is bytes or int). The
+medium names the tier: ``GPU`` (the device tier), ``CPU`` (host DRAM), ``DISK`` (the NVMe tier).
+
+The replay socket (ZMQ ROUTER) answers a request ``(identity, b"", start_seq 8 bytes big-endian)`` with every
+buffered batch from ``start_seq`` on, each ``(identity, b"", seq, payload)``, then ``(identity, b"", -1, b"")``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+MEDIUM: dict[str, str] = {"gpu": "GPU", "dram": "CPU", "ssd": "DISK"}  # tier name -> medium
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """One change to what a pod holds."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None  # the page before the first of block_hashes; None at a sequence's start
+    token_ids: list[int]  # every token of the stored pages, in order (none for pages recovered from disk)
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def decoder() -> msgspec.msgpack.Decoder[EventBatch]:
+    return msgspec.msgpack.Decoder(EventBatch)
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=True)
+
+
+def seq_of(frame: bytes) -> int:
+    return int.from_bytes(frame, "big", signed=True)
+

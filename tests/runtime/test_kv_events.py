@@ -1,0 +1,233 @@
+"""KV events on vLLM's wire: a subscriber learns what a replica's tiers hold as it changes.
+
+A replica runs with a small device tier and DRAM and no SSD tier. A subscriber connects over TCP, as a router
+or llm-d's indexer does. A first document's pages are announced as stored (on the tier they were written to,
+with their tokens and parent chain) within 100 ms of the tier publishing them; a second document pushes them out
+of DRAM, the last tier, and each is announced removed there. Replaying the announced changes gives exactly
+what the tiers hold. A consumer that joins late asks the replay socket for everything from sequence 0 and gets
+the batches the subscriber saw, starting with AllBlocksCleared. The messages are msgspec tagged arrays, frame
+for frame what vLLM sends and what llm-d's decoder reads.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import msgspec
+import pytest
+import torch
+import zmq
+from enginekit import PAGE, run_dry, with_reserve
+
+from kvdrive.runtime.engine import (
+    EngineConfig,
+    LLMEngine,
+    ModelRunner,
+    Request,
+    SamplingParams,
+    SchedulerConfig,
+    TierConfig,
+)
+from kvdrive.runtime.kvcache.page_events import PageEvents
+from kvdrive.runtime.model import LoadedModel, load_model
+from kvdrive.runtime.prompt import page_digests
+from kvdrive.runtime.server.kv_events import KVEventPublisher, KVEventsConfig, to_events
+from kvdrive.runtime.server.kv_events_wire import (
+    END_SEQ,
+    MEDIUM,
+    EventBatch,
+    decoder,
+    encoder,
+    seq_bytes,
+    seq_of,
+)
+
+MEDIUM_TIER = {m: t for t, m in MEDIUM.items()}
+
+
+@pytest.fixture
+def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
+    return load_model(str(path), progress=False)
+
+
+def _engine(loaded: LoadedModel, gpu_pages: int, dram_pages: int) -> LLMEngine:
+    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
+    shape = EngineConfig(page_size=PAGE, max_sequences=1, placement="lru", full_attention=True)
+    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
+        envelope_bytes=with_reserve(layout, gpu_pages * layout.page_bytes, shape),
+        dram_bytes=dram_pages * layout.page_bytes)))
+    return LLMEngine(gen, SchedulerConfig(max_running=1))
+
+
+def _prompt(n: int, seed: int) -> tuple[int, ...]:
+    return tuple(torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+class Subscriber:
+    """A SUB socket on its own thread, stamping each message's arrival (time.time())."""
+
+    def __init__(self, address: str) -> None:
+        self.messages: list[tuple[float, int, EventBatch]] = []
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 50)
+        self._sock.connect(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        dec = decoder()
+        while not self._stop.is_set():
+            try:
+                topic, seq, payload = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            self.messages.append((time.time(), seq_of(seq), dec.decode(payload)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+
+
+def _wait(cond, seconds: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _held(batches: list[EventBatch]) -> dict[bytes, set[str]]:
+    """What a consumer knows after applying the batches: page -> the media holding it."""
+    held: dict[bytes, set[str]] = {}
+    for batch in batches:
+        for ev in batch.events:
+            kind = type(ev).__name__
+            if kind == "AllBlocksCleared":
+                held.clear()
+            elif kind == "BlockStored":
+                for h in ev.block_hashes:
+                    held.setdefault(h, set()).add(ev.medium)
+            else:
+                for h in ev.block_hashes:
+                    held.get(h, set()).discard(ev.medium)
+                    if not held.get(h, True):
+                        del held[h]
+    return held
+
+
+def _truth(engine: LLMEngine) -> dict[bytes, set[str]]:
+    store = engine.runner.cache.store
+    with store._lock:
+        return {k.digest: {MEDIUM[t] for t, c in b.copies.items() if c.ready}
+                for k, b in store._blocks.items() if k.layer == 0 and any(c.ready for c in b.copies.values())}
+
+
+def test_a_subscriber_hears_pages_stored_within_100ms_and_removed_from_their_last_tier(tiny: LoadedModel) -> None:
+    engine = _engine(tiny, gpu_pages=8, dram_pages=12)
+    cache = engine.runner.cache
+    events = PageEvents()
+    stored_at: dict[bytes, float] = {}
+    changed = events.changed
+
+    def stamped(digest: bytes, tier, stored: bool) -> None:  # type: ignore[no-untyped-def]
+        if stored:
+            stored_at.setdefault(digest, time.time())
+        changed(digest, tier, stored)
+
+    events.changed = stamped  # type: ignore[method-assign]
+    cache.watch_pages(events)
+    pub = KVEventPublisher(events, KVEventsConfig("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv@pod@tiny",
+                                                  heartbeat_seconds=0.05), PAGE)
+    pub.start()
+    sub = Subscriber(pub.address)  # type: ignore[arg-type]
+    try:
+        _wait(lambda: len(sub.messages) >= 2)  # heartbeats arrive: the subscription is live
+        first, second = _prompt(20 * PAGE, seed=1), _prompt(20 * PAGE, seed=2)
+        engine.add_request(Request("a", first, SamplingParams(max_tokens=2, ignore_eos=True), 0.0))
+        run_dry(engine)
+        digests = page_digests(cache.root, first, PAGE)
+        _wait(lambda: set(digests) <= set(_held([m[2] for m in sub.messages])))
+        # stored: every page, with its tokens and parent chain, within 100 ms of the tier publishing it
+        seen: dict[bytes, float] = {}
+        tokens_of: dict[bytes, list[int]] = {}
+        parents: dict[bytes, bytes | None] = {}
+        for at, _seq, batch in sub.messages:
+            for ev in batch.events:
+                if type(ev).__name__ == "BlockStored":
+                    assert ev.block_size == PAGE and len(ev.token_ids) == PAGE * len(ev.block_hashes)
+                    parent = ev.parent_block_hash
+                    for i, h in enumerate(ev.block_hashes):
+                        seen.setdefault(h, at)
+                        tokens_of.setdefault(h, ev.token_ids[i * PAGE : (i + 1) * PAGE])
+                        parents.setdefault(h, parent)
+                        parent = h
+        lag = [seen[d] - stored_at[d] for d in digests]
+        assert max(lag) < 0.1, f"a page reached the subscriber {max(lag) * 1000:.0f} ms after it was stored"
+        assert [tokens_of[d] for d in digests] == [list(first[i * PAGE : (i + 1) * PAGE]) for i in range(20)]
+        assert [parents[d] for d in digests] == [None, *digests[:-1]]
+        # removed: a second document pushes the first out of DRAM, the last tier
+        engine.add_request(Request("b", second, SamplingParams(max_tokens=2, ignore_eos=True), 1.0))
+        run_dry(engine)
+        _wait(lambda: _held([m[2] for m in sub.messages]) == _truth(engine))
+        gone = [d for d in digests if d not in _truth(engine)]
+        assert len(gone) >= 10, "the second document should have evicted most of the first"
+        removed = {(h, ev.medium) for _at, _s, b in sub.messages for ev in b.events
+                   if type(ev).__name__ == "BlockRemoved" for h in ev.block_hashes}
+        assert all((d, "CPU") in removed for d in gone)  # each announced gone from DRAM, its last tier
+        # a consumer joining late replays from sequence 0: the same batches, AllBlocksCleared first
+        seqs = [s for _at, s, _b in sub.messages]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "the subscriber missed a batch"
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.connect(pub.replay_address)  # type: ignore[arg-type]
+        dealer.send_multipart((b"", seq_bytes(0)))
+        replayed: dict[int, EventBatch] = {}
+        while True:
+            _empty, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            replayed[seq_of(seq)] = decoder().decode(payload)
+        dealer.close(linger=0)
+        assert type(replayed[0].events[0]).__name__ == "AllBlocksCleared"
+        assert all(replayed[s] == b for _at, s, b in sub.messages)
+        assert _held([replayed[s] for s in sorted(replayed)]) == _truth(engine)
+    finally:
+        sub.close()
+        pub.close()
+        cache.close()
+
+
+def test_the_wire_is_vllms_tagged_arrays() -> None:
+    """What llm-d's decoder reads: [ts, [event...], rank], each event [tag, fields...] in vLLM's order."""
+    events = PageEvents()
+    a, b = b"a" * 16, b"b" * 16
+    events.describe([(a, None, (1, 2, 3, 4)), (b, a, (5, 6, 7, 8))])
+    events.changed(a, "gpu", True)
+    events.changed(b, "gpu", True)
+    events.changed(a, "gpu", False)
+    events.changed(a, "ssd", True)
+    wire = encoder().encode(EventBatch(ts=1.5, events=to_events(events.take(0.0), 4), data_parallel_rank=0))
+    assert msgspec.msgpack.decode(wire) == [1.5, [
+        ["BlockStored", [a, b], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "GPU", None],
+        ["BlockRemoved", [a], "GPU"],
+        ["BlockStored", [a], None, [1, 2, 3, 4], 4, None, "DISK", None],
+    ], 0]
+    events.changed(a, "ssd", False)  # its last tier: the page and its tokens are forgotten ...
+    assert [(c.tier, c.stored) for c in events.take(0.0)] == [("ssd", False)]
+    events.changed(a, "dram", True)  # ... so a copy that comes back later is announced without them
+    assert [(c.tier, c.stored, c.info) for c in events.take(0.0)] == [("dram", True, None)]
+
+
+def test_an_address_that_cannot_be_bound_fails_at_start() -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        pub = KVEventPublisher(PageEvents(), KVEventsConfig(f"tcp://*:{taken.getsockname()[1]}"), PAGE)
+        with pytest.raises(RuntimeError, match="KV events: Address already in use"):
+            pub.start()
