@@ -12,6 +12,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvdrive.router.kv_events import EventSource
+
 log = logging.getLogger("kvdrive.router")
 
 
@@ -23,6 +25,7 @@ class RoutingInfo:
     root: bytes
     page_size: int
     instance: str
+    kv_events: EventSource | None = None  # where it publishes KV events, if it does
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """The router's state and its background work: discovery, polling each replica (routing info, the pages it
-holds, its queue), the tokenizer learned from the replicas, and picking the replica for a prompt."""
+holds, its queue), following the KV events of those that publish them (their page lists are then polled only
+to start over, or while their events are down), the tokenizer learned from the replicas, and picking the
+replica for a prompt."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvdrive.router.backends import Backend, BackendPool, Health, RoutingInfo
 from kvdrive.router.discovery import Discovery
 from kvdrive.router.index import PrefixIndex
+from kvdrive.router.kv_events import EventFeed, EventSource
 from kvdrive.router.selection import Candidate, Decision, Policy, affinity_key, choose
 from kvdrive.runtime.prompt import DIGEST_BYTES, Tokenizer, TokenizerError, page_digests, salted_root
 
@@ -33,6 +36,8 @@ class RouterConfig:
     max_body_bytes: int = 8 << 20
     isolate_tenants: bool = False  # the replicas run --isolate-tenants: a prompt's pages are keyed by its caller's key
     attempts: int = 3  # replicas tried for one request while nothing has been streamed
+    kv_events: bool = True  # follow the KV events of replicas that publish them (else poll their page lists)
+    events_stale_seconds: float = 3.0  # events unheard this long: the stream is down, poll again
 
 
 class Router:
@@ -41,6 +46,7 @@ class Router:
         self.discovery = discovery
         self.pool = BackendPool(config.health)
         self.index = PrefixIndex(config.recent_seconds)
+        self.feed = EventFeed(self.index, config.events_stale_seconds)
         self.tokenizer: Tokenizer | None = None
         self.turn = 0
         self.session: aiohttp.ClientSession | None = None
@@ -61,6 +67,7 @@ class Router:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.feed.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -87,6 +94,7 @@ class Router:
         _, removed = self.pool.set_urls(urls)
         for u in removed:
             self.index.forget(u)
+            self.feed.drop(u)
             self._last_index.pop(u, None)
 
     def _headers(self) -> dict[str, str]:
@@ -113,19 +121,27 @@ class Router:
                 pass
             async with await self._get(b, "/v1/kvdrive/routing") as r:
                 raw = await r.json()
+            events = raw.get("kv_events") if self.config.kv_events else None
             info = RoutingInfo(str(raw["model"]), bytes.fromhex(raw["root"]), int(raw["page_size"]),
-                               str(raw["instance"]))
+                               str(raw["instance"]), EventSource(
+                                   int(events["port"]), None if events.get("replay_port") is None
+                                   else int(events["replay_port"]), str(events.get("topic", "")))
+                               if isinstance(events, dict) else None)
             if b.info is not None and b.info.instance != info.instance:
                 log.info("replica %s restarted (new instance): its index starts over", b.url)
                 self.index.forget(b.url)
+                self.feed.drop(b.url)
                 self._last_index.pop(b.url, None)
+            if b.url in self.pool.backends:
+                self.feed.follow(b.url, info.kv_events)
             async with self._learning:  # one replica's copy is enough (Gemma 3's is megabytes)
                 if self.tokenizer is None:
                     async with await self._get(b, "/v1/kvdrive/tokenizer") as r:
                         spec = await r.json()
                     self.tokenizer = await asyncio.to_thread(Tokenizer.from_spec, spec)
                     log.info("tokenizer of %s learned from %s", info.model, b.url)
-            if started - self._last_index.get(b.url, -1e9) >= self.config.index_seconds:
+            due = started - self._last_index.get(b.url, -1e9) >= self.config.index_seconds
+            if self.feed.wants_snapshot(b.url) or (due and not self.feed.live(b.url, started)):
                 async with await self._get(b, "/v1/kvdrive/prefixes") as r:
                     body = await r.read()
                 self.index.replace(b.url, (body[i : i + DIGEST_BYTES] for i in range(0, len(body), DIGEST_BYTES)),

@@ -11,6 +11,11 @@ wrong token):
   on the benchmark's fleet, go to other replicas and compute it again). When the request ends they count
   as learned then, and last ``recent_seconds`` unless a poll that started after that confirms them.
 A replica that restarted (a new instance id), left or failed is forgotten.
+
+A replica that publishes KV events (``kv_events``) is followed change by change instead: a page counts while
+some tier (medium) holds it, and a ``BlockRemoved`` on its last tier forgets it at once. Events that start from
+the replica's ``AllBlocksCleared`` are its exact state and replace what a poll found; a page only a poll found
+(its tiers unknown: events joined late) is forgotten at its first ``BlockRemoved``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ class PrefixIndex:
         self._polled: dict[str, frozenset[bytes]] = {}
         self._recent: dict[str, dict[bytes, float]] = {}  # replica -> digest -> when it was learned
         self._pinned: dict[str, dict[bytes, int]] = {}  # replica -> digest -> requests in flight with it
+        self._evented: dict[str, dict[bytes, set[str]]] = {}  # replica -> digest -> media holding it (KV events)
 
     def replace(self, replica: str, digests: Iterable[bytes], polled_at: float) -> None:
         """What a poll that started at ``polled_at`` found on ``replica``."""
@@ -55,8 +61,35 @@ class PrefixIndex:
         if learned:
             self.learn(replica, digests, now)
 
+    def events_cleared(self, replica: str) -> None:
+        """The replica's events start over (``AllBlocksCleared``): from here they are its exact state."""
+        self._evented[replica] = {}
+        self._polled[replica] = frozenset()
+
+    def events_stored(self, replica: str, digests: Sequence[bytes], medium: str) -> None:
+        held = self._evented.setdefault(replica, {})
+        for d in digests:
+            held.setdefault(d, set()).add(medium)
+
+    def events_removed(self, replica: str, digests: Sequence[bytes], medium: str) -> None:
+        """Pages gone from one medium; those on no other are gone from the replica."""
+        held = self._evented.get(replica, {})
+        gone = []
+        for d in digests:
+            media = held.get(d)
+            if media is not None:
+                media.discard(medium)
+                if media:
+                    continue
+                del held[d]
+            gone.append(d)
+        polled = self._polled.get(replica)
+        if polled and gone:
+            self._polled[replica] = polled.difference(gone)
+
     def forget(self, replica: str) -> None:
         self._polled.pop(replica, None)
+        self._evented.pop(replica, None)
         self._recent.pop(replica, None)
         self._pinned.pop(replica, None)
 
@@ -67,14 +100,14 @@ class PrefixIndex:
     def matched(self, replica: str, digests: Sequence[bytes]) -> int:
         """How many of the prompt's leading pages ``replica`` holds (stops at the first it lacks)."""
         polled, recent = self._polled.get(replica, frozenset()), self._recent.get(replica, {})
-        pinned = self._pinned.get(replica, {})
+        pinned, evented = self._pinned.get(replica, {}), self._evented.get(replica, {})
         n = 0
         for d in digests:
-            if d not in polled and d not in recent and d not in pinned:
+            if d not in polled and d not in recent and d not in pinned and d not in evented:
                 break
             n += 1
         return n
 
     def pages(self, replica: str) -> int:
         return len(self._polled.get(replica, frozenset()) | self._recent.get(replica, {}).keys()
-                   | self._pinned.get(replica, {}).keys())
+                   | self._pinned.get(replica, {}).keys() | self._evented.get(replica, {}).keys())

@@ -1,5 +1,6 @@
 """The router's Prometheus metrics: decisions by reason, prefix tokens matched, retries, and per replica
-its in-flight requests, queue, errors, whether it is in service and how many pages the index holds."""
+its in-flight requests, queue, errors, whether it is in service, how many pages the index holds and whether its
+KV events are followed."""
 
 from __future__ import annotations
 
@@ -60,7 +61,11 @@ class RouterMetrics(Collector):
                                     labels=["backend"]),
             "pages": GaugeMetricFamily("kvdrive_router_backend_index_pages", "pages the index says it holds",
                                        labels=["backend"]),
+            "events": GaugeMetricFamily("kvdrive_router_backend_kv_events_live", "1 while its KV events are heard "
+                                        "and in step (its page list is not polled)", labels=["backend"]),
         }
+        batches = CounterMetricFamily("kvdrive_router_backend_kv_event_batches", "KV-event batches applied",
+                                      labels=["backend"])
         errors = CounterMetricFamily("kvdrive_router_backend_errors", "failed requests and polls",
                                      labels=["backend"])
         for b in list(self.router.pool.backends.values()):
@@ -69,6 +74,9 @@ class RouterMetrics(Collector):
             families["load"].add_metric([b.url], b.load)
             families["up"].add_metric([b.url], 1 if b.usable(now) else 0)
             families["pages"].add_metric([b.url], self.router.index.pages(b.url))
+            families["events"].add_metric([b.url], 1 if self.router.feed.live(b.url, now) else 0)
+            batches.add_metric([b.url], self.router.feed.batches(b.url))
             errors.add_metric([b.url], b.errors)
         yield from families.values()
         yield errors
+        yield batches

@@ -76,6 +76,10 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     rt.add_argument("--affinity-share", type=float, default=0.5,
                     help="the prefix router's --affinity-share (above 1: route by cost alone)")
     rt.add_argument("--no-faults", action="store_true", help="skip the run with a replica and the router killed")
+    rt.add_argument("--kv-events", action="store_true",
+                    help="one more prefix run whose replicas publish KV events, followed by the router")
+    rt.add_argument("--policies", nargs="*", choices=("round-robin", "prefix"), default=["round-robin", "prefix"],
+                    help="the comparison runs (the router's --policy)")
     rt.add_argument("--fault-seconds", type=float, default=120.0, help="length of that run")
     rt.add_argument("--out", type=Path, default=Path("bench/results/routing.json"))
     wb = bsub.add_parser("weights", help="accuracy of each weight format against fp32 (chats, documents, pass keys)")
@@ -162,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         res = routing_bench.run_routing_bench(args.work_dir, args.replicas, args.clients, args.seconds,
                                               args.replica_threads, not args.no_faults,
                                               fault_seconds=args.fault_seconds, ssd_budget=args.replica_ssd,
-                                              affinity_share=args.affinity_share)
+                                              affinity_share=args.affinity_share, kv_events=args.kv_events,
+                                              policies=tuple(args.policies))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(asdict(res), indent=2) + "\n")
         report = routing_report.markdown(res, "kvdrive bench routing " + " ".join(sys.argv[3:]))

@@ -164,3 +164,17 @@ model_max_length  # unused variable (TokenizerInfo)
 mount_path  # unused variable (VolumeMount)
 read_only  # unused variable (VolumeMount)
 sub_path  # unused variable (VolumeMount)
+
+# gRPC calls these servicer methods by their service's method names (router/extproc.py: grpc.health.v1.Health)
+_.Check  # unused method (router/extproc.py)
+_.List  # unused method (router/extproc.py)
+_.Watch  # unused method (router/extproc.py)
+
+# runtime/server/kv_events_wire.py: vLLM's kv_events struct fields, encoded by msgspec in declaration order
+parent_block_hash  # unused variable (BlockStored)
+block_size  # unused variable (BlockStored)
+lora_id  # unused variable (BlockStored)
+lora_name  # unused variable (BlockStored)
+ts  # unused variable (EventBatch)
+data_parallel_rank  # unused variable (EventBatch)
+_.replay_address  # unused attribute (KVEventPublisher: where a bound wildcard replay port landed; tests connect)

@@ -6,6 +6,9 @@ with the same requests (``routing_workload``). Measured per run: client TTFT (al
 completion tokens/s, and from the replicas' own counters the prompt tokens received, the pages reused and
 so the prefill tokens computed; from the router, its decisions by reason.
 
+With ``kv_events`` one more prefix run has the replicas publish KV events, which the router follows instead
+of polling their page lists (``kvdrive.router.kv_events``): its reuse is compared with the polling run's.
+
 The fault run repeats the prefix run and, during it, kills one replica (SIGKILL: its in-flight requests
 are lost), restarts it, then kills and restarts the router; it reports the requests lost, how long the
 router kept the dead replica in service, when it rejoined, and how soon prefix hits resumed after the
@@ -120,9 +123,10 @@ async def _fault_script(fleet: Fleet, seconds: float, log: dict[str, object]) ->
     log["first_prefix_hit_after_router_restart_s"] = round(loop.time() - t_router, 2)
 
 
-def _run(root: Path, policy: str, args: RunArgs, seconds: float, with_faults: bool) -> RunResult:
+def _run(root: Path, policy: str, args: RunArgs, seconds: float, with_faults: bool,
+         kv_events: bool = False) -> RunResult:
     fleet = Fleet(root, args.replicas, policy, args.threads, args.ssd_budget,
-                  ("--affinity-share", str(args.affinity_share)))
+                  ("--affinity-share", str(args.affinity_share)), kv_events=kv_events)
     try:
         fleet.start()
         bar = tqdm(desc=f"{policy}{' + faults' if with_faults else ''}: requests", unit="req")
@@ -140,7 +144,7 @@ def _run(root: Path, policy: str, args: RunArgs, seconds: float, with_faults: bo
                                                         "kvdrive_router_decisions")) as counters:
             samples = asyncio.run(go())
         bar.close()
-        result = _summary(policy, samples, fleet, counters)
+        result = _summary(policy + (" + kv events" if kv_events else ""), samples, fleet, counters)
         if with_faults:
             faults.update(_fault_counts(samples, faults))
             result = RunResult(**{**asdict(result), "faults": faults})
@@ -179,13 +183,17 @@ class RunArgs:
 def run_routing_bench(work_dir: str, replicas: int = 3, clients: int = 16, seconds: float = 120.0,
                       threads: int = 1, faults: bool = True, seed: int = 0,
                       fault_seconds: float = 120.0, ssd_budget: str = "1GiB",
-                      affinity_share: float = 0.5) -> RoutingBenchResult:
+                      affinity_share: float = 0.5, kv_events: bool = False,
+                      policies: tuple[str, ...] = ("round-robin", "prefix")) -> RoutingBenchResult:
+    """``kv_events``: one more prefix run whose replicas publish KV events (the router follows them)."""
     args = RunArgs(replicas, clients, threads, Workload(seed=seed), ssd_budget, affinity_share)
     root = Path(work_dir) / f"run-{int(time.time())}"
     out = RoutingBenchResult(replicas, clients, seconds, asdict(args.workload), host=os.uname().nodename,
                              replica_ssd=ssd_budget, affinity_share=affinity_share)
-    for policy in ("round-robin", "prefix"):
+    for policy in policies:
         out.runs.append(_run(root / policy, policy, args, seconds, with_faults=False))
+    if kv_events:
+        out.runs.append(_run(root / "prefix-events", "prefix", args, seconds, with_faults=False, kv_events=True))
     if faults:
         out.runs.append(_run(root / "prefix-faults", "prefix", args, fault_seconds, with_faults=True))
     return out

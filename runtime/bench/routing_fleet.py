@@ -122,16 +122,19 @@ class Counters:
 
 class Fleet:
     def __init__(self, root: Path, replicas: int, policy: str, threads: int, ssd_budget: str = "1GiB",
-                 router_args: tuple[str, ...] = ()) -> None:
+                 router_args: tuple[str, ...] = (), kv_events: bool = False) -> None:
+        """``kv_events``: the replicas publish KV events (the router follows them instead of polling)."""
         root.mkdir(parents=True, exist_ok=True)
         self.replicas = []
         for i in range(replicas):
             d = root / f"replica{i}"
             d.mkdir(exist_ok=True)
             port = _port()
+            events = ["--kv-events-endpoint", f"tcp://*:{_port()}", "--kv-events-replay-endpoint",
+                      f"tcp://*:{_port()}"] if kv_events else []
             self.replicas.append(Proc(["serve", "--model", "demo", "--port", str(port), "--gpu-budget", GPU_BUDGET,
                                        "--dram-budget", DRAM_BUDGET, "--ssd-dir", str(d / "ssd"), "--ssd-budget",
-                                       ssd_budget, "--threads", str(threads)], port, d / "serve.log"))
+                                       ssd_budget, "--threads", str(threads), *events], port, d / "serve.log"))
         rport = _port()
         self.router = Proc(["route", "--port", str(rport), "--policy", policy, "--poll-seconds", "0.5", *router_args,
                             *[a for r in self.replicas for a in ("--backend", r.url)]], rport, root / "router.log")

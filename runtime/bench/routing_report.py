@@ -57,6 +57,27 @@ def goals(result: RoutingBenchResult) -> str:
         f"{px.requests - px.errors} vs {rr.requests - rr.errors}."])
 
 
+def events(result: RoutingBenchResult) -> str:
+    """The prefix run whose router followed KV events against the one that polled page lists."""
+    by = {r.policy: r for r in result.runs if not r.faults}
+    poll, ev = by.get("prefix"), by.get("prefix + kv events")
+    if poll is None or ev is None:
+        return ""
+    lines = ["## KV events against polling (prefix runs)"]
+    same = sorted(set(poll.computed_by_request) & set(ev.computed_by_request))
+    if same:
+        a, b = sum(ev.computed_by_request[k] for k in same), sum(poll.computed_by_request[k] for k in same)
+        lines.append(f"- Prefill computed on the same requests ({len(same)} prompts both runs answered), events / "
+                     f"polling: **{a / max(1, b):.2f}** ({a} vs {b} tokens; not worse: "
+                     f"{'yes' if a <= b * 1.05 else 'NO'}, within 5%).")
+    for name, r in (("polling", poll), ("events", ev)):
+        done = max(1, r.requests - r.errors)
+        lines.append(f"- {name}: {r.prefix_pages_reused} pages reused, {r.prefill_tokens_computed} prefill tokens "
+                     f"computed ({r.prefill_tokens_computed / done:.0f} per answered request), "
+                     f"TTFT p50 {_p(r.ttft_ms, 'p50')} s.")
+    return "\n".join(lines)
+
+
 def faults(result: RoutingBenchResult) -> str:
     runs = [r for r in result.runs if r.faults]
     if not runs:
@@ -77,8 +98,8 @@ def markdown(result: RoutingBenchResult, command: str) -> str:
         f"{int(100 * float(result.workload['shared_share']))}% of requests ask about one of "
         f"{result.workload['documents']} shared documents (1.5-3K tokens), the rest are unique prompts; "
         f"{result.workload['max_tokens']} tokens per answer; host {result.host}. Command: `{command}`.",
-        table(result), "## Goals", goals(result), "## Faults (prefix run with a replica killed and the router "
-        "restarted)", faults(result)]) + "\n"
+        table(result), "## Goals", goals(result), *([events(result)] if events(result) else []),
+        "## Faults (prefix run with a replica killed and the router restarted)", faults(result)]) + "\n"
 
 
 def plot(result: RoutingBenchResult, path: str) -> bool:

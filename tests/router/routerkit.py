@@ -60,13 +60,13 @@ def _start(args: list[str], port: int, log: Path, wait_s: float) -> Process:
     raise RuntimeError(f"{args[0]} not ready in {wait_s}s: {log.read_text()[-2000:]}")
 
 
-def start_replica(tmp: Path, name: str, port: int | None = None, wait_s: float = 180.0) -> Process:
+def start_replica(tmp: Path, name: str, *extra: str, port: int | None = None, wait_s: float = 180.0) -> Process:
     d = tmp / name
     d.mkdir(exist_ok=True)
     port = port or free_port()
     return _start(["serve", "--model", "demo", "--port", str(port), "--api-key-file", str(key_file(tmp)),
                    "--gpu-budget", "56MiB", "--dram-budget", "64MiB", "--ssd-dir", str(d / "ssd"),
-                   "--ssd-budget", "512MiB", "--threads", "1"], port, d / "serve.log", wait_s)
+                   "--ssd-budget", "512MiB", "--threads", "1", *extra], port, d / "serve.log", wait_s)
 
 
 def start_router(tmp: Path, backends: list[str], *extra: str, wait_s: float = 60.0) -> Process:
