@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -64,21 +65,35 @@ def prompt_tokens(path: str, body: bytes, tokenizer: Tokenizer | None,
         return None
 
 
-def _bearer(authorization: str | None) -> str | None:
+def bearer(authorization: str | None) -> str | None:
     """The credential of a ``Bearer`` Authorization header (the replica checks it; the router only hashes)."""
     scheme, _, credential = (authorization or "").strip().partition(" ")
     return credential.strip() if scheme.lower() == "bearer" and credential.strip() else None
 
 
-def create_app(router: Router) -> FastAPI:
+class Listener(Protocol):
+    """Another face of the same router, started on its event loop after it (the ext_proc endpoint picker)."""
+
+    async def start(self, metrics: RouterMetrics) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def create_app(router: Router, listeners: Sequence[Listener] = ()) -> FastAPI:
     metrics = RouterMetrics(router)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
+        started: list[Listener] = []
         try:
+            for listener in listeners:
+                await listener.start(metrics)
+                started.append(listener)
             yield
         finally:
+            for listener in reversed(started):
+                await listener.stop()
             await router.stop()
 
     app = FastAPI(title="KVDrive router", version="0.1.0", lifespan=lifespan,
@@ -109,7 +124,7 @@ def create_app(router: Router) -> FastAPI:
             return error(413, f"request body over {router.config.max_body_bytes} bytes", "invalid_request_error")
         prompt = None
         if request.method == "POST" and path in PROMPTED:
-            tenant = _bearer(request.headers.get("authorization")) if router.config.isolate_tenants else None
+            tenant = bearer(request.headers.get("authorization")) if router.config.isolate_tenants else None
             prompt = await asyncio.to_thread(prompt_tokens, path, body, router.tokenizer, tenant)
         tokens = prompt[0] if prompt is not None else None
         digests = router.digests_for(*prompt) if prompt is not None else None

@@ -34,6 +34,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "the replicas run --isolate-tenants: a prompt's pages are found under its caller's key"))
     p.add_argument("--max-body-bytes", type=parse_size, default=8 << 20)
     p.add_argument("--poll-seconds", type=float, default=1.0)
+    p.add_argument("--ignore-kv-events", action="store_true", help=(
+        "poll every replica's page list even when it publishes KV events (by default the router follows them)"))
+    p.add_argument("--ext-proc-port", type=int, default=0, metavar="PORT", help=(
+        "also serve Envoy ext_proc on this port (on --host), as the Gateway API Inference Extension's "
+        "endpoint picker, with gRPC health; 0: off (GIE's usual port is 9002)"))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -42,6 +47,7 @@ def run(args: argparse.Namespace) -> None:
     from kvdrive.router.app import create_app
     from kvdrive.router.core import Router, RouterConfig
     from kvdrive.router.discovery import Discovery, EndpointSliceDiscovery, StaticDiscovery
+    from kvdrive.router.extproc import ExtProcServer
     from kvdrive.router.selection import Policy
     from kvdrive.runtime.server.auth import read_api_keys
 
@@ -55,6 +61,8 @@ def run(args: argparse.Namespace) -> None:
                     max_imbalance=args.max_imbalance, affinity_share=args.affinity_share)
     config = RouterConfig(policy=policy, api_key=api_key, max_body_bytes=args.max_body_bytes,
                           isolate_tenants=args.isolate_tenants,
-                          poll_seconds=args.poll_seconds)
+                          poll_seconds=args.poll_seconds, kv_events=not args.ignore_kv_events)
+    router = Router(config, discovery)
+    listeners = [ExtProcServer(router, args.host, args.ext_proc_port)] if args.ext_proc_port else []
     logging.getLogger("kvdrive.router").info("routing (%s) on http://%s:%d", args.policy, args.host, args.port)
-    uvicorn.run(create_app(Router(config, discovery)), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_app(router, listeners), host=args.host, port=args.port, log_level="warning")
