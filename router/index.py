@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvdrive.runtime.server.kv_events_wire import fold
+
 
 class PrefixIndex:
     def __init__(self, recent_seconds: float = 10.0) -> None:
@@ -29,7 +31,8 @@ class PrefixIndex:
         self._polled: dict[str, frozenset[bytes]] = {}
         self._recent: dict[str, dict[bytes, float]] = {}  # replica -> digest -> when it was learned
         self._pinned: dict[str, dict[bytes, int]] = {}  # replica -> digest -> requests in flight with it
-        self._evented: dict[str, dict[bytes, set[str]]] = {}  # replica -> digest -> media holding it (KV events)
+        # replica -> page (its digest's low 64 bits, as KV events name it: ``fold``) -> media holding it
+        self._evented: dict[str, dict[int, set[str]]] = {}
 
     def replace(self, replica: str, digests: Iterable[bytes], polled_at: float) -> None:
         """What a poll that started at ``polled_at`` found on ``replica``."""
@@ -66,26 +69,26 @@ class PrefixIndex:
         self._evented[replica] = {}
         self._polled[replica] = frozenset()
 
-    def events_stored(self, replica: str, digests: Sequence[bytes], medium: str) -> None:
+    def events_stored(self, replica: str, hashes: Sequence[int | bytes], medium: str) -> None:
         held = self._evented.setdefault(replica, {})
-        for d in digests:
-            held.setdefault(d, set()).add(medium)
+        for h in hashes:
+            held.setdefault(fold(h), set()).add(medium)
 
-    def events_removed(self, replica: str, digests: Sequence[bytes], medium: str) -> None:
+    def events_removed(self, replica: str, hashes: Sequence[int | bytes], medium: str) -> None:
         """Pages gone from one medium; those on no other are gone from the replica."""
         held = self._evented.get(replica, {})
-        gone = []
-        for d in digests:
-            media = held.get(d)
+        gone = set()
+        for h in map(fold, hashes):
+            media = held.get(h)
             if media is not None:
                 media.discard(medium)
                 if media:
                     continue
-                del held[d]
-            gone.append(d)
+                del held[h]
+            gone.add(h)
         polled = self._polled.get(replica)
         if polled and gone:
-            self._polled[replica] = polled.difference(gone)
+            self._polled[replica] = frozenset(d for d in polled if fold(d) not in gone)
 
     def forget(self, replica: str) -> None:
         self._polled.pop(replica, None)
@@ -103,11 +106,16 @@ class PrefixIndex:
         pinned, evented = self._pinned.get(replica, {}), self._evented.get(replica, {})
         n = 0
         for d in digests:
-            if d not in polled and d not in recent and d not in pinned and d not in evented:
+            if d not in polled and d not in recent and d not in pinned and fold(d) not in evented:
                 break
             n += 1
         return n
 
     def pages(self, replica: str) -> int:
-        return len(self._polled.get(replica, frozenset()) | self._recent.get(replica, {}).keys()
-                   | self._pinned.get(replica, {}).keys() | self._evented.get(replica, {}).keys())
+        known = self._polled.get(replica, frozenset()) | self._recent.get(replica, {}).keys() \
+            | self._pinned.get(replica, {}).keys()
+        evented = self._evented.get(replica, {})
+        if not evented:
+            return len(known)
+        folded = {fold(d) for d in known}
+        return len(known) + sum(1 for h in evented if h not in folded)

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ADDRESS",
                    help="bind a replay (ROUTER) socket here for subscribers that join late, e.g. tcp://*:5558")
     s.add_argument("--kv-events-topic", default="", help="the topic of every KV-event message (llm-d: kv@POD@MODEL)")
+    s.add_argument("--kv-events-hashes", choices=("int", "bytes"), default="int", help=(
+        "how a page is named in KV events: int (its digest's low 64 bits, vLLM's default) or bytes (the whole "
+        "16-byte digest, as vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)"))
     s.add_argument("--config", default=None,
                    help="YAML/JSON file of flag values (keys as the long flags, e.g. gpu_budget: 512MiB); "
                         "flags given on the command line win")
@@ -187,8 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
                                   step_token_budget=args.step_tokens, step_seconds=args.step_seconds,
                                   policy=args.scheduling),
         progress=sys.stderr.isatty() or args.verbose,
-        kv_events=KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic)
-        if args.kv_events_endpoint else None,
+        kv_events=KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic,
+                                 int_hashes=args.kv_events_hashes == "int") if args.kv_events_endpoint else None,
     )
     serve(opts)
     return 0

@@ -19,6 +19,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -32,7 +33,9 @@ from kvdrive.runtime.server.kv_events_wire import (
     BlockStored,
     Event,
     EventBatch,
+    ExternalBlockHash,
     encoder,
+    fold,
     seq_bytes,
     seq_of,
 )
@@ -47,6 +50,7 @@ class KVEventsConfig:
     endpoint: str  # e.g. tcp://*:5557 (bind) or tcp://indexer:5557 (connect)
     replay_endpoint: str | None = None  # e.g. tcp://*:5558 (always bound)
     topic: str = ""
+    int_hashes: bool = True  # vLLM's default: a page's hash is its digest's low 64 bits, an unsigned int
     buffer_batches: int = 10_000  # batches kept for replay
     heartbeat_seconds: float = 1.0
     hwm: int = 100_000
@@ -57,26 +61,29 @@ def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def to_events(changes: list[PageChange], page_size: int) -> list[Event]:
-    """Tier changes as wire events, in order: runs of stored pages that chain on one tier share an event."""
+def to_events(changes: list[PageChange], page_size: int, int_hashes: bool = True) -> list[Event]:
+    """Tier changes as wire events, in order: runs of stored pages that chain on one tier share an event.
+    ``int_hashes``: pages named by their digests' low 64 bits (vLLM's default), else by the whole digests."""
+    name: Callable[[bytes], ExternalBlockHash] = fold if int_hashes else bytes
     out: list[Event] = []
     for c in changes:
         medium = MEDIUM[c.tier]
         last = out[-1] if out else None
+        h = name(c.digest)
         if c.stored:
-            parent = c.info.parent if c.info is not None else None
+            parent = name(c.info.parent) if c.info is not None and c.info.parent is not None else None
             tokens = list(c.info.tokens) if c.info is not None else []
             if (isinstance(last, BlockStored) and last.medium == medium and parent is not None
                     and parent == last.block_hashes[-1] and bool(tokens) == bool(last.token_ids)):
-                last.block_hashes.append(c.digest)
+                last.block_hashes.append(h)
                 last.token_ids.extend(tokens)
                 continue
-            out.append(BlockStored(block_hashes=[c.digest], parent_block_hash=parent, token_ids=tokens,
+            out.append(BlockStored(block_hashes=[h], parent_block_hash=parent, token_ids=tokens,
                                    block_size=page_size, lora_id=None, medium=medium, lora_name=None))
         elif isinstance(last, BlockRemoved) and last.medium == medium:
-            last.block_hashes.append(c.digest)
+            last.block_hashes.append(h)
         else:
-            out.append(BlockRemoved(block_hashes=[c.digest], medium=medium))
+            out.append(BlockRemoved(block_hashes=[h], medium=medium))
     return out
 
 
@@ -147,7 +154,8 @@ class KVEventPublisher:
             while self._running.is_set():
                 if replay is not None and replay.poll(0):
                     self._replay(replay)
-                events = pending + to_events(self.events.take(WAIT_SECONDS), self.page_size)
+                events = pending + to_events(self.events.take(WAIT_SECONDS), self.page_size,
+                                             self.config.int_hashes)
                 pending = []
                 now = time.monotonic()
                 if events or now - last_sent >= self.config.heartbeat_seconds:

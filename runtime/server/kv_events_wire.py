@@ -12,9 +12,12 @@ decode:
 - ``BlockRemoved`` = ``["BlockRemoved", block_hashes, medium]``
 - ``AllBlocksCleared`` = ``["AllBlocksCleared"]``
 
-A block is one KVDrive page (``page_size`` tokens, every layer); its hash is the page's 16-byte content digest
-(``kvdrive.runtime.prompt.digests``), sent as msgpack bin (vLLM's ``ExternalBlockHash`` is bytes or int). The
-medium names the tier: ``GPU`` (the device tier), ``CPU`` (host DRAM), ``DISK`` (the NVMe tier).
+A block is one KVDrive page (``page_size`` tokens, every layer), named by the page's 16-byte content digest
+(``kvdrive.runtime.prompt.digests``). vLLM's ``ExternalBlockHash`` is an int or bytes: by default
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) the digest's low 64 bits, its last 8 bytes read big-endian, as an
+unsigned integer; otherwise the whole digest as msgpack bin. Both are sent here (``--kv-events-hashes``), int by
+default, and consumers fold either to the same 64 bits (``fold``). The medium names the tier: ``GPU`` (the
+device tier), ``CPU`` (host DRAM), ``DISK`` (the NVMe tier).
 
 The replay socket (ZMQ ROUTER) answers a request ``(identity, b"", start_seq 8 bytes big-endian)`` with every
 buffered batch from ``start_seq`` on, each ``(identity, b"", seq, payload)``, then ``(identity, b"", -1, b"")``.
@@ -26,6 +29,16 @@ import msgspec
 
 MEDIUM: dict[str, str] = {"gpu": "GPU", "dram": "CPU", "ssd": "DISK"}  # tier name -> medium
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame
+ExternalBlockHash = int | bytes
+LOW_64 = (1 << 64) - 1
+
+
+def fold(block_hash: ExternalBlockHash) -> int:
+    """A block hash as the 64 bits vLLM sends by default: an int as it is, bytes as their last 8 read big-endian
+    (what ``int.from_bytes(digest, "big")`` masked to 64 bits gives)."""
+    if isinstance(block_hash, bytes):
+        return int.from_bytes(block_hash[-8:], "big")
+    return block_hash & LOW_64
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -33,8 +46,8 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None  # the page before the first of block_hashes; None at a sequence's start
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None  # the page before the first of block_hashes; None at a sequence's start
     token_ids: list[int]  # every token of the stored pages, in order (none for pages recovered from disk)
     block_size: int
     lora_id: int | None
@@ -43,7 +56,7 @@ class BlockStored(KVCacheEvent):
 
 
 class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes]
+    block_hashes: list[ExternalBlockHash]
     medium: str | None
 
 
