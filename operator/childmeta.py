@@ -53,6 +53,11 @@ class Names:
         return self.instance
 
     @property
+    def pool(self) -> str:
+        """The InferencePool (spec.routing.mode inferencepool): named like the CR, the backend a route names."""
+        return self.instance
+
+    @property
     def router(self) -> str:
         """Every router object (ServiceAccount, Role, RoleBinding, Service, PDB, Deployment)."""
         return f"{self.instance}-router"

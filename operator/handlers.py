@@ -10,10 +10,11 @@ a conflict is reported on the CR (Degraded, reason FieldConflict), never forced.
 (``live``) in mode operator. Everything is idempotent; a CR, a child or a pod event all lead to the
 same ``Reconciler.reconcile``. ``build_registry`` returns a fresh registry (no module state).
 
-The router (``spec.routing.mode: prefix``): the client Service moves to the router's pods only once
-one of them is ready (it would cut the clients off before), and back as soon as routing is off; then
-the router's objects that this CR controls are deleted (nothing else removes them: the garbage
-collector acts only when the CR goes).
+The router (``spec.routing.mode: prefix`` or ``inferencepool``): the client Service moves to the
+router's pods only once one of them is ready (it would cut the clients off before), and back as soon as
+routing is off; then the router's objects that this CR controls are deleted, and the InferencePool when
+the mode leaves inferencepool (``pruning``). An API server that does not serve ``InferencePool`` (the
+Gateway API Inference Extension CRDs are not installed) is a pre-flight problem of a CR that needs it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 import kopf
 
-from kvdrive.operator import router_manifests
+from kvdrive.operator import inferencepool, router_manifests
 from kvdrive.operator.childmeta import (
     MANAGER,
     ROUTER_APP,
@@ -48,7 +49,7 @@ from kvdrive.operator.conditions import (
     now_rfc3339,
     status_differs,
 )
-from kvdrive.operator.kubeclient import ApiError, Conflict, KubeApi, owns_field
+from kvdrive.operator.kubeclient import ApiError, Conflict, KindNotServed, KubeApi, owns_field
 from kvdrive.operator.live import LiveController
 from kvdrive.operator.login import login
 from kvdrive.operator.manifests import admin_token_of, render
@@ -64,6 +65,7 @@ from kvdrive.operator.objects import (
     pod_ready,
 )
 from kvdrive.operator.opmetrics import MetricsServer, OperatorMetrics
+from kvdrive.operator.pruning import prune_pool, prune_router
 from kvdrive.operator.spec import GROUP, PLURAL, VERSION, KVDriveDeployment, SpecError, parse_cr, routing_of
 
 __all__ = ["CHILDREN", "CLAIMS", "CR", "PODS", "STATEFULSETS", "STORAGE_CLASSES", "Reconciler", "build_registry"]
@@ -149,9 +151,11 @@ class Reconciler:
             if model is not None:
                 problem, existing = await self._preflight(model)
                 if problem is None:
+                    # first: the router's Service, as read before the apply, says whether a pool may exist
+                    await prune_pool(self._api(), model, existing.get(("Service", Names(name).router)), logger)
                     problem = await self._apply(model, existing, logger)
                 if problem is None:
-                    await self._prune_router(model, logger)
+                    await prune_router(self._api(), model, logger)
             await self._write_status(cr, problem, logger)
             result.append(problem.reason if problem is not None else "ok")
 
@@ -183,7 +187,12 @@ class Reconciler:
                 ), existing
         for child in render(model, admin_token="-"):
             kind, child_name = child["kind"], child["metadata"]["name"]
-            existing[kind, child_name] = found = await api.get(CHILDREN[kind], namespace, child_name)
+            try:
+                existing[kind, child_name] = found = await api.get(CHILDREN[kind], namespace, child_name)
+            except KindNotServed:  # a custom resource of another project, whose CRD is not installed
+                if kind != inferencepool.KIND:
+                    raise
+                return inferencepool.missing_crd_problem(), existing
             owner = None if found is None else controller_uid(found)
             if owner is not None and owner != model.metadata.uid:
                 return Problem("ChildConflict", f"{kind} {child_name!r} is controlled by another owner ({owner})"), existing
@@ -228,22 +237,6 @@ class Reconciler:
             return True
         pods = await self._api().list(PODS, model.metadata.namespace, router_selector_labels(name))
         return any(pod_ready(pod) for pod in pods)
-
-    async def _prune_router(self, model: KVDriveDeployment, logger: logging.Logger | logging.LoggerAdapter) -> None:
-        """Routing off: delete the router's objects that this CR controls, its ServiceAccount last (so
-        that reading the ServiceAccount alone tells whether anything is left; router_manifests.KINDS)."""
-        if router_manifests.enabled(model.spec):
-            return
-        api, namespace, uid = self._api(), model.metadata.namespace, model.metadata.uid
-        name = Names(model.metadata.name).router
-        account = await api.get(CHILDREN["ServiceAccount"], namespace, name)
-        if account is None or controller_uid(account) != uid:
-            return
-        for kind in reversed(router_manifests.KINDS):
-            found = account if kind == "ServiceAccount" else await api.get(CHILDREN[kind], namespace, name)
-            if found is not None and controller_uid(found) == uid:
-                logger.info("routing off: deleting %s %s", kind, name)
-                await api.delete(CHILDREN[kind], namespace, name)
 
     async def _apply_statefulset(self, api: KubeApi, namespace: str, desired: dict[str, Any], model: KVDriveDeployment,
                                  logger: logging.Logger | logging.LoggerAdapter) -> None:

@@ -4,7 +4,8 @@ Owns transport only: a ``kubernetes.client.Configuration`` built from Kopf's ``C
 same login Kopf uses), a ``DynamicClient`` for any kind (the CRD's included), and async wrappers that
 run each blocking call in a worker thread so that Kopf's event loop never waits on the network.
 Writes are server-side apply with a named field manager; a 409 from an apply becomes ``Conflict``
-with the fields and the managers that own them. It knows nothing of KVDrive. Every call is counted
+with the fields and the managers that own them; a kind the API server does not serve (a CRD not
+installed) is ``KindNotServed``. It knows nothing of KVDrive. Every call is counted
 by (verb, resource) in ``calls``, which the scale benchmark reads.
 """
 
@@ -26,7 +27,7 @@ import kopf
 import urllib3
 from kubernetes import client as k8s
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError
+from kubernetes.dynamic.exceptions import DynamicApiError, NotFoundError, ResourceNotFoundError
 from kubernetes.dynamic.resource import Resource
 
 _CONFLICT_MANAGER = re.compile(r'conflict with "([^"]+)"')
@@ -62,6 +63,14 @@ class FieldConflict:
 
     def __str__(self) -> str:
         return f"{self.field} (owned by {self.manager!r})"
+
+
+class KindNotServed(ApiError):
+    """The API server does not serve the kind at all (its CustomResourceDefinition is not installed): no
+    call on it can succeed, unlike a 404 for one object (which ``get`` answers with None)."""
+
+    def __init__(self, ref: Ref) -> None:
+        super().__init__(404, f"the API server does not serve {ref.kind} ({ref.api_version})", ref.plural)
 
 
 class Conflict(ApiError):
@@ -169,7 +178,12 @@ class KubeApi:
             raise ApiError(int(exc.status or 0), _message(exc), what) from exc
 
     async def _bound(self, ref: Ref, subresource: str | None = None) -> Resource:
-        return await asyncio.to_thread(self._resource, ref, subresource)
+        """The kind's API resource; ``KindNotServed`` when discovery does not list it (discovery is read
+        again on a miss, so a CRD installed since is found)."""
+        try:
+            return await asyncio.to_thread(self._resource, ref, subresource)
+        except ResourceNotFoundError as exc:
+            raise KindNotServed(ref) from exc
 
     async def get(self, ref: Ref, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""

@@ -4,7 +4,8 @@ Owns what the runtime's children look like: the StatefulSet running ``kvdrive se
 hugepages sized from the DRAM tier, a local-NVMe claim for the SSD tier, probes, security
 context), the headless and client Services, the ConfigMap, the admin-token Secret and the
 PodDisruptionBudget, and ``render``: every child in creation order, the router's
-(``router_manifests``) included when ``spec.routing.mode`` is ``prefix``. No Kubernetes API and no
+(``router_manifests``) included when ``spec.routing.mode`` is ``prefix`` or ``inferencepool``, and the
+``InferencePool`` (``inferencepool``) in mode ``inferencepool``. No Kubernetes API and no
 Kopf here: the same function backs ``kvdrive-operator render`` and the reconcile handlers.
 """
 
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from kvdrive.operator import router_manifests
+from kvdrive.operator import inferencepool, router_manifests
 from kvdrive.operator.childmeta import (
     CONTAINER_PORT,
     ENGINE_TYPE,
@@ -302,7 +303,7 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
 def render(cr: KVDriveDeployment, admin_token: str, replicas: int | None | Literal["initial"] = "initial",
            clients_to_router: bool | None = None) -> list[dict[str, Any]]:
     """All children of a CR, in creation order (config and secret before the pods need them; the
-    router's ServiceAccount and RBAC before its Deployment).
+    router's ServiceAccount and RBAC before its Deployment; the InferencePool after the router's Service).
 
     ``replicas``: the StatefulSet's count; "initial" for the count a new object starts with, None to
     leave the field out (another writer owns it). ``clients_to_router``: whether the client Service
@@ -318,4 +319,5 @@ def render(cr: KVDriveDeployment, admin_token: str, replicas: int | None | Liter
         statefulset(cr, replicas),
         pdb(cr),
         *router_manifests.render(cr),
+        *inferencepool.render(cr),
     ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvdrive.operator import inferencepool
 from kvdrive.operator.childmeta import CONTAINER_PORT
 from kvdrive.operator.kubeclient import Ref
 from kvdrive.operator.spec import GROUP, KIND, PLURAL, VERSION
@@ -27,11 +28,14 @@ CHILDREN = {
     "Service": Ref("v1", "Service", "services"),
     "StatefulSet": STATEFULSETS,
     "PodDisruptionBudget": Ref("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
-    # the router's (spec.routing.mode prefix; router_manifests)
+    # the router's (spec.routing.mode prefix or inferencepool; router_manifests)
     "Deployment": Ref("apps/v1", "Deployment", "deployments"),
     "ServiceAccount": Ref("v1", "ServiceAccount", "serviceaccounts"),
     "Role": Ref("rbac.authorization.k8s.io/v1", "Role", "roles"),
     "RoleBinding": Ref("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+    # a custom resource of the Gateway API Inference Extension (spec.routing.mode inferencepool): the API
+    # server serves it only once its CRD is installed
+    inferencepool.KIND: Ref(inferencepool.API_VERSION, inferencepool.KIND, inferencepool.PLURAL),
 }
 # Field managers: the reconciler owns the children and status' conditions; the autoscaler owns the
 # StatefulSet's replicas in autoscaling mode operator; the live loop owns status.pods/budgets/autoscaling.

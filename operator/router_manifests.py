@@ -1,13 +1,16 @@
 """Pure rendering of the prefix-aware router in front of a KVDriveDeployment's replicas.
 
-Owns what the router's children look like when ``spec.routing.mode`` is ``prefix``: a Deployment
-running ``kvdrive route`` from the runtime's image, its own ServiceAccount (the only KVDrive pods
+Owns what the router's children look like when ``spec.routing.mode`` is ``prefix`` or ``inferencepool``:
+a Deployment running ``kvdrive route`` from the runtime's image, its own ServiceAccount (the only KVDrive pods
 that mount an API token), a Role and RoleBinding that let it read exactly the EndpointSlices of its
 namespace (get/list/watch, nothing else: it discovers the replicas through the headless Service's
 slices), its ClusterIP Service and its PodDisruptionBudget. Every one is named ``<name>-router`` and
 labelled ``app.kubernetes.io/name: kvdrive-router``, so that no runtime selector (StatefulSet,
 headless Service, PDB, ServiceMonitor) matches a router pod and the router's selectors match no
 runtime pod. With routing off nothing is rendered; ``KINDS`` tells the handlers what to delete then.
+In mode ``inferencepool`` the router is also the ``InferencePool``'s endpoint picker (``inferencepool``):
+it runs with ``--ext-proc-port`` and its pods and Service get that gRPC port beside plain HTTP; the
+balancing policy is ``prefix`` in both modes.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from kvdrive.operator import inferencepool
 from kvdrive.operator.childmeta import (
     CONTAINER_PORT,
     ROUTER_APP,
@@ -30,6 +34,7 @@ from kvdrive.operator.spec import KVDriveDeployment, KVDriveSpec
 
 COMPONENT = "router"
 ROUTER_PORT = 8080  # `kvdrive route --port`
+POLICY = "prefix"  # `kvdrive route --policy`, in modes prefix and inferencepool alike
 # A streamed answer passes through the router for as long as the runtime may take to finish it: the router
 # pods get the runtime pods' grace period (spec.terminationGracePeriodSeconds: a preStop sleep plus the
 # server's own drain deadline).
@@ -52,12 +57,16 @@ def enabled(spec: KVDriveSpec) -> bool:
 
 
 def route_args(cr: KVDriveDeployment) -> list[str]:
-    """``kvdrive route`` flags: replicas from the headless Service's EndpointSlices, on the runtime's port."""
-    return [
+    """``kvdrive route`` flags: replicas from the headless Service's EndpointSlices, on the runtime's port;
+    in mode inferencepool also the Envoy ext_proc endpoint picker's port."""
+    args = [
         "route", "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
         "--service", Names(cr.metadata.name).headless, "--namespace", cr.metadata.namespace,
-        "--backend-port", str(CONTAINER_PORT), "--policy", cr.spec.routing.mode,
+        "--backend-port", str(CONTAINER_PORT), "--policy", POLICY,
     ]
+    if inferencepool.enabled(cr.spec):
+        args += ["--ext-proc-port", str(inferencepool.EXT_PROC_PORT)]
+    return args
 
 
 def _meta(cr: KVDriveDeployment) -> dict[str, Any]:
@@ -89,13 +98,19 @@ def role_binding(cr: KVDriveDeployment) -> dict[str, Any]:
 
 
 def service(cr: KVDriveDeployment) -> dict[str, Any]:
-    """The router's own address (same port as the client Service, which selects the same pods)."""
-    port = {"name": "http", "port": cr.spec.service.port, "targetPort": "http", "protocol": "TCP"}
+    """The router's own address (same port as the client Service, which selects the same pods); in mode
+    inferencepool also its ext_proc port, the one the InferencePool's endpointPickerRef names."""
+    ports: list[dict[str, Any]] = [
+        {"name": "http", "port": cr.spec.service.port, "targetPort": "http", "protocol": "TCP"}]
+    if inferencepool.enabled(cr.spec):
+        ports.append({"name": inferencepool.EXT_PROC_SERVICE_PORT, "port": inferencepool.EXT_PROC_PORT,
+                      "targetPort": inferencepool.EXT_PROC_CONTAINER_PORT, "protocol": "TCP",
+                      "appProtocol": inferencepool.EXT_PROC_APP_PROTOCOL})
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _meta(cr),
-        "spec": {"type": "ClusterIP", "selector": router_selector_labels(cr.metadata.name), "ports": [port]},
+        "spec": {"type": "ClusterIP", "selector": router_selector_labels(cr.metadata.name), "ports": ports},
     }
 
 
@@ -111,6 +126,15 @@ def pdb(cr: KVDriveDeployment) -> dict[str, Any]:
     }
 
 
+def container_ports(cr: KVDriveDeployment) -> list[dict[str, Any]]:
+    """HTTP; in mode inferencepool also ext_proc (gRPC, with grpc.health.v1 on the same port)."""
+    ports: list[dict[str, Any]] = [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}]
+    if inferencepool.enabled(cr.spec):
+        ports.append({"name": inferencepool.EXT_PROC_CONTAINER_PORT, "containerPort": inferencepool.EXT_PROC_PORT,
+                      "protocol": "TCP"})
+    return ports
+
+
 def deployment(cr: KVDriveDeployment) -> dict[str, Any]:
     name = cr.metadata.name
     container = {
@@ -118,7 +142,7 @@ def deployment(cr: KVDriveDeployment) -> dict[str, Any]:
         "image": cr.spec.image,
         "command": ["kvdrive"],
         "args": route_args(cr),
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "ports": container_ports(cr),
         # it tokenizes prompts to hash their prefixes: a quarter core and a tokenizer's memory
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],

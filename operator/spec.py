@@ -159,11 +159,19 @@ class Service(Model):
     port: int = Field(default=8000, ge=1, le=65535)
 
 
-class Routing(Model):
-    """The prefix-aware router (``kvdrive route``) in front of the replicas."""
+class InferencePoolSettings(Model):
+    """The ``InferencePool`` of routing mode inferencepool (Gateway API Inference Extension)."""
 
-    mode: Literal["none", "prefix"] = "none"
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"  # the gateway when the router's ext_proc fails
+
+
+class Routing(Model):
+    """The prefix-aware router (``kvdrive route``) in front of the replicas; in mode inferencepool also the
+    endpoint picker (Envoy ext_proc) of an ``InferencePool`` of the replicas."""
+
+    mode: Literal["none", "prefix", "inferencepool"] = "none"
     replicas: int = Field(default=2, ge=1, le=16)
+    inference_pool: InferencePoolSettings = InferencePoolSettings()
 
 
 class KVDriveSpec(Model):
@@ -302,7 +310,8 @@ class AutoscalingStatus(Model):
 
 
 class RouterStatus(Model):
-    """The router's pods (routing mode prefix): how many pass their readiness probe, of how many."""
+    """The router's pods (routing mode prefix or inferencepool): how many pass their readiness probe, of how
+    many."""
 
     ready: int = 0
     desired: int = 0

@@ -193,7 +193,7 @@ def test_notes_say_what_to_do_next() -> None:
     assert "ServiceMonitor" not in notes and "ServiceMonitor" in render_notes(ALL_ON)
 
 
-@pytest.mark.parametrize("routing", ["none", "prefix"])
+@pytest.mark.parametrize("routing", ["none", "prefix", "inferencepool"])
 def test_runtime_service_monitor_scrapes_each_runtime_pod_once(routing: str) -> None:
     """Its selector picks the Services the operator renders for a CR; the relabeling keeps one. The
     router's Service is not one of them (with routing on, the client Service selects the router's pods,

@@ -4,7 +4,9 @@ The chart's ServiceAccount, ClusterRole and ClusterRoleBinding are rendered with
 library and applied to the test control plane; a token is minted for the ServiceAccount
 (TokenRequest), and the real Kopf operator logs in with it. It goes through every code path that
 talks to the API server (create, a spec change, pod readiness, a live round, a re-created
-StatefulSet, the router turned on and off, a degraded CR with its Warning Event, deletion). The API
+StatefulSet, the router turned on and off, the InferencePool of routing mode inferencepool created and
+deleted (the Gateway API Inference Extension's CRD installed), a degraded CR with its Warning Event,
+deletion). The API
 server's audit log says what the operator asked for and what it was refused: nothing may be refused
 (a permission missing from the chart; creating the router's Role also needs the rights it grants, the
 API server's escalation check), and nothing granted may go unused (a permission no code path needs),
@@ -95,6 +97,11 @@ async def _exercise(cluster: Cluster) -> None:
     await _changed(cluster, CHILDREN["Service"], "chat",
                    lambda svc: svc["spec"]["selector"]["app.kubernetes.io/name"] == "kvdrive-router",
                    "the client Service on the router")
+    # the InferencePool (routing mode inferencepool) applied, then deleted when the mode goes back to prefix
+    await cluster.patch(CR, "chat", {"spec": {"routing": {"mode": "inferencepool"}}})
+    await _changed(cluster, CHILDREN["InferencePool"], "chat", lambda obj: True, "the InferencePool")
+    await cluster.patch(CR, "chat", {"spec": {"routing": {"mode": "prefix"}}})
+    await eventually(lambda: _gone(cluster, CHILDREN["InferencePool"], "chat"), what="the InferencePool deleted")
     await cluster.patch(CR, "chat", {"spec": {"routing": {"mode": "none"}}})
     await eventually(lambda: _gone(cluster, CHILDREN["ServiceAccount"], "chat-router"), what="the router deleted")
     await cluster.delete(PODS, "chat-router-a")
@@ -128,7 +135,7 @@ async def _gone(cluster: Cluster, ref: Ref, name: str) -> bool:
     return await cluster.get(ref, name) is None
 
 
-async def test_cluster_role_grants_exactly_what_the_operator_uses(cluster: Cluster) -> None:
+async def test_cluster_role_grants_exactly_what_the_operator_uses(gie_crd: None, cluster: Cluster) -> None:
     namespace, account, role = await _install_chart_rbac(cluster)
     token = await asyncio.to_thread(cluster.plane.service_account_token, namespace, account)
     offset = cluster.plane.audit_offset()

@@ -78,7 +78,7 @@ def test_every_cel_rule_has_a_message() -> None:
     assert all(r.get("message") for r in rules)
 
 
-GOOD = ["minimal.yaml", "full.yaml", "fixed-replicas.yaml", "routing.yaml"]
+GOOD = ["minimal.yaml", "full.yaml", "fixed-replicas.yaml", "routing.yaml", "inferencepool.yaml"]
 
 
 def _set(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
@@ -136,6 +136,9 @@ GOOD_VARIANTS = [
     ("minimal.yaml", "spec.routing", {"mode": "prefix"}),
     ("minimal.yaml", "spec.routing", {"mode": "prefix", "replicas": 16}),
     ("minimal.yaml", "spec.routing", {"mode": "none", "replicas": 1}),
+    ("minimal.yaml", "spec.routing", {"mode": "inferencepool"}),
+    ("minimal.yaml", "spec.routing", {"mode": "inferencepool", "inferencePool": {"failureMode": "FailOpen"}}),
+    ("minimal.yaml", "spec.routing", {"mode": "prefix", "inferencePool": {}}),  # ignored outside inferencepool
 ]
 
 # (base example, field, value, field the rejection must name, "schema" or "cel")
@@ -169,6 +172,10 @@ BAD_VARIANTS = [
     ("minimal.yaml", "spec.routing.replicas", 0, "spec.routing.replicas", "schema"),
     ("minimal.yaml", "spec.routing.replicas", 17, "spec.routing.replicas", "schema"),
     ("minimal.yaml", "spec.routing.weights", {}, "spec.routing", "schema"),
+    ("minimal.yaml", "spec.routing.mode", "InferencePool", "spec.routing.mode", "schema"),
+    ("minimal.yaml", "spec.routing.inferencePool", {"failureMode": "FailSometimes"},
+     "spec.routing.inferencePool.failureMode", "schema"),
+    ("minimal.yaml", "spec.routing.inferencePool", {"name": "other"}, "spec.routing.inferencePool", "schema"),
     ("full.yaml", "spec.replicas", 2, "spec.replicas", "cel"),
     ("minimal.yaml", "spec.tiers.dram.size", "3Mi", "spec.tiers.dram.size", "cel"),
     ("full.yaml", "spec.tiers.dram", {"size": "1536Mi", "hugePageSize": "1Gi"}, "spec.tiers.dram.size", "cel"),

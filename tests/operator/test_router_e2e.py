@@ -61,7 +61,8 @@ async def _router_status(cluster: Cluster, ready: int) -> dict[str, Any] | None:
 async def test_routing_on_then_off(operator: Cluster) -> None:
     await ready_cluster(operator)
     cr = await operator.create(CR, chat_cr(routing={"mode": "prefix", "replicas": 2}))
-    assert cr is not None and cr["spec"]["routing"] == {"mode": "prefix", "replicas": 2}
+    assert cr is not None and cr["spec"]["routing"] == {"mode": "prefix", "replicas": 2,
+                                                        "inferencePool": {"failureMode": "FailClose"}}  # defaulted
     found = await eventually(lambda: _all_router_objects(operator), what="the router's objects")
     for (kind, _), obj in found.items():
         (owner,) = obj["metadata"]["ownerReferences"]

@@ -1,4 +1,4 @@
-"""The router's children (``spec.routing.mode: prefix``): valid for Kubernetes, selectors that never
+"""The router's children (``spec.routing.mode: prefix``, and ``inferencepool`` as endpoint picker): valid for Kubernetes, selectors that never
 cross the runtime's, least-privilege RBAC, a command line the router accepts, the client Service's
 switch, and nothing at all with routing off."""
 
@@ -169,6 +169,22 @@ def test_the_router_accepts_its_command_line() -> None:
     args = parser.parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
     assert (args.command, args.service, args.namespace, args.backend_port, args.policy, args.port) == (
         "route", "chat-headless", "inference", 8000, "prefix", 8080)
+
+
+def test_the_router_accepts_its_command_line_as_endpoint_picker() -> None:
+    """Mode inferencepool: the same router, serving Envoy ext_proc on the port the InferencePool's picker
+    reference names (skipped until ``kvdrive route`` has ``--ext-proc-port``)."""
+    from kvdrive.runtime.cli import build_parser
+
+    parser = build_parser()
+    route = next(a.choices["route"] for a in parser._actions if getattr(a, "choices", None) and "route" in a.choices)
+    if "--ext-proc-port" not in route._option_string_actions:
+        pytest.skip("kvdrive route has no --ext-proc-port in this checkout yet")
+    deployment = _named(render(_routed(mode="inferencepool"), "t"), "Deployment", "chat-router")
+    args = parser.parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    pool = _named(render(_routed(mode="inferencepool"), "t"), "InferencePool", "chat")
+    assert (args.command, args.policy, args.port, args.ext_proc_port) == ("route", "prefix", 8080, 9002)
+    assert pool["spec"]["endpointPickerRef"]["port"]["number"] == args.ext_proc_port
 
 
 def test_router_children_are_owned_and_labelled() -> None:

@@ -91,7 +91,7 @@ def test_enums_are_the_same() -> None:
 
 
 def test_defaults_are_the_same() -> None:
-    for example in ("minimal.yaml", "full.yaml", "fixed-replicas.yaml", "routing.yaml"):
+    for example in ("minimal.yaml", "full.yaml", "fixed-replicas.yaml", "routing.yaml", "inferencepool.yaml"):
         doc = load_example(example)
         by_crd = apply_defaults(version_schema(load_crd()), doc)["spec"]
         by_model = parse_cr(doc).spec.model_dump(by_alias=True, exclude_none=True)

@@ -88,7 +88,8 @@ def test_only_handlers_and_its_transport_talk_to_kopf() -> None:
     # the operator's own /metrics over HTTP (aiohttp), to no API server
     assert talkers == {"handlers.py", "kubeclient.py", "podclient.py", "cli.py", "login.py", "opmetrics.py"}
     users_of_transport = {p.name for p in OPERATOR_DIR.glob("*.py") if "kvdrive.operator.kubeclient" in _imports(p)}
-    assert users_of_transport == {"handlers.py", "live.py", "objects.py"}  # objects: only the Ref addresses
+    # objects: only the Ref addresses; pruning: the handlers' deletions, on the handlers' session
+    assert users_of_transport == {"handlers.py", "live.py", "objects.py", "pruning.py"}
 
 
 def test_the_pure_modules_stay_pure() -> None:
