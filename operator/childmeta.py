@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvdrive.operator.spec import API_VERSION, KIND, KVDriveDeployment
+from kvdrive.operator.spec import API_VERSION, KIND, SERVE_PORT, KVDriveDeployment
 
 MANAGER = "kvdrive-operator"
 APP = "kvdrive"  # app.kubernetes.io/name of the runtime pods and their objects
 ROUTER_APP = "kvdrive-router"  # ... of the router's pods and objects
-CONTAINER_PORT = 8000  # `kvdrive serve --port`
+CONTAINER_PORT = SERVE_PORT  # `kvdrive serve --port`
 RUN_AS_USER = 10001  # the image's non-root user
 
 

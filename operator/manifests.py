@@ -37,6 +37,7 @@ from kvdrive.operator.quantity import to_bytes
 from kvdrive.operator.spec import KVDriveDeployment, KVDriveSpec
 
 PRESTOP_SECONDS = 5  # preStop sleep: the Service stops routing to a terminating pod first
+POD_IP_ENV = "KVDRIVE_POD_IP"  # the pod's IP (downward API), in its KV-event topic (podsettings.RESERVED_ENV)
 DRAIN_MARGIN_SECONDS = 25  # left of the grace period after the server's own drain: flushing the SSD index, exit
 
 
@@ -98,6 +99,12 @@ def serve_args(spec: KVDriveSpec) -> list[str]:
     args += ["--drain-seconds", str(server_drain_seconds(spec))]
     if spec.model.name:
         args += ["--served-model-name", spec.model.name]
+    if spec.kv_events.enabled:
+        ev = spec.kv_events
+        # llm-d's topic: kv@<pod>@<model> (the pod's IP from the downward API, the model as the server names it)
+        args += ["--kv-events-endpoint", f"tcp://*:{ev.port}", "--kv-events-replay-endpoint",
+                 f"tcp://*:{ev.replay_port}", "--kv-events-topic", f"kv@$({POD_IP_ENV})@{{model}}",
+                 "--kv-events-hashes", ev.hashes]
     return args
 
 
@@ -211,6 +218,14 @@ def _volumes(cr: KVDriveDeployment) -> tuple[list[dict[str, Any]], list[dict[str
     return volumes, mounts
 
 
+def _event_ports(spec: KVDriveSpec) -> list[dict[str, Any]]:
+    """The KV-event sockets' container ports (spec.kvEvents), none when off."""
+    if not spec.kv_events.enabled:
+        return []
+    return [{"name": "kv-events", "containerPort": spec.kv_events.port, "protocol": "TCP"},
+            {"name": "kv-replay", "containerPort": spec.kv_events.replay_port, "protocol": "TCP"}]
+
+
 def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str, Any]:
     spec = cr.spec
     name = cr.metadata.name
@@ -221,7 +236,7 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
         "image": spec.image,
         "command": ["kvdrive"],
         "args": serve_args(spec),
-        "ports": [{"name": "http", "containerPort": CONTAINER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": CONTAINER_PORT, "protocol": "TCP"}, *_event_ports(spec)],
         "resources": _resources(spec),
         "volumeMounts": mounts,
         "startupProbe": probe("/healthz", 10, 60),
@@ -238,6 +253,8 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
         # the runtime image sets NVIDIA_VISIBLE_DEVICES=all: where the NVIDIA runtime is the node's
         # default, a container without a GPU limit would otherwise be handed every GPU of the node
         env.insert(0, {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"})
+    if spec.kv_events.enabled:
+        env.insert(0, {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     if env:
         container["env"] = env
     if spec.env_from:

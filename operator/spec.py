@@ -174,6 +174,25 @@ class Routing(Model):
     inference_pool: InferencePoolSettings = InferencePoolSettings()
 
 
+SERVE_PORT = 8000  # the runtime container's port (`kvdrive serve --port`)
+
+
+class KVEvents(Model):
+    """KV events on vLLM's wire (``kvdrive serve --kv-events-endpoint``), for the router and indexers (llm-d)."""
+
+    enabled: bool = False
+    port: int = Field(default=5557, ge=1024, le=65535)  # the PUB socket, bound on the pod
+    replay_port: int = Field(default=5558, ge=1024, le=65535)  # the replay (ROUTER) socket
+    hashes: Literal["int", "bytes"] = "int"  # a page's name: its digest's low 64 bits (vLLM's default), or all of it
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> KVEvents:
+        if len({self.port, self.replay_port, SERVE_PORT}) < 3:
+            raise cross("port", f"port and replayPort must differ from each other and from {SERVE_PORT} "
+                                "(the serving port)")
+        return self
+
+
 class KVDriveSpec(Model):
     model: ModelSource
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512)
@@ -187,6 +206,7 @@ class KVDriveSpec(Model):
     autoscaling: Autoscaling = Autoscaling()
     service: Service = Service()
     routing: Routing = Routing()
+    kv_events: KVEvents = KVEvents()
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] = Field(default_factory=dict)

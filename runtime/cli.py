@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "indexer that binds"))
     s.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ADDRESS",
                    help="bind a replay (ROUTER) socket here for subscribers that join late, e.g. tcp://*:5558")
-    s.add_argument("--kv-events-topic", default="", help="the topic of every KV-event message (llm-d: kv@POD@MODEL)")
+    s.add_argument("--kv-events-topic", default="", help="the topic of every KV-event message (llm-d: kv@POD@MODEL); {model} is the served model's id")
     s.add_argument("--kv-events-hashes", choices=("int", "bytes"), default="int", help=(
         "how a page is named in KV events: int (its digest's low 64 bits, vLLM's default) or bytes (the whole "
         "16-byte digest, as vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)"))

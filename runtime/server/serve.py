@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import uvicorn
 
@@ -127,7 +127,10 @@ def build_state(opts: ServeOptions) -> ServerState:
                                       "its size)") from exc
 
     metrics = ServerMetrics(engine.stats, tiers, counters)
-    publisher, events_info = kv_events_of(cache, opts.kv_events, cache.layout.page_size)
+    events = opts.kv_events
+    if events is not None and "{model}" in events.topic:  # e.g. kv@POD@{model}: the model as served
+        events = replace(events, topic=events.topic.replace("{model}", loaded.model_id))
+    publisher, events_info = kv_events_of(cache, events, cache.layout.page_size)
     async_engine = AsyncEngine(engine, metrics.engine_step.observe)
     config = ServerConfig(model_id=loaded.model_id, aliases=aliases, api_keys=opts.api_keys,
                           isolate_tenants=opts.isolate_tenants,

@@ -192,6 +192,11 @@ BAD_VARIANTS = [
     # pod settings passed through to the runtime pods
     ("minimal.yaml", "spec.env", [{"name": "A"}, {"name": "A", "value": "2"}], "spec.env", "cel"),
     ("minimal.yaml", "spec.env", [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}], "spec.env", "cel"),
+    ("minimal.yaml", "spec.env", [{"name": "KVDRIVE_POD_IP", "value": "1.2.3.4"}], "spec.env", "cel"),
+    ("minimal.yaml", "spec.kvEvents", {"enabled": True, "port": 5557, "replayPort": 5557}, "spec.kvEvents.port", "cel"),
+    ("minimal.yaml", "spec.kvEvents", {"port": 8000}, "spec.kvEvents.port", "cel"),
+    ("minimal.yaml", "spec.kvEvents", {"port": 80}, "spec.kvEvents.port", "schema"),
+    ("minimal.yaml", "spec.kvEvents", {"hashes": "sha256"}, "spec.kvEvents.hashes", "schema"),
     ("minimal.yaml", "spec.env", [{"name": "1 bad"}], "spec.env", "schema"),
     ("minimal.yaml", "spec.podLabels", {"app.kubernetes.io/name": "x"}, "spec.podLabels", "cel"),
     ("minimal.yaml", "spec.podAnnotations", {"kvdrive.io/config-hash": "x"}, "spec.podAnnotations", "cel"),

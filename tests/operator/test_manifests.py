@@ -281,6 +281,28 @@ def test_pod_settings_reach_the_runtime_pods_and_validate_strictly() -> None:
     assert router["terminationGracePeriodSeconds"] == 300 and "imagePullSecrets" not in router
 
 
+def test_kv_events_reach_the_runtime_pods_as_kvdrive_serve_reads_them() -> None:
+    """spec.kvEvents: the pods publish on their ports (named container ports), with llm-d's topic kv@<pod IP>@<model>
+    (the IP from the downward API, the model as the server names it), and kvdrive serve accepts the flags."""
+    from kvdrive.runtime.cli import build_parser
+
+    cr = _cr(load_example("minimal.yaml"), kvEvents={"enabled": True, "port": 6000, "replayPort": 6001,
+                                                     "hashes": "bytes"})
+    sts = _sts(cr)
+    for version in ("1.30", "1.33"):
+        kubernetes_validate.validate(sts, version, strict=True)
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["env"][0] == {"name": "KVDRIVE_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert {"name": "kv-events", "containerPort": 6000, "protocol": "TCP"} in container["ports"]
+    assert {"name": "kv-replay", "containerPort": 6001, "protocol": "TCP"} in container["ports"]
+    args = build_parser().parse_args(container["args"])
+    assert (args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_hashes) == (
+        "tcp://*:6000", "tcp://*:6001", "bytes")
+    assert args.kv_events_topic == "kv@$(KVDRIVE_POD_IP)@{model}"  # the kubelet expands $(...) from env
+    off = _sts(_cr(load_example("minimal.yaml")))["spec"]["template"]["spec"]["containers"][0]
+    assert not any(a.startswith("--kv-events") for a in off["args"]) and len(off["ports"]) == 1
+
+
 def test_without_pod_settings_the_pods_are_as_before() -> None:
     pod = _sts(_cr(load_example("minimal.yaml")))["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False and pod["terminationGracePeriodSeconds"] == 120
