@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ_ADDRESS",
                    help="bind a replay (ROUTER) socket here for subscribers that join late, e.g. tcp://*:5558")
     s.add_argument("--kv-events-topic", default="", help="the topic of every KV-event message (llm-d: kv@POD@MODEL); {model} is the served model's id")
+    s.add_argument("--kv-events-encoding", choices=("array", "map"), default="array", help=(
+        "KV-event structs as msgspec tagged arrays (vLLM's original wire, what llm-d's and Dynamo's decoders read) "
+        "or as maps with a \"type\" key (vLLM's newer form)"))
     s.add_argument("--kv-events-hashes", choices=("int", "bytes"), default="int", help=(
         "how a page is named in KV events: int (its digest's low 64 bits, vLLM's default) or bytes (the whole "
         "16-byte digest, as vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)"))
@@ -191,7 +194,8 @@ def _serve(args: argparse.Namespace) -> int:
                                   policy=args.scheduling),
         progress=sys.stderr.isatty() or args.verbose,
         kv_events=KVEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic,
-                                 int_hashes=args.kv_events_hashes == "int") if args.kv_events_endpoint else None,
+                                 int_hashes=args.kv_events_hashes == "int", maps=args.kv_events_encoding == "map")
+        if args.kv_events_endpoint else None,
     )
     serve(opts)
     return 0

@@ -34,6 +34,7 @@ from kvdrive.runtime.server.kv_events_wire import (
     Event,
     EventBatch,
     ExternalBlockHash,
+    as_map,
     encoder,
     fold,
     seq_bytes,
@@ -51,6 +52,7 @@ class KVEventsConfig:
     replay_endpoint: str | None = None  # e.g. tcp://*:5558 (always bound)
     topic: str = ""
     int_hashes: bool = True  # vLLM's default: a page's hash is its digest's low 64 bits, an unsigned int
+    maps: bool = False  # batches and events as maps with "type" (vLLM's newer form), not positional arrays
     buffer_batches: int = 10_000  # batches kept for replay
     heartbeat_seconds: float = 1.0
     hwm: int = 100_000
@@ -159,7 +161,8 @@ class KVEventPublisher:
                 pending = []
                 now = time.monotonic()
                 if events or now - last_sent >= self.config.heartbeat_seconds:
-                    payload = pack.encode(EventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+                    batch = EventBatch(ts=time.time(), events=events, data_parallel_rank=0)
+                    payload = pack.encode(as_map(batch) if self.config.maps else batch)
                     pub.send_multipart((topic, seq_bytes(self.sequence), payload))
                     self._buffer.append((self.sequence, payload))
                     self.sequence += 1

@@ -25,6 +25,8 @@ buffered batch from ``start_seq`` on, each ``(identity, b"", seq, payload)``, th
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 MEDIUM: dict[str, str] = {"gpu": "GPU", "dram": "CPU", "ssd": "DISK"}  # tier name -> medium
@@ -73,12 +75,46 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+EVENT_TYPES: dict[str, type[Event]] = {c.__name__: c for c in (BlockStored, BlockRemoved, AllBlocksCleared)}
+
+
+def as_map(batch: EventBatch) -> dict[str, Any]:
+    """The batch in vLLM's newer map form (its structs without ``array_like``, since vLLM PR #42892): the
+    batch and each event a map, an event's kind under ``"type"``."""
+    return {"ts": batch.ts, "events": [{"type": type(e).__name__, **msgspec.structs.asdict(e)} for e in batch.events],
+            "data_parallel_rank": batch.data_parallel_rank}
+
+
+class BatchDecoder:
+    """Reads a batch in either form (positional arrays, or maps with ``"type"``) into ``EventBatch``."""
+
+    def __init__(self) -> None:
+        self._arrays = msgspec.msgpack.Decoder(EventBatch)
+        self._any = msgspec.msgpack.Decoder()
+
+    def decode(self, payload: bytes) -> EventBatch:
+        try:
+            return self._arrays.decode(payload)
+        except msgspec.ValidationError:
+            raw = self._any.decode(payload)
+            if not isinstance(raw, dict) or not isinstance(raw.get("events"), list):
+                raise
+            events: list[Event] = []
+            for e in raw["events"]:
+                kind = EVENT_TYPES.get(e.get("type")) if isinstance(e, dict) else None
+                if kind is None:
+                    raise msgspec.ValidationError(f"an event of unknown type {e!r:.80}") from None
+                events.append(msgspec.convert([kind.__name__, *(e.get(f) for f in kind.__struct_fields__)], kind))
+            return EventBatch(ts=float(raw.get("ts", 0.0)), events=events,
+                              data_parallel_rank=raw.get("data_parallel_rank"))
+
+
 def encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
 
 
-def decoder() -> msgspec.msgpack.Decoder[EventBatch]:
-    return msgspec.msgpack.Decoder(EventBatch)
+def decoder() -> BatchDecoder:
+    return BatchDecoder()
 
 
 def seq_bytes(seq: int) -> bytes:

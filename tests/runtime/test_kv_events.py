@@ -39,6 +39,7 @@ from kvdrive.runtime.server.kv_events_wire import (
     END_SEQ,
     MEDIUM,
     EventBatch,
+    as_map,
     decoder,
     encoder,
     fold,
@@ -223,6 +224,10 @@ def test_the_wire_is_vllms_tagged_arrays() -> None:
             ["BlockStored", [ha], None, [1, 2, 3, 4], 4, None, "DISK", None],
         ], 0]
         assert fold(ha) == fold(a) == ia
+        as_maps = msgspec.msgpack.encode(as_map(batch))  # vLLM's newer form: maps with "type"
+        assert msgspec.msgpack.decode(as_maps)["events"][1] == {"type": "BlockRemoved", "block_hashes": [ha],
+                                                                "medium": "GPU"}
+        assert decoder().decode(as_maps) == batch == decoder().decode(encoder().encode(batch))
     events.changed(a, "ssd", False)  # its last tier: the page and its tokens are forgotten ...
     assert [(c.tier, c.stored) for c in events.take(0.0)] == [("ssd", False)]
     events.changed(a, "dram", True)  # ... so a copy that comes back later is announced without them
