@@ -63,7 +63,7 @@ class Placer:
         self.throttle = PrefetchThrottle(c.prefetch_min_precision, c.prefetch_probe)
         self.decode_steps = 0
         self._admission: dict[TierName, Admission] = {}
-        self._held = torch.zeros(self.index.capacity + 1, dtype=torch.int32, device=store.device)  # [Pcap + 1]
+        self._held = self._zeros_held(self.index.capacity + 1, store.device)  # [Pcap + 1]
         store.victim_order = self.victim_order
         store.coldest_of = self.coldest_of
         self.victim_rules = KeepHierarchy()  # demote or drop a full tier's victims, and to which tier
@@ -96,11 +96,19 @@ class Placer:
         return torch.where(self._held[pids] > 0, torch.inf, self.scores.of(layers, pids))
 
     # --- prompts in progress ---------------------------------------------------------------------
+    @staticmethod
+    def _zeros_held(n: int, device: torch.device) -> torch.Tensor:
+        """A normal tensor, also when made inside the forward (inference mode): ``release`` updates it in place
+        outside it (a request freed by the server's thread of control, between steps)."""
+        with torch.inference_mode(False):
+            return torch.zeros(n, dtype=torch.int32, device=device)
+
     def _grow_held(self) -> None:
         cap = self.index.capacity + 1
         if self._held.shape[0] < cap:
-            new = torch.zeros(cap, dtype=torch.int32, device=self._held.device)
-            new[: self._held.shape[0]] = self._held
+            new = self._zeros_held(cap, self._held.device)
+            with torch.inference_mode(False):
+                new[: self._held.shape[0]] = self._held
             self._held = new
 
     def hold(self, pids: list[int]) -> None:

@@ -155,3 +155,19 @@ def test_policies_are_switches_of_one_binary() -> None:
     assert not policy_for("lru").prefetch and policy_for("lru").promote_on_read
     assert not policy_for("ondemand").promote_on_read and policy_for("ondemand").sparse
     assert not policy_for("fullfetch").sparse and not policy_for("kvdrive", full_attention=True).sparse
+
+
+def test_held_pages_grown_inside_a_forward_are_released_after_it(tmp_path: Path) -> None:
+    """The page-id space grows while a forward pass (inference mode) ranks blocks; the prompt holding pages is
+    released afterwards, outside it, as the engine frees a finished request. (A pod under load failed every
+    request with "Inplace update to inference tensor outside InferenceMode" before the held counts were made a
+    normal tensor.)"""
+    s, _m, placer = _placed(tmp_path)
+    placer.hold([1, 2])
+    s.index.reserve(4 * s.index.capacity)  # more pages than the held counts cover
+    with torch.inference_mode():
+        ranked = placer._rank(torch.tensor([0, 0]), torch.tensor([1, 3]))  # grows the held counts here
+    assert ranked[0] == torch.inf and ranked[1] != torch.inf
+    placer.release([1, 2])  # outside inference mode
+    placer.hold([s.index.capacity - 1])  # a page id only the grown counts cover
+    assert placer.held_pages == 1
