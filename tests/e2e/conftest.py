@@ -33,6 +33,8 @@ from clusterkit import (
 )
 
 CR_FILE = Path(__file__).resolve().parent / "demo.yaml"
+GIE_CRD = (Path(__file__).resolve().parents[1] / "operator" / "data" / "gateway-api-inference-extension"
+           / "inference.networking.k8s.io_inferencepools.yaml")
 CACHE = Path(os.environ.get("KVDRIVE_CLUSTER_CACHE", Path.home() / ".cache" / "kvdrive" / "cluster"))
 
 
@@ -86,6 +88,9 @@ def deployed(operator: Cluster) -> Cluster:
     c = operator
     if c.kubectl("get", "kvd", "demo", "-n", NAMESPACE, check=False).returncode != 0:
         c.kubectl("create", "namespace", NAMESPACE, check=False)
+        # the platform's Gateway API Inference Extension CRDs (the CR's routing mode renders an InferencePool)
+        c.kubectl("apply", "-f", str(GIE_CRD))
+        c.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/inferencepools.inference.networking.k8s.io")
         started = time.monotonic()
         c.kubectl("apply", "-f", str(CR_FILE))
         eventually(lambda: _cr_ready(c), 600, what="the CR's Ready condition")

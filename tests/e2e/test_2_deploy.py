@@ -1,5 +1,6 @@
 """Scene 2: the user applies a KVDriveDeployment: the demo model on the CPU, a 2Mi-hugepage DRAM
-tier, the SSD tier on a local NVMe volume, two replicas behind the prefix router.
+tier, the SSD tier on a local NVMe volume, two replicas behind the prefix router, which is also the
+endpoint picker of their InferencePool and follows their KV events.
 
 The scheduler places the pods, the kubelet runs them, their claims bind to local volumes, they
 become Ready and the CR says so. A pod's own /admin/tiers shows its DRAM tier on the hugetlbfs
@@ -13,8 +14,9 @@ import base64
 import json
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlparse
 
-from clusterkit import NAMESPACE, Cluster
+from clusterkit import NAMESPACE, Cluster, eventually
 
 
 def admin_token(c: Cluster) -> str:
@@ -80,3 +82,42 @@ def test_a_cpu_pod_keeps_the_weights_in_their_blocks_with_the_images_prebuilt_ke
         return
     assert "block kernels ready" in logs and "compiling instead" not in logs, logs[-3000:]
     assert "weights auto (int4 x " in logs, logs[-3000:]  # the demo's Q4_1 projections stay 4-bit
+
+
+def test_the_inference_pool_names_the_router_which_answers_grpc_health_and_follows_the_pods_kv_events(
+        deployed: Cluster) -> None:
+    """Mode inferencepool: the InferencePool (the GIE CRD installed) selects the runtime pods and names the
+    router's Service on its ext_proc port; the router pod answers gRPC health there (what a gateway's health
+    checks ask); with spec.kvEvents each pod publishes KV events and the router follows both pods' streams."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    c = deployed
+    pool = c.get("inferencepool", "demo", "-n", NAMESPACE)
+    assert pool["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "kvdrive",
+                                                       "app.kubernetes.io/instance": "demo"}
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    picker = pool["spec"]["endpointPickerRef"]
+    assert (picker["kind"], picker["name"], picker["port"]["number"]) == ("Service", "demo-router", 9002)
+    service_ports = {p["name"]: p for p in c.get("svc", "demo-router", "-n", NAMESPACE)["spec"]["ports"]}
+    assert service_ports["grpc-ext-proc"]["port"] == 9002
+    (router,) = c.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=kvdrive-router")["items"]
+    ip = router["status"]["podIP"]
+    with grpc.insecure_channel(f"{ip}:9002") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+    pods = {p["status"]["podIP"] for p in c.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=kvdrive")["items"]}
+
+    def followed() -> dict[str, float] | None:
+        with urllib.request.urlopen(f"http://{ip}:8080/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+        live = {}
+        for line in text.splitlines():
+            if line.startswith("kvdrive_router_backend_kv_events_live{"):
+                backend = line.split('backend="')[1].split('"')[0]
+                live[urlparse(backend).hostname or ""] = float(line.rsplit(" ", 1)[1])
+        return live if set(live) >= pods and all(live[p] == 1 for p in pods) else None
+
+    eventually(followed, 60, what="the router following every pod's KV events")

@@ -1,7 +1,7 @@
 """Scene 8: the user deletes the KVDriveDeployment. Every child goes with it (owner references,
 the garbage collector of the full kube-controller-manager): the StatefulSet and its pods, the
 Services, ConfigMap, Secret, PodDisruptionBudgets, the router's Deployment, ServiceAccount, Role
-and RoleBinding, and (the StatefulSet's retention policy) the pods' claims.
+and RoleBinding, the InferencePool, and (the StatefulSet's retention policy) the pods' claims.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import time
 
 from clusterkit import NAMESPACE, Cluster, eventually
 
-KINDS = "statefulset,deployment,replicaset,pod,service,configmap,secret,pdb,serviceaccount,role,rolebinding,pvc"
+KINDS = ("statefulset,deployment,replicaset,pod,service,configmap,secret,pdb,serviceaccount,role,rolebinding,pvc,"
+         "inferencepools.inference.networking.k8s.io")
 
 
 def _children(c: Cluster) -> list[str]:
@@ -24,7 +25,7 @@ def test_deleting_the_cr_removes_every_child(deployed: Cluster) -> None:
     present = _children(c)
     kinds = {name.split("/")[0] for name in present}
     assert {"StatefulSet", "Deployment", "Pod", "Service", "ConfigMap", "Secret", "PodDisruptionBudget",
-            "ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim"} <= kinds, present
+            "ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "InferencePool"} <= kinds, present
     started = time.monotonic()
     c.kubectl("delete", "kvd", "demo", "-n", NAMESPACE, "--wait=true", "--timeout=300s", timeout=330)
     eventually(lambda: not _children(c), 300, interval=2, what=f"no children left ({_children(c)})")
