@@ -68,6 +68,7 @@ class _Memory:
     scale: tuple[autoscale.Recommendation, ...] = ()
     last_scale_time: str | None = None
     last_decision: str | None = None
+    failed_pods: set[str] = field(default_factory=set)  # pods with a scrape-failure series (names)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,15 @@ class LiveController:
         await self._pods.close()
 
     def forget(self, namespace: str, name: str) -> None:
-        self._memory.pop((namespace, name), None)
+        memory = self._memory.pop((namespace, name), None)
+        if memory is not None:
+            self._drop_series(namespace, memory.failed_pods)
+
+    def _drop_series(self, namespace: str, pods: set[str]) -> None:
+        """Pods that are gone take their scrape-failure series with them (no series per pod ever made)."""
+        if self._metrics is not None:
+            for pod in pods:
+                self._metrics.scrape_failures.remove(namespace, pod)
 
     async def round(self, namespace: str, name: str, logger: Logger) -> float:
         """One round for one CR; returns the seconds to wait before the next."""
@@ -111,13 +120,17 @@ class LiveController:
         memory = self._memory.setdefault((namespace, name), _Memory())
         status: dict[str, Any] = {"autoscaling": {"mode": spec.autoscaling.mode}}
         if spec.tuning.enabled or spec.autoscaling.mode == "operator":
-            pods = await self._ready_pods(api, namespace, name)
+            pods, existing = await self._ready_pods(api, namespace, name)
+            gone = memory.failed_pods - existing
+            self._drop_series(namespace, gone)
+            memory.failed_pods -= gone
             scrapes = await asyncio.gather(*(self._pods.scrape(p.url, spec.tuning.scrape_timeout_seconds) for p in pods))
             keep = tuning.policy_from_spec(spec).history
             for pod, scrape in zip(pods, scrapes, strict=True):
                 memory.pods[pod.uid] = memory.pods.get(pod.uid, tuning.PodHistory()).add(scrape, keep=keep)
                 if scrape.metrics is None and self._metrics is not None:
                     self._metrics.scrape_failures.labels(namespace, pod.name).inc()
+                    memory.failed_pods.add(pod.name)
             for uid in set(memory.pods) - {p.uid for p in pods}:
                 memory.pods.pop(uid)
                 memory.changed_at.pop(uid, None)
@@ -141,14 +154,16 @@ class LiveController:
             await api.apply(CR, namespace, body, LIVE, force=True, subresource="status")
         return float(spec.tuning.interval_seconds)
 
-    async def _ready_pods(self, api: KubeApi, namespace: str, name: str) -> list[_Pod]:
-        found = []
+    async def _ready_pods(self, api: KubeApi, namespace: str, name: str) -> tuple[list[_Pod], set[str]]:
+        """The CR's ready pods with an address, and the names of all its pods."""
+        found, names = [], set()
         for pod in await api.list(PODS, namespace, selector_labels(name)):
+            names.add(pod["metadata"]["name"])
             url = pod_url(pod)
             if pod_ready(pod) and url:
                 meta = pod["metadata"]
                 found.append(_Pod(uid=str(meta.get("uid") or meta["name"]), name=meta["name"], url=url))
-        return sorted(found, key=lambda p: p.name)
+        return sorted(found, key=lambda p: p.name), names
 
     async def _tune(self, api: KubeApi, cr: dict[str, Any], spec: KVDriveSpec, pods: list[_Pod], memory: _Memory,
                     logger: Logger) -> None:

@@ -6,7 +6,7 @@
 - ``kvdrive_operator_decisions_total{reason}``: the live loop's tuning and autoscaling decisions, by the
   reason of the Event it posted on the CR (``ConcurrencyChanged``, ``ScaledUp``, ``ScaleConflict``, ...);
 - ``kvdrive_operator_pod_scrape_failures_total{namespace,pod}``: reads of a runtime pod's ``/metrics`` that
-  failed (its load is then unknown: it blocks scaling down).
+  failed (its load is then unknown: it blocks scaling down); a pod's series goes when the pod does.
 
 One ``OperatorMetrics`` per operator (``handlers.build_registry``), on a registry of its own.
 """

@@ -17,6 +17,7 @@ from livekit import admin_token, create_pod, events, live_cr, pod_status, scaled
 from scriptedpod import MiB, ScriptedPod
 
 from kvdrive.operator.handlers import CR, STATEFULSETS
+from kvdrive.operator.objects import PODS
 from kvdrive.operator.spec import parse_cr
 from kvdrive.operator.tuning import tier_sizes
 
@@ -124,6 +125,11 @@ async def test_a_pod_that_cannot_be_read_keeps_its_limit_and_blocks_scaling_down
     await eventually(lambda: _replicas_below(operator, 2), timeout=15, what="a scale-down")
     down = await eventually(lambda: events(operator, "ScaledDown"), what="a ScaledDown Event")
     assert down[0]["message"].startswith("replicas 2 -> 1: 0 waiting on 2 pods (target 4/pod) -> 0")
+    # the StatefulSet controller removes chat-1 (there is none here: the test does): its series goes with it
+    assert 'pod="chat-1"' in httpx.get(operator.operator_metrics, timeout=5).text
+    await operator.delete(PODS, "chat-1")
+    await eventually(lambda: _true('pod="chat-1"' not in httpx.get(operator.operator_metrics, timeout=5).text),
+                     timeout=15, what="chat-1's scrape-failure series removed")
 
 
 async def test_a_replica_whose_pod_is_not_ready_blocks_scaling_down(operator: Cluster, pods: list[ScriptedPod]) -> None:
