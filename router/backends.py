@@ -11,10 +11,36 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from kvdrive.router.kv_events import EventSource
+from typing import Any
+from urllib.parse import urlsplit
 
 log = logging.getLogger("kvdrive.router")
+
+
+def host_port(url: str, port: int | None = None) -> str:
+    """A replica's address as ``host:port`` (``[v6]:port``): its base URL's port, or ``port`` on its host."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if port is None:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """Where a replica publishes KV events (``kv_events`` of its routing info)."""
+
+    port: int
+    replay_port: int | None
+    topic: str
+
+    @classmethod
+    def of(cls, raw: Any) -> EventSource | None:
+        """From the routing info's ``kv_events`` object; None when it names none."""
+        if not isinstance(raw, dict):
+            return None
+        replay = raw.get("replay_port")
+        return cls(int(raw["port"]), None if replay is None else int(replay), str(raw.get("topic", "")))
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdrive.router.backends import Backend, BackendPool, Health, RoutingInfo
+from kvdrive.router.backends import Backend, BackendPool, EventSource, Health, RoutingInfo
 from kvdrive.router.discovery import Discovery
 from kvdrive.router.index import PrefixIndex
-from kvdrive.router.kv_events import EventFeed, EventSource
+from kvdrive.router.kv_events import EventFeed
 from kvdrive.router.selection import Candidate, Decision, Policy, affinity_key, choose
 from kvdrive.runtime.prompt import DIGEST_BYTES, Tokenizer, TokenizerError, page_digests, salted_root
 
@@ -121,12 +121,9 @@ class Router:
                 pass
             async with await self._get(b, "/v1/kvdrive/routing") as r:
                 raw = await r.json()
-            events = raw.get("kv_events") if self.config.kv_events else None
             info = RoutingInfo(str(raw["model"]), bytes.fromhex(raw["root"]), int(raw["page_size"]),
-                               str(raw["instance"]), EventSource(
-                                   int(events["port"]), None if events.get("replay_port") is None
-                                   else int(events["replay_port"]), str(events.get("topic", "")))
-                               if isinstance(events, dict) else None)
+                               str(raw["instance"]), EventSource.of(raw.get("kv_events")) if self.config.kv_events
+                               else None)
             if b.info is not None and b.info.instance != info.instance:
                 log.info("replica %s restarted (new instance): its index starts over", b.url)
                 self.index.forget(b.url)

@@ -48,6 +48,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdrive.router import extproc_wire as wire
 from kvdrive.router.app import PROMPTED, bearer, prompt_tokens
+from kvdrive.router.backends import host_port
 from kvdrive.router.core import Router
 from kvdrive.router.metrics import RouterMetrics
 from kvdrive.router.proxy import Sent
@@ -56,14 +57,6 @@ from kvdrive.router.selection import NoReplicaError
 log = logging.getLogger("kvdrive.router")
 SERVICE = pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 READY_SERVICES = frozenset({"", "readiness", SERVICE})
-
-
-def endpoint_of(url: str) -> str:
-    """A replica's base URL as the gateway names endpoints: ``ip:port`` (``[v6]:port``)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Refusal(Exception):
@@ -109,7 +102,7 @@ class Picker:
         if subset is None:
             return set()
         allowed = set(subset)
-        return {url for url in self.router.pool.backends if endpoint_of(url) not in allowed
+        return {url for url in self.router.pool.backends if host_port(url) not in allowed
                 and (urlsplit(url).hostname or "") not in allowed}
 
     def _unavailable(self, why: str) -> Refusal:
@@ -140,7 +133,7 @@ class Picker:
             except NoReplicaError:
                 break
             exclude.add(b.url)
-            claims[endpoint_of(b.url)] = Sent(b, max(0, tokens - decision.matched_tokens), mine)
+            claims[host_port(b.url)] = Sent(b, max(0, tokens - decision.matched_tokens), mine)
             first = first or decision
         if first is None:
             raise self._unavailable("no KVDrive replica of the gateway's subset is ready" if subset is not None

@@ -21,13 +21,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from kvdrive.router.backends import EventSource, host_port
 from kvdrive.router.index import PrefixIndex
 from kvdrive.runtime.server.kv_events_wire import (
     END_SEQ,
@@ -45,18 +44,9 @@ log = logging.getLogger("kvdrive.router")
 REPLAY_TIMEOUT_SECONDS = 2.0
 
 
-@dataclass(frozen=True)
-class EventSource:
-    """Where a replica publishes (from its routing info)."""
-
-    port: int
-    replay_port: int | None
-    topic: str
-
-
 def zmq_address(url: str, port: int) -> str:
-    host = urlsplit(url).hostname or "127.0.0.1"
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+    """The replica's ``port`` on its host, as ZMQ names a TCP peer."""
+    return f"tcp://{host_port(url, port)}"
 
 
 class _Subscription:

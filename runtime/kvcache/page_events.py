@@ -16,7 +16,6 @@ tokens: they are announced with none. Nothing here touches a tier or a tensor.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -39,13 +38,12 @@ class PageChange:
     tier: TierName
     stored: bool  # True: the tier now holds the page; False: it no longer does
     info: PageInfo | None  # with ``stored``: the page's parent and tokens, when known
-    at: float  # time.monotonic() of the change
 
 
 class PageEvents:
     def __init__(self) -> None:
         self._cv = threading.Condition(threading.Lock())
-        self._changes: list[tuple[bytes, TierName, bool, float]] = []
+        self._changes: list[tuple[bytes, TierName, bool]] = []
         self._info: dict[bytes, PageInfo] = {}
         self._held: dict[bytes, set[TierName]] = {}  # page -> the tiers holding it (as announced)
 
@@ -62,14 +60,13 @@ class PageEvents:
         """Page ``digest``'s layer-0 block gained (``stored``) or lost a readable copy in ``tier``. Called
         under the block table's lock, so changes arrive in the table's order; it only appends."""
         with self._cv:
-            self._changes.append((digest, tier, stored, time.monotonic()))
+            self._changes.append((digest, tier, stored))
             self._cv.notify()
 
     def seed(self, pages: Iterable[tuple[bytes, TierName]]) -> None:
         """The pages the tiers hold when events are turned on (e.g. recovered from the SSD tier)."""
-        now = time.monotonic()
         with self._cv:
-            self._changes.extend((d, t, True, now) for d, t in pages)
+            self._changes.extend((d, t, True) for d, t in pages)
             self._cv.notify()
 
     # --- the publisher ------------------------------------------------------------------------------------
@@ -81,13 +78,13 @@ class PageEvents:
             changes, self._changes = self._changes, []
             out: list[PageChange] = []
             emptied: list[bytes] = []
-            for digest, tier, stored, at in changes:
+            for digest, tier, stored in changes:
                 held = self._held.setdefault(digest, set())
                 if stored:
                     if tier in held:  # already announced there (re-published in place)
                         continue
                     held.add(tier)
-                    out.append(PageChange(digest, tier, True, self._info.get(digest), at))
+                    out.append(PageChange(digest, tier, True, self._info.get(digest)))
                     continue
                 if tier not in held:
                     if not held:
@@ -97,16 +94,11 @@ class PageEvents:
                 if not held:  # its last tier: forget the page (its tokens at the end of the batch)
                     del self._held[digest]
                     emptied.append(digest)
-                out.append(PageChange(digest, tier, False, None, at))
+                out.append(PageChange(digest, tier, False, None))
             for digest in emptied:
                 if digest not in self._held:
                     self._info.pop(digest, None)
             return out
-
-    def held(self) -> dict[bytes, frozenset[TierName]]:
-        """The tiers holding each page, as announced so far."""
-        with self._cv:
-            return {d: frozenset(t) for d, t in self._held.items()}
 
     def wake(self) -> None:
         """Wake a ``take`` waiting (the publisher is stopping)."""

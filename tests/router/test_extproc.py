@@ -34,9 +34,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from routerkit import API_KEY, Process, free_port, start_replica, start_router
 
 from kvdrive.router.app import prompt_tokens
+from kvdrive.router.backends import host_port
 from kvdrive.router.core import Router, RouterConfig
 from kvdrive.router.discovery import StaticDiscovery
-from kvdrive.router.extproc import ExtProcServer, endpoint_of
+from kvdrive.router.extproc import ExtProcServer
 from kvdrive.router.metrics import RouterMetrics
 
 pytestmark = pytest.mark.slow
@@ -206,14 +207,14 @@ def _refusal(answers: list[pb.ProcessingResponse], status: int) -> dict[str, obj
 
 
 def _in_flight(p: Picker) -> dict[str, int]:
-    return {endpoint_of(b.url): b.in_flight for b in p.router.pool.backends.values()}
+    return {host_port(b.url): b.in_flight for b in p.router.pool.backends.values()}
 
 
 # --- the tests ---------------------------------------------------------------------------------------------
 async def test_repeated_documents_are_picked_on_the_replica_holding_their_pages(picker: Picker,
                                                                                 replicas: list[Process]) -> None:
     p = picker
-    endpoints = sorted(endpoint_of(r.url) for r in replicas)
+    endpoints = sorted(host_port(r.url) for r in replicas)
     assert p.router.tokenizer is not None
     hits, reused = 0, 0
     for n in range(10):
@@ -229,7 +230,7 @@ async def test_repeated_documents_are_picked_on_the_replica_holding_their_pages(
         async with httpx.AsyncClient(timeout=30) as client:
             for r in replicas:
                 listing = (await client.get(r.url + "/v1/kvdrive/prefixes", headers=AUTH)).content
-                held[endpoint_of(r.url)] = len(set(digests) & {listing[i : i + 16]
+                held[host_port(r.url)] = len(set(digests) & {listing[i : i + 16]
                                                                for i in range(0, len(listing), 16)})
         holder = max(held, key=lambda e: held[e])
         assert held[holder] >= 15 and min(held.values()) == 0, held  # ~18 pages of ~20, on one replica only
@@ -375,6 +376,6 @@ def test_kvdrive_route_serves_the_picker_on_its_ext_proc_port(replicas: list[Pro
             return endpoints
 
     try:
-        assert sorted(asyncio.run(check())) == sorted(endpoint_of(r.url) for r in replicas)
+        assert sorted(asyncio.run(check())) == sorted(host_port(r.url) for r in replicas)
     finally:
         router.stop()

@@ -14,8 +14,9 @@ import time
 
 from routerkit import free_port
 
+from kvdrive.router.backends import EventSource
 from kvdrive.router.index import PrefixIndex
-from kvdrive.router.kv_events import EventFeed, EventSource
+from kvdrive.router.kv_events import EventFeed
 from kvdrive.runtime.kvcache.page_events import PageEvents
 from kvdrive.runtime.server.kv_events import KVEventPublisher, KVEventsConfig
 
