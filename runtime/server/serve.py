@@ -61,17 +61,19 @@ def _tcp_port(endpoint: str | None) -> int | None:
         return None
 
 
-def kv_events_of(cache: TieredKVCache, config: KVEventsConfig | None, page_size: int) -> tuple[
+def kv_events_of(cache: TieredKVCache, config: KVEventsConfig | None, model_id: str) -> tuple[
         KVEventPublisher | None, KVEventsInfo | None]:
-    """The publisher of KV events (not started) and what a router is told of it; (None, None) when off."""
+    """The publisher of KV events (not started) and what a router is told of it; (None, None) when off.
+    ``{model}`` in the topic (e.g. llm-d's kv@POD@{model}) becomes the model as served."""
     if config is None:
         return None, None
+    config = replace(config, topic=config.topic.replace("{model}", model_id))
     events = PageEvents()
     cache.watch_pages(events)
     port = _tcp_port(config.endpoint)
     info = KVEventsInfo(port=port, replay_port=_tcp_port(config.replay_endpoint), topic=config.topic) \
         if port is not None else None
-    return KVEventPublisher(events, config, page_size), info
+    return KVEventPublisher(events, config, cache.layout.page_size), info
 
 
 def build_state(opts: ServeOptions) -> ServerState:
@@ -127,10 +129,7 @@ def build_state(opts: ServeOptions) -> ServerState:
                                       "its size)") from exc
 
     metrics = ServerMetrics(engine.stats, tiers, counters)
-    events = opts.kv_events
-    if events is not None and "{model}" in events.topic:  # e.g. kv@POD@{model}: the model as served
-        events = replace(events, topic=events.topic.replace("{model}", loaded.model_id))
-    publisher, events_info = kv_events_of(cache, events, cache.layout.page_size)
+    publisher, events_info = kv_events_of(cache, opts.kv_events, loaded.model_id)
     async_engine = AsyncEngine(engine, metrics.engine_step.observe)
     config = ServerConfig(model_id=loaded.model_id, aliases=aliases, api_keys=opts.api_keys,
                           isolate_tenants=opts.isolate_tenants,
