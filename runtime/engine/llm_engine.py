@@ -297,9 +297,13 @@ class LLMEngine:
             if want:
                 lp = torch.log_softmax(logits[want].float(), dim=-1)  # [w, V], before any sampling control
                 logprobs = {row: lp[j] for j, row in enumerate(want)}
-            logits = apply_controls(logits, [self._history(chunks[i].seq) for i in completing], self._eos)
             constrained = [(row, chunks[i].seq.matcher) for row, i in enumerate(completing) if chunks[i].seq.matcher]
-            logits = self._masks.apply(logits, [r for r, _ in constrained], [m for _, m in constrained])  # type: ignore[misc]
+            masked = self._masks.apply(logits, [r for r, _ in constrained], [m for _, m in constrained])  # type: ignore[misc]
+            logits = apply_controls(masked, [self._history(chunks[i].seq) for i in completing], self._eos)
+            if constrained:  # the controls forbid every token the grammar allows (e.g. end-of-sequence of a
+                dead = torch.isneginf(logits).all(dim=-1)  # complete document before min_tokens): the grammar wins
+                if bool(dead.any()):
+                    logits[dead] = masked[dead]
         outputs: list[RequestOutput] = []
         for row, i in enumerate(completing):
             assert logits is not None

@@ -133,3 +133,14 @@ async def test_a_bad_constraint_is_a_400_naming_the_field(client: httpx.AsyncCli
     r = await client.post("/v1/chat/completions", json=chat(**extra))
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"] and r.json()["error"]["param"] == param, r.json()
+
+
+async def test_a_grammar_that_can_only_end_wins_over_min_tokens(client: httpx.AsyncClient) -> None:
+    """The only choice is the empty string and min_tokens asks for one token: nothing but end-of-sequence
+    continues the document, so the answer ends there (a complete document), never a 5xx (found by the fuzzer)."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Pick."}], "guided_choice": [""],
+            "min_tokens": 1, "max_tokens": 4}
+    answer = await client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    assert choice["message"]["content"] == "" and choice["finish_reason"] == "stop"
