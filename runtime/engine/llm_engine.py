@@ -301,7 +301,7 @@ class LLMEngine:
             masked = self._masks.apply(logits, [r for r, _ in constrained], [m for _, m in constrained])  # type: ignore[misc]
             logits = apply_controls(masked, [self._history(chunks[i].seq) for i in completing], self._eos)
             if constrained:  # the controls forbid every token the grammar allows (e.g. end-of-sequence of a
-                dead = torch.isneginf(logits).all(dim=-1)  # complete document before min_tokens): the grammar wins
+                dead = ~(logits > float("-inf")).any(dim=-1)  # complete document before min_tokens): the grammar wins
                 if bool(dead.any()):
                     logits[dead] = masked[dead]
         outputs: list[RequestOutput] = []

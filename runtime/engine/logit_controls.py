@@ -2,7 +2,8 @@
 
 For the rows whose request sets any (``SamplingParams.controls_logits``), in this order, as vLLM does:
 - ``repetition_penalty`` (vLLM / Hugging Face): a token seen in the prompt or the completion has its logit
-  divided by the penalty when positive, multiplied when negative;
+  divided by the penalty when positive, multiplied when negative (a result past float32 is its largest finite
+  value; a masked token stays masked);
 - ``frequency_penalty`` and ``presence_penalty`` (OpenAI): minus ``frequency * count + presence * (count > 0)``,
   counting the tokens of the completion so far;
 - ``logit_bias``: added to the named tokens' logits;
@@ -62,7 +63,12 @@ def apply_controls(logits: torch.Tensor, rows: Sequence[RowHistory], eos: frozen
         for i, r in enumerate(rows):
             if r.params.repetition_penalty != 1.0 and r.prompt_vocab.numel():
                 seen[i, r.prompt_vocab.to(dev)] = True
-        out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
+        penalized = torch.where(out > 0, out / rep, out * rep)
+        # a tiny penalty (5e-324 is 0 in float32) overflows: its limit is the largest finite logit; a masked
+        # token (-inf) stays masked, never -inf * 0 = nan
+        big = torch.finfo(torch.float32).max
+        penalized = torch.where(torch.isneginf(out), out, torch.nan_to_num(penalized, nan=0.0, posinf=big))
+        out = torch.where(seen, penalized, out)
     freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
     pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
     out = out - freq * counts - pres * (counts > 0).float()

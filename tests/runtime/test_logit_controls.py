@@ -61,6 +61,20 @@ def test_each_row_of_a_batch_gets_its_own_requests_formula() -> None:
     assert apply_controls(first, rows[:1], EOS) is first  # none in the batch: nothing is computed
 
 
+def test_a_vanishing_repetition_penalty_keeps_masked_tokens_masked_and_the_rest_finite() -> None:
+    """5e-324 is a valid penalty (> 0) but 0 in float32: a seen positive logit divided by it overflows and a
+    masked one (-inf) times it would be nan. The masked stay -inf; the rest are finite, in the penalty's order
+    (found by the OpenAPI fuzzer with a grammar that allows only end-of-sequence)."""
+    logits = torch.tensor([[4.0, -2.0, 0.0, float("-inf"), 1.0]])  # [1, 5]
+    row = RowHistory(SamplingParams(max_tokens=8, repetition_penalty=5e-324), [0, 1, 2, 3],
+                     torch.tensor([3]))
+    got = apply_controls(logits, [row], frozenset())[0]
+    assert not bool(torch.isnan(got).any())
+    assert torch.isneginf(got[3]) and bool(torch.isfinite(got[[0, 1, 2, 4]]).all()), got
+    assert got[0] > got[4] > got[2] >= got[1], got  # the seen positive one wins; unseen token 4 is unchanged
+    assert got[4] == 1.0
+
+
 @pytest.fixture
 def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)

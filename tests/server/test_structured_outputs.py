@@ -144,3 +144,16 @@ async def test_a_grammar_that_can_only_end_wins_over_min_tokens(client: httpx.As
     assert answer.status_code == 200, answer.text
     choice = answer.json()["choices"][0]
     assert choice["message"]["content"] == "" and choice["finish_reason"] == "stop"
+
+
+async def test_a_grammar_that_can_only_end_survives_a_vanishing_repetition_penalty(
+        client: httpx.AsyncClient) -> None:
+    """repetition_penalty 5e-324 (valid, but 0 in float32) must not turn the grammar's masked tokens into nan:
+    the answer is the empty choice, never a 5xx (the body the fuzzer drew in CI)."""
+    body = {"model": "tiny", "messages": [{"role": "tool"}], "guided_choice": [""], "repetition_penalty": 5e-324,
+            "max_tokens": 4}
+    answer = await client.post("/v1/chat/completions", json=body)
+    assert answer.status_code < 500, answer.text
+    if answer.status_code == 200:
+        assert answer.json()["choices"][0]["message"]["content"] == ""
+
