@@ -13,6 +13,7 @@ from typing import Any
 from kvdrive.runtime.cli_args import (
     DTYPES,
     WEIGHT_CHOICES,
+    add_kv_dtype_arg,
     add_threads_arg,
     add_weights_arg,
     dtype_of,
@@ -51,6 +52,7 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     dc.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     dc.add_argument("--token-budget", type=int, default=1024)
     add_weights_arg(dc)
+    add_kv_dtype_arg(dc)
     add_threads_arg(dc)
     dc.add_argument("--ssd-budget", type=size_arg, default=4 << 30,
                     help="SSD tier size, the same in every run on this directory (a smaller one drops stored pages)")
@@ -93,6 +95,8 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     wb.add_argument("--doc-tokens", type=int, default=2048)
     wb.add_argument("--contexts", type=int, nargs="+", default=[2048, 7168], help="pass-key contexts")
     wb.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="pass-key depths")
+    wb.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="the KV cache of every format's run (the reference keeps float32)")
     wb.add_argument("--out", type=Path, default=Path("bench/results/weights-accuracy.json"))
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
     ld.add_argument("--url", default="http://127.0.0.1:8000")
@@ -128,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             args.ssd_dir, args.model, tuple(args.contexts), tuple(args.batches),
             tuple(args.modes or decode_bench.MODES), args.steps, args.warmup, args.token_budget, args.ssd_budget,
             with_llama_cpp=not args.no_llama_cpp, weights=args.weights, device=args.device, on_case=save,
+            kv_dtype=dtype_of(args.kv_dtype),
             prefill_contexts=tuple(args.prefill_contexts if args.prefill_contexts is not None
                                    else [c for c in args.contexts if c <= 16384]))
         save(res)
@@ -141,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         from kvdrive.runtime.bench import weights_bench
 
         wres = weights_bench.run_weights_bench(args.model, args.formats, args.chats, args.chat_tokens, args.doc_tokens,
-                                               args.documents, tuple(args.contexts), tuple(args.depths))
+                                               args.documents, tuple(args.contexts), tuple(args.depths),
+                                               kv_dtype=dtype_of(args.kv_dtype))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(asdict(wres), indent=2) + "\n")
         md = weights_bench.table(wres)

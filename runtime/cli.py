@@ -14,6 +14,7 @@ from kvdrive.router import cli as route_cli
 from kvdrive.runtime import __version__, bench_cli
 from kvdrive.runtime.cli_args import (
     DTYPES,
+    add_kv_dtype_arg,
     add_threads_arg,
     add_weights_arg,
     default_threads,
@@ -33,7 +34,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch device for compute and the device KV tier: auto (CUDA when torch sees a device, "
                         "else the CPU; logged at start), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
-                   help="activations and KV dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+                   help="activations dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    add_kv_dtype_arg(p)
     add_weights_arg(p)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--gpu-budget", type=size_arg, default=None,
@@ -165,7 +167,8 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
                        ssd_backend=args.ssd_backend)
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
                         full_attention=args.full_attention, token_budget=args.token_budget,
-                        max_sequences=max_sequences, max_running=max_running, kv_dtype=dtype_of(args.dtype))
+                        max_sequences=max_sequences, max_running=max_running,
+                        kv_dtype=dtype_of(args.kv_dtype) or dtype_of(args.dtype))
 
 
 def _serve(args: argparse.Namespace) -> int:

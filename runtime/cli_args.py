@@ -1,5 +1,6 @@
 """The argument types and flags that several of the runtime's commands share (``kvdrive serve``,
-``generate``, ``bench``): sizes, seconds, dtypes, ``--threads``, ``--weights``. Imports no torch until a
+``generate``, ``bench``): sizes, seconds, dtypes, ``--threads``, ``--weights``,
+``--kv-dtype``. Imports no torch until a
 dtype is asked for: building the parser stays light (``kvdrive route``).
 """
 
@@ -19,6 +20,14 @@ def dtype_of(name: str):  # type: ignore[no-untyped-def]
     import torch
 
     return None if name == "auto" else getattr(torch, name)
+
+
+def add_kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-dtype", choices=DTYPES, default="auto",
+                   help="the KV cache's dtype in every tier (auto: the compute dtype, --dtype). bfloat16 on a CPU "
+                        "that computes in float32 halves every byte the tiers hold and move, and decodes faster, "
+                        "at a measured accuracy cost (docs/weights.md#the-kv-cache-dtype); float16 is as "
+                        "accurate but slow on CPUs without AVX512-FP16")
 
 
 def size_arg(text: str) -> int:

@@ -93,6 +93,7 @@ class DecodeBenchResult:
     warmup: int
     kv_bytes_per_token: int
     llama_cpp: str  # "measured" or why not
+    kv_dtype: str = ""  # the KV cache's dtype in the kvdrive rows and the floor
     results: list[ModeResult] = field(default_factory=list)
     host: str = ""
     device: str = "cpu"  # where the model computed and the device tier lived, named
@@ -133,30 +134,33 @@ def _device_name(device: torch.device) -> str:
 
 def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: int, ssd_dir: str, ssd_budget: int,
             token_budget: int) -> EngineConfig:
+    """The case's engine under ``mode``: budgets are fractions of ``total`` (the case's KV bytes in
+    ``layout``, whose dtype the cache keeps)."""
     page_bytes = layout.page_bytes
     placement = "fullfetch" if mode == "full-gpu" else "kvdrive" if mode == "sparse-gpu" else mode
     # what the envelope reserves for the running sequences beside the hot tier: each one's open page (and a
     # hybrid model's sliding window) and, under sparse attention, its decode step buffer
     shape = EngineConfig(placement=placement, token_budget=token_budget, page_size=layout.page_size,
-                         max_sequences=batch)
+                         max_sequences=batch, kv_dtype=layout.dtype)
     tails = reserve_bytes(layout, shape, window_bytes=seq_reserve - page_bytes)
     if mode in ("full-gpu", "sparse-gpu"):
         tiers = TierConfig(envelope_bytes=int(total * 1.1) + tails + 4 * page_bytes, ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
     else:
         tiers = TierConfig(envelope_bytes=max(int(total * 0.10), 2 * page_bytes) + tails, dram_bytes=int(total * 0.25),
                            ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
-    return EngineConfig(tiers=tiers, placement=placement, token_budget=token_budget, max_sequences=batch)
+    return EngineConfig(tiers=tiers, placement=placement, token_budget=token_budget, max_sequences=batch,
+                        kv_dtype=layout.dtype)
 
 
 def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[int, ...], ssd_dir: str,
-                 ssd_budget: int) -> None:
+                 ssd_budget: int, kv_dtype: torch.dtype | None) -> None:
     """Store every prompt's pages on the SSD tier once (skips what an earlier run stored).
 
     Each prompt goes in one context at a time, shortest first, each stage reusing the one before: the pages
     are the same either way, and a hybrid model keeps its sliding window's snapshot at every stage's end, so
     each shorter context can be reused on its own (a window is kept only at a sequence's boundaries)."""
     gen = ModelRunner(loaded, EngineConfig(tiers=TierConfig(ssd_dir=ssd_dir, ssd_bytes=ssd_budget), max_sequences=1,
-                                         window_checkpoint=0))  # the stage ends are the boundaries reused
+                                         window_checkpoint=0, kv_dtype=kv_dtype))  # the stage ends are the boundaries reused
     s = gen.cache.layout.page_size
     stages = [p[:ctx] for p in prompts for ctx in sorted(contexts)]
     try:
@@ -286,14 +290,15 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
                      warmup: int = 8, token_budget: int = 1024, ssd_budget: int | None = None,
                      with_llama_cpp: bool = True, loaded: LoadedModel | None = None,
                      weights: str = "auto", prefill_contexts: tuple[int, ...] = (),
-                     device: str = "cpu",
+                     device: str = "cpu", kv_dtype: torch.dtype | None = None,
                      on_case: Callable[[DecodeBenchResult], None] | None = None) -> DecodeBenchResult:
     """``device``: a resolved torch device string (``cpu``, ``cuda``, ``cuda:N``): where the model computes
     and the device tier lives (``loaded``, when given, decides instead). ``on_case`` is called with the
-    result so far after each measured case (so that a run cut short keeps what it measured)."""
+    result so far after each measured case (so that a run cut short keeps what it measured). ``kv_dtype``: the
+    KV cache's dtype in every kvdrive row and the floor (None: the model's)."""
     started = time.perf_counter()
     loaded = loaded or load_model(model, device=device, weights=weights)
-    probe = ModelRunner(loaded, EngineConfig(max_sequences=1))
+    probe = ModelRunner(loaded, EngineConfig(max_sequences=1, kv_dtype=kv_dtype))
     layout, seq_reserve = probe.cache.layout, probe.cache.seq_reserve
     probe.close()
     del probe
@@ -311,7 +316,7 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
         status = "not installed (pip install '.[bench]' builds it, ~15 min on 2 cores)"
     out = DecodeBenchResult(model=loaded.model_id, threads=threads, token_budget=token_budget, steps=steps,
                             warmup=warmup, kv_bytes_per_token=per_token, llama_cpp=status, host=platform.node(),
-                            device=_device_name(loaded.device))
+                            device=_device_name(loaded.device), kv_dtype=str(layout.dtype).removeprefix("torch."))
     out.weights = f"{loaded.weights.requested}: {loaded.weights.summary()}"
     out.weight_bytes_per_step = sum(weight_bytes(loaded.model).values())
     out.bandwidth_gb_s = copy_bandwidth(loaded.device) / 1e9
@@ -327,7 +332,7 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
             on_case(out)
     if fresh:
         out.prefill.extend(_kvdrive_ttft(loaded, fresh, prefill_contexts, layout, seq_reserve, ssd_dir, token_budget))
-    _prefill_all(loaded, longest, contexts, ssd_dir, ssd_budget)
+    _prefill_all(loaded, longest, contexts, ssd_dir, ssd_budget, layout.dtype)
     cases = [(ctx, b) for ctx in contexts for b in batches]
     bar = tqdm(total=len(cases) * (len(modes) + 2), desc="decode modes")
     for ctx, b in cases:

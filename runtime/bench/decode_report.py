@@ -18,7 +18,8 @@ def _cases(result: DecodeBenchResult) -> list[tuple[int, int]]:
 
 def header(result: DecodeBenchResult) -> str:
     return (f"{result.model}, {result.threads} threads, token budget {result.token_budget}, median of {result.steps} "
-            f"decode steps after {result.warmup} warm-up steps; budgets: device 10%, DRAM 25% of the case's KV, "
+            f"decode steps after {result.warmup} warm-up steps; KV cache {result.kv_dtype or 'the model dtype'} "
+            f"({result.kv_bytes_per_token} bytes a token); budgets: device 10%, DRAM 25% of the case's KV, "
             f"SSD all; llama.cpp: {result.llama_cpp}; host {result.host}, device {result.device}\n\n"
             f"Weights {result.weights}: {result.weight_bytes_per_step / 1e6:.0f} MB read per decode step; the "
             f"device's copy bandwidth {result.bandwidth_gb_s:.1f} GB/s (STREAM-like, 1 GiB arrays), so no step takes less "

@@ -1,8 +1,10 @@
 """Accuracy and cost of each weight format against fp32, on the same prompts (``kvdrive bench weights``).
 
 Owns the weights benchmark. Each format in turn is loaded (``--weights``) and run with full attention and
-an in-memory KV cache, so the format is the only difference from the reference: fp32, the path that
-``tests/runtime/test_model_hf_parity.py`` holds equal to transformers in float32. Per format:
+an in-memory KV cache, so the format (and ``--kv-dtype``, when not float32) is the only difference from the
+reference: fp32 weights and a float32 cache, the path that ``tests/runtime/test_model_hf_parity.py`` holds
+equal to transformers in float32. A format listed is run again, never copied from the reference (fp32 with
+a float32 cache is the self-check). Per format:
 
 - chats: the greedy continuation of each chat prompt (a plain "Question: ... Answer:" prompt for a base
   model without a chat template), identical to fp32's or not (EOS included);
@@ -74,6 +76,7 @@ class WeightsBenchResult:
     contexts: tuple[int, ...]
     depths: tuple[float, ...]
     reference: str = "fp32"
+    kv_dtype: str = "float32"  # the KV cache of every format's run (the reference's is float32)
     formats: list[FormatResult] = field(default_factory=list)
 
 
@@ -131,21 +134,25 @@ def _answers(gen: ModelRunner, loaded: LoadedModel, prompts: Prompts, chat_token
 
 def run_weights_bench(model: str = "demo", formats: Sequence[str] = FORMATS, chats: int = 20,
                       chat_tokens: int = 48, doc_tokens: int = 2048, documents: int = 4,
-                      contexts: Sequence[int] = (2048, 7168), depths: Sequence[float] = (0.1, 0.5, 0.9)
-                      ) -> WeightsBenchResult:
+                      contexts: Sequence[int] = (2048, 7168), depths: Sequence[float] = (0.1, 0.5, 0.9),
+                      kv_dtype: torch.dtype = torch.float32) -> WeightsBenchResult:
+    """Each of ``formats`` with its KV cache in ``kv_dtype``, against the reference: fp32 weights with a
+    float32 KV cache (so a 16-bit cache's cost shows in every row but the reference's)."""
     ref_loaded = load_model(model, weights="fp32", progress=False)
     prompts = build_prompts(ref_loaded, chats, doc_tokens, documents, contexts, depths)
     context = max([len(p) for p in prompts.documents] + [len(p[3]) for p in prompts.passkeys]) + chat_tokens + 16
-    config = EngineConfig(full_attention=True, max_sequences=1)
+    ref_config = EngineConfig(full_attention=True, max_sequences=1, kv_dtype=torch.float32)
+    config = EngineConfig(full_attention=True, max_sequences=1, kv_dtype=kv_dtype)
     result = WeightsBenchResult(ref_loaded.model_id, torch.get_num_threads(), chat_tokens, doc_tokens,
-                                tuple(contexts), tuple(depths))
+                                tuple(contexts), tuple(depths), kv_dtype=str(kv_dtype).removeprefix("torch."))
     total = len(prompts.chats) + len(prompts.documents) + len(prompts.passkeys)
     reference: Answers | None = None
     ref_logits: list[torch.Tensor] = []
-    for fmt in ["fp32", *[f for f in formats if f != "fp32"]]:
+    runs = [("reference", ref_config), *[(f, config) for f in formats]]
+    for fmt, cfg in runs:
         started = time.perf_counter()
-        loaded = ref_loaded if fmt == "fp32" else load_model(model, weights=fmt, progress=False)
-        gen = ModelRunner(loaded, config)
+        loaded = ref_loaded if fmt in ("fp32", "reference") else load_model(model, weights=fmt, progress=False)
+        gen = ModelRunner(loaded, cfg)
         assert gen.request_limit() >= context, "the default budget holds one full-context sequence"
         try:
             with tqdm(total=total + len(prompts.documents), desc=f"weights {fmt}", leave=False) as bar:
@@ -155,7 +162,7 @@ def run_weights_bench(model: str = "demo", formats: Sequence[str] = FORMATS, cha
                 kls: list[float] = []
                 for i, (p, answer) in enumerate(zip(prompts.documents, reference.documents, strict=True)):
                     logits = _forced_logits(gen, p, answer)
-                    if fmt == "fp32":
+                    if fmt == "reference":
                         ref_logits.append(logits)
                     kls += kl_divergence(ref_logits[i], logits)
                     bar.update()
@@ -164,7 +171,7 @@ def run_weights_bench(model: str = "demo", formats: Sequence[str] = FORMATS, cha
         found = [str(k) in text for (_, _, k, _), text in zip(prompts.passkeys, got.passkey_texts, strict=True)]
         by_ctx = {c: statistics.fmean(f for (ctx, _, _, _), f in zip(prompts.passkeys, found, strict=True)
                                       if ctx == c) for c in contexts}
-        if fmt in formats:
+        if fmt != "reference":
             result.formats.append(FormatResult(
                 weights=f"{fmt}: {loaded.weights.summary()}", weight_bytes=sum(weight_bytes(loaded.model).values()),
                 chats_identical=sum(a == b for a, b in zip(got.chats, reference.chats, strict=True)),
@@ -183,7 +190,8 @@ def table(result: WeightsBenchResult) -> str:
     """Markdown: one row per format."""
     ctx = " / ".join(str(c) for c in result.contexts)
     rows = [f"# Weight formats against {result.reference}\n",
-            f"{result.model}, {result.threads} threads, full attention (the format is the only difference); "
+            f"{result.model}, {result.threads} threads, full attention; KV cache {result.kv_dtype} (the reference: "
+            f"fp32 weights, float32 KV cache; with a float32 cache the format is the only difference); "
             f"greedy chats of {result.chat_tokens} tokens; documents of {result.doc_tokens} tokens, KL along "
             f"{result.reference}'s greedy answer; pass keys at {ctx} tokens, depths "
             f"{', '.join(str(d) for d in result.depths)}\n",

@@ -100,6 +100,20 @@ def test_decode_attention_with_masks_equals_dense_attention_per_sequence() -> No
         assert float(probs[i, :, :, n:].abs().sum()) == 0.0
 
 
+def test_a_16_bit_cache_attends_like_float32_over_the_same_rounded_values() -> None:
+    """K and V kept in float16 or bfloat16: the result is float32 attention over those values (float16 is
+    computed in float32 on a CPU; bfloat16 multiplies in its own dtype), returned in the query's dtype."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn((2, HKV * G, D), generator=g)
+    k, v = torch.randn((2, HKV, 40, D), generator=g), torch.randn((2, HKV, 40, D), generator=g)
+    for dtype, tol in ((torch.float16, 1e-5), (torch.bfloat16, 2e-2)):
+        k16, v16 = k.to(dtype), v.to(dtype)
+        out, probs = decode_attention(q, k16, v16)
+        ref, _ = decode_attention(q, k16.float(), v16.float())
+        assert out.dtype == torch.float32 and probs.dtype == torch.float32
+        torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
 def test_a_page_that_drew_attention_last_step_keeps_its_place_when_its_bound_ranks_low() -> None:
     """The pass-key case at 32K in miniature: one page's box is tight around a key that matches the query a
     little, while looser boxes elsewhere have bounds above it, so the bounds alone leave it out. Given the

@@ -13,10 +13,13 @@ from kvdrive.runtime.bench.decode_report import markdown
 
 
 def test_the_decode_bench_times_a_fresh_prompt_to_its_first_token(tmp_path: Path) -> None:
+    """With a bfloat16 KV cache (``--kv-dtype bfloat16``): the prompts are stored in it, so the decode rows reuse
+    them; a prefill in another dtype would store pages those rows never find."""
     saved: list[int] = []  # rows in the result each time a case is done (the CLI writes its files then)
     res = run_decode_bench(str(tmp_path / "ssd"), "demo", contexts=(256,), batches=(1,), modes=("kvdrive",),
                            steps=2, warmup=1, token_budget=128, with_llama_cpp=False, prefill_contexts=(128, 256),
-                           on_case=lambda r: saved.append(len(r.results)))
+                           on_case=lambda r: saved.append(len(r.results)), kv_dtype=torch.bfloat16)
+    assert res.kv_dtype == "bfloat16" and res.kv_bytes_per_token == 30 * 2 * 3 * 64 * 2  # layers, K/V, heads, dim
     assert saved == [2]
     assert {(r.mode, r.context, r.batch) for r in res.results} == {("kvdrive", 256, 1), ("floor", 256, 1)}
     kv = next(r for r in res.results if r.mode == "kvdrive")
@@ -26,7 +29,7 @@ def test_the_decode_bench_times_a_fresh_prompt_to_its_first_token(tmp_path: Path
     assert not (tmp_path / "ssd" / "ttft").exists()  # its own SSD tier is gone with the measurement
     assert res.device.startswith("cpu")
     report = markdown(res)
-    assert "device cpu" in report
+    assert "device cpu" in report and "KV cache bfloat16 (23040 bytes a token)" in report
     assert "## Time to first token" in report
     assert "| 256 | " in report.split("## Time to first token")[1].split("##")[0]
 

@@ -248,3 +248,15 @@ def test_the_weights_bench_checks_fp32_against_itself_and_measures_a_lossy_forma
     assert int4.document_kl_max > 0.0 and int4.weight_bytes * 4 < fp32.weight_bytes
     assert fp32.passkeys == int4.passkeys == 1 and set(fp32.passkey_found_by_context) == {256}
     assert "| int4: int4 x " in table(res)
+
+
+def test_the_weights_bench_shows_what_a_16_bit_cache_costs() -> None:
+    """`--kv-dtype bfloat16`: the reference keeps a float32 cache, so fp32 weights over a bfloat16 cache are
+    no longer identical to it: the cache's rounding is the only difference, and it is small."""
+    from kvdrive.runtime.bench.weights_bench import run_weights_bench, table
+
+    res = run_weights_bench("demo", ("fp32",), chats=2, chat_tokens=6, doc_tokens=96, documents=1,
+                            contexts=(256,), depths=(0.5,), kv_dtype=torch.bfloat16)
+    (fp32,) = res.formats
+    assert res.kv_dtype == "bfloat16" and "KV cache bfloat16" in table(res)
+    assert 0.0 < fp32.document_kl_max < 0.05
