@@ -95,7 +95,7 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     wb.add_argument("--doc-tokens", type=int, default=2048)
     wb.add_argument("--contexts", type=int, nargs="+", default=[2048, 7168], help="pass-key contexts")
     wb.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="pass-key depths")
-    wb.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+    wb.add_argument("--kv-dtype", choices=[d for d in DTYPES if d != "auto"], default="float32",
                     help="the KV cache of every format's run (the reference keeps float32)")
     wb.add_argument("--out", type=Path, default=Path("bench/results/weights-accuracy.json"))
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")

@@ -153,7 +153,7 @@ def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: in
 
 
 def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[int, ...], ssd_dir: str,
-                 ssd_budget: int, kv_dtype: torch.dtype | None) -> None:
+                 ssd_budget: int, kv_dtype: torch.dtype) -> None:
     """Store every prompt's pages on the SSD tier once (skips what an earlier run stored).
 
     Each prompt goes in one context at a time, shortest first, each stage reusing the one before: the pages
