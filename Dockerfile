@@ -69,13 +69,13 @@ COPY operator /src/operator
 COPY router /src/router
 RUN /opt/venv/bin/pip install "/src${EXTRAS:+[${EXTRAS}]}" \
  && rm -rf /src
-# the CPU kernels of int8/int4 weights (--weights auto on a CPU), compiled here: the image keeps the build
-# and no compiler (libgomp stays: the build links it)
-ENV KVDRIVE_BLOCK_KERNELS=/opt/kvdrive/kernels
+# the CPU kernels (int8/int4 weights for --weights auto, paged decode attention), compiled here: the image
+# keeps the build and no compiler (libgomp stays: the build links it)
+ENV KVDRIVE_KERNELS=/opt/kvdrive/kernels
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ python3-dev libgomp1 \
- && PATH=/opt/venv/bin:$PATH python -m kvdrive.runtime.model.block_kernels /opt/kvdrive/kernels \
+ && PATH=/opt/venv/bin:$PATH python -m kvdrive.runtime.native /opt/kvdrive/kernels \
  && apt-get purge -y --auto-remove g++ python3-dev \
  && rm -rf /var/lib/apt/lists/*
 # HOME=/tmp: the pods run with a read-only root file system and an emptyDir at /tmp.

@@ -45,6 +45,7 @@ class PageReader:
         self._kv = torch.arange(2, device=dev).view(2, 1, 1)
         self._h = torch.arange(hkv, device=dev).view(1, 1, hkv)
         self._base = (self._kv * hkv + self._h)[..., None]  # [2, 1, Hkv, 1]: (page, kv, head) row = page * 2 Hkv + base
+        self._no_stage = torch.empty((0, *lay.block_shape), dtype=lay.dtype, device=dev)
 
     def _rows_of(self, pool: torch.Tensor) -> torch.Tensor:
         """The (page, head) rows of a pool [slots, block_bytes]: [slots * 2 * Hkv, S * D] as words."""
@@ -84,11 +85,38 @@ class PageReader:
         if n_miss:
             t0 = time.perf_counter()
             if arena is not None:
-                self._from_store(layer, pids, miss, seq_ids)
+                self._store_into_buffer(layer, pids, miss, seq_ids)
             else:
                 self._misses(layer, pids, miss, n_miss, seq_ids)
             self.miss_seconds += time.perf_counter() - t0
         return self._outputs()
+
+    def locate(self, layer: int, pids: torch.Tensor, valid: torch.Tensor, n_valid: int, tails: torch.Tensor,
+               seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each entry can be read in place, on a CPU host (one arena holds both memory tiers), for the
+        paged kernels: pids [B, P], valid [B, P], tails [B] -> (rows [R, S * D] the arena's (slot, kv, head)
+        rows, slots [B, P + 1] (each entry's arena slot, -1 - j for block j of the stage; the open page last),
+        stage [M, 2, Hkv, S, D] the blocks that missed both memory tiers, read by the Mover)."""
+        store, lay = self.store, self.layout
+        arena = store.arena
+        assert arena is not None, "locate reads in place in the host arena"
+        b, p = self.batch, self.pages
+        rows = store.index.rows()[layer].index_select(0, pids.view(-1)).view(b, p)
+        hit = rows >= 0
+        slots = torch.cat([rows, tails[:, None]], dim=1)
+        stage = self._no_stage
+        if n_valid:
+            miss = valid & ~hit
+            n_miss = int(miss.sum())
+            n_dev = int(((rows >= 0) & (rows < arena.dram_base)).sum())
+            self.cache.hot_reads["gpu"] += n_dev
+            self.cache.hot_reads["dram"] += n_valid - n_dev - n_miss
+            if n_miss:
+                t0 = time.perf_counter()
+                bi, ki, stage = self._from_store(layer, pids, miss, seq_ids)
+                slots[bi, ki] = -1 - torch.arange(bi.numel(), device=slots.device)
+                self.miss_seconds += time.perf_counter() - t0
+        return arena.table.view(lay.dtype).view(-1, lay.row_elems), slots, stage
 
     def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         lay = self.layout
@@ -120,11 +148,13 @@ class PageReader:
                 miss = miss & ~dhit
                 n_miss -= m
         if n_miss:
-            self._from_store(layer, pids, miss, seq_ids)
+            self._store_into_buffer(layer, pids, miss, seq_ids)
 
-    def _from_store(self, layer: int, pids: torch.Tensor, miss: torch.Tensor, seq_ids: list[int]) -> None:
+    def _from_store(self, layer: int, pids: torch.Tensor, miss: torch.Tensor,
+                    seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Misses of every memory tier: read by the Mover (waiting for a late prefetch first); the
-        blocks read are queued for placement, which decides at the end of the step where each gets a copy."""
+        blocks read are queued for placement, which decides at the end of the step where each gets a copy.
+        -> (bi, ki) [m] the entries read, and their blocks [m, 2, Hkv, S, D] in the cache dtype."""
         cache, store, lay = self.cache, self.store, self.layout
         bi, ki = miss.nonzero(as_tuple=True)
         ids = pids[bi, ki].tolist()
@@ -141,9 +171,13 @@ class PageReader:
             cache.pages_lost += 1
             seq = seq_ids[int(bi[served.index(None)])]
             raise PageLostError(seq, f"{served.count(None)} KV pages of sequence {seq} could not be read")
-        m = len(keys)
         if self.prompt:
-            cache.prompt_store_reads += m
-        data = lay.typed(raw).permute(1, 0, 2, 3, 4).reshape(2 * m * lay.num_kv_heads, lay.row_elems)
-        self.rows.index_copy_(0, self._dst(bi, ki), data.to(self.buf.device).view(self.word))
+            cache.prompt_store_reads += len(keys)
         cache.promotions.add(keys, ids, served, raw)  # placement decides at the end of the step
+        return bi, ki, lay.typed(raw)
+
+    def _store_into_buffer(self, layer: int, pids: torch.Tensor, miss: torch.Tensor, seq_ids: list[int]) -> None:
+        lay = self.layout
+        bi, ki, blocks = self._from_store(layer, pids, miss, seq_ids)
+        data = blocks.permute(1, 0, 2, 3, 4).reshape(2 * bi.numel() * lay.num_kv_heads, lay.row_elems)
+        self.rows.index_copy_(0, self._dst(bi, ki), data.to(self.buf.device).view(self.word))

@@ -26,7 +26,13 @@ import time
 
 import torch
 
-from kvdrive.runtime.attention import causal_attention, decode_attention, select_pages, selection_masks
+from kvdrive.runtime.attention import (
+    causal_attention,
+    decode_attention,
+    paged_kernels,
+    select_pages,
+    selection_masks,
+)
 from kvdrive.runtime.engine.page_reads import PageReader
 from kvdrive.runtime.engine.tiered_cache import StepSeq, TieredKVCache
 from kvdrive.runtime.kvcache import BlockKey
@@ -73,6 +79,11 @@ class _DecodeBatch:
         tail_mask = tok[None, :] > offs[:, None]  # [B, S]: the open page's tokens not written yet
         page_mask = (~self.valid)[:, :, None].expand(b, k, s)
         self.mask = torch.cat([page_mask, tail_mask[:, None, :]], dim=1).reshape(b, 1, 1, (k + 1) * s)
+        # a CPU host: selection and attention run in the paged kernels, reading pages in place in the arena
+        self.in_place = cache.store.arena is not None and paged_kernels.available(dev)
+        # [B, K + 1]: tokens attended in each column (a selected page's S, none for padding; the open page's
+        # written tokens last)
+        self.ntok = torch.cat([torch.where(self.valid, s, 0), (offs + 1)[:, None]], dim=1)
         self.reader = PageReader(cache, b, k, tail=True, storage=cache.envelope.step_storage(b, k + 1))
         self.scratch = cache.placer.scratch
         self.mass = cache.placer.wants_mass
@@ -157,12 +168,16 @@ class TieredAttentionBackend:
         t0 = time.perf_counter()
         tails = dec.tails[layer]
         self._pool()[tails, :, :, dec.offs] = torch.stack([k, v], dim=1).to(cache.layout.dtype)  # [B, 2, Hkv, D]
+        in_place = dec.in_place and paged_kernels.fits(q, cache.layout.num_kv_heads)
         near = None
         if dec.sparse:
             assert dec.masks is not None
             summ = cache.summaries.batch(layer, dec.rows, dec.first_row, dec.pmax)
             drawn = cache.summaries.drawn(layer, dec.rows, dec.first_row, dec.pmax)
-            idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up, drawn)
+            if in_place:
+                idx, near = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection, cache.placer.runners_up)
+            else:
+                idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up, drawn)
         else:
             idx = dec.idx
         pids = dec.table.gather(1, idx)
@@ -170,17 +185,26 @@ class TieredAttentionBackend:
             pids = torch.where(dec.valid, pids, dec.scratch)
         t0 = self._mark("selection", t0)
         missed = dec.reader.miss_seconds
-        kk, vv = dec.reader.read(layer, pids, dec.valid, dec.n_valid, tails, dec.seq_ids)
+        if in_place:
+            rows, slots, stage = dec.reader.locate(layer, pids, dec.valid, dec.n_valid, tails, dec.seq_ids)
+        else:
+            kk, vv = dec.reader.read(layer, pids, dec.valid, dec.n_valid, tails, dec.seq_ids)
         if self.timings is not None:
             miss = dec.reader.miss_seconds - missed
             self.timings["misses"] = self.timings.get("misses", 0.0) + miss
             t0 += miss
         t0 = self._mark("gather", t0)
-        out, probs = decode_attention(q, kk, vv, dec.mask)
-        t0 = self._mark("attention", t0)
         b, kk_ = pids.shape
-        mass = probs.view(b, -1, kk_ + 1, cache.layout.page_size).sum(dim=(1, 3))[:, :kk_] \
-            if dec.mass or dec.sparse else None  # [B, K]: each attended page's mass, summed over heads
+        mass: torch.Tensor | None
+        if in_place:
+            out, mass_all = paged_kernels.attend(q, rows, stage, slots, dec.ntok, cache.layout.num_kv_heads,
+                                                 cache.layout.page_size)
+            mass = mass_all[:, :kk_]  # [B, K]: each attended page's mass, summed over heads
+        else:
+            out, probs = decode_attention(q, kk, vv, dec.mask)
+            mass = probs.view(b, -1, kk_ + 1, cache.layout.page_size).sum(dim=(1, 3))[:, :kk_] \
+                if dec.mass or dec.sparse else None  # [B, K]: each attended page's mass, summed over heads
+        t0 = self._mark("attention", t0)
         if dec.sparse:
             assert mass is not None
             cache.summaries.record_drawn(layer, dec.rows, idx, mass)  # the next step's selection adds it

@@ -89,23 +89,24 @@ def test_runtime_layers_put_torch_before_the_sources() -> None:
     assert torch_at < first_copy
     (install_ins, install), (kernels_ins, kernels) = order[-2:]
     assert install_ins == "RUN" and '"/src${EXTRAS:+[${EXTRAS}]}"' in install and "rm -rf /src" in install
-    assert kernels_ins == "RUN" and "block_kernels" in kernels  # built from the installed package, after it
+    assert kernels_ins == "RUN" and "kvdrive.runtime.native" in kernels  # built from the installed package, after it
 
 
-def test_the_runtime_image_keeps_a_build_of_the_block_kernels_and_no_compiler() -> None:
-    """Pods have no compiler and a read-only root: the int8/int4 CPU kernels are built in the image, into
-    the folder that $KVDRIVE_BLOCK_KERNELS names, and the compiler leaves in the same layer."""
+def test_the_runtime_image_keeps_a_build_of_the_cpu_kernels_and_no_compiler() -> None:
+    """Pods have no compiler and a read-only root: the CPU kernels (int8/int4 weights, paged decode) are
+    built in the image, into the folder that $KVDRIVE_KERNELS names, and the compiler leaves in the same
+    layer."""
     runtime = BY_NAME["runtime"]
     env = " ".join(runtime.all("ENV"))
-    folder = re.search(r"KVDRIVE_BLOCK_KERNELS=(\S+)", env)
+    folder = re.search(r"KVDRIVE_KERNELS=(\S+)", env)
     assert folder is not None
     kernels = runtime.all("RUN")[-1]
-    assert f"-m kvdrive.runtime.model.block_kernels {folder.group(1)}" in kernels
+    assert f"-m kvdrive.runtime.native {folder.group(1)}" in kernels
     installed = kernels.split("apt-get install", 1)[1].split("&&", 1)[0].split()
     purged = kernels.split("apt-get purge", 1)[1].split("&&", 1)[0].split()
     assert {"g++", "python3-dev"} <= set(installed) and {"g++", "python3-dev"} <= set(purged)
     assert "libgomp1" in installed and "libgomp1" not in purged  # the build links it
-    assert kernels.index("block_kernels") < kernels.index("apt-get purge")
+    assert kernels.index("kvdrive.runtime.native") < kernels.index("apt-get purge")
 
 
 def test_operator_image_has_no_torch_and_everything_the_operator_imports() -> None:

@@ -73,14 +73,14 @@ def test_a_pods_tiers_are_hugetlbfs_dram_and_ssd_on_its_persistent_volume(deploy
 
 def test_a_cpu_pod_keeps_the_weights_in_their_blocks_with_the_images_prebuilt_kernels(deployed: Cluster) -> None:
     """The pod has no compiler and a read-only root: `--weights auto` takes int4/int8 only through the
-    kernels the image built (Dockerfile, $KVDRIVE_BLOCK_KERNELS), where the node's CPU has AVX-512."""
+    kernels the image built (Dockerfile, $KVDRIVE_KERNELS), where the node's CPU has AVX-512."""
     import torch
 
     logs = deployed.kubectl("-n", NAMESPACE, "logs", "demo-0", "--all-containers=true").stdout
     if "AVX512" not in torch.backends.cpu.get_cpu_capability():
-        assert "block kernels unavailable (the CPU offers" in logs
+        assert "CPU kernels unavailable (the CPU offers" in logs
         return
-    assert "block kernels ready" in logs and "compiling instead" not in logs, logs[-3000:]
+    assert "CPU kernels ready" in logs and "compiling instead" not in logs, logs[-3000:]
     assert "weights auto (int4 x " in logs, logs[-3000:]  # the demo's Q4_1 projections stay 4-bit
 
 

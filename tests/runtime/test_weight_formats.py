@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from gguf_builder import decoded_logits, written_reference
 
+from kvdrive.runtime import native
 from kvdrive.runtime.engine import EngineConfig, ModelRunner
 from kvdrive.runtime.model import block_kernels, load_model
 from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, read_blocks
@@ -98,39 +99,13 @@ def test_block_kernels_compute_the_fp32_product(nib: bool, block: int, levels: t
 
 def test_torch_path_without_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host that cannot build the kernels computes the same values (slower) and ``auto`` keeps fp32."""
-    monkeypatch.setattr(block_kernels, "_load", lambda: (None, "no compiler (test)"))
+    monkeypatch.setattr(native.build, "_load", lambda: (None, "no compiler (test)"))
     b = _blocks(40, 64, 32, (0, 15), True)
     packed = block_kernels.pack(b, True)
     x = torch.randn(3, 64)
     assert _relative(block_kernels.gemv(x, packed), x.double() @ b.dequantize().double().T) < 2e-6
     assert torch.equal(block_kernels.dequantize(packed), b.dequantize())
     assert auto_format(["Q4_1"], CPU) == "fp32"
-
-
-def test_a_prebuilt_folder_is_loaded_when_it_matches_and_refused_when_stale(tmp_path: Path) -> None:
-    """The runtime image's way (no compiler in the pod): ``python -m ...block_kernels DIR`` at build time,
-    ``$KVDRIVE_BLOCK_KERNELS=DIR`` at run time. A build of another source, flags or torch is refused."""
-    if block_kernels.unavailable_reason():
-        pytest.skip(f"block kernels unavailable here: {block_kernels.unavailable_reason()}")
-    folder = tmp_path / "kernels"
-    done = subprocess.run([sys.executable, "-m", "kvdrive.runtime.model.block_kernels", str(folder)],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert (folder / f"{block_kernels.NAME}.so").is_file()
-    module, why = block_kernels._prebuilt(folder)
-    assert why == "" and module is not None
-    b = _blocks(40, 64, 32, (-8, 7), False)
-    packed = block_kernels.pack(b, False)
-    x = torch.randn(3, 64)
-    assert torch.equal(module.block_dequant(packed.q, packed.scale, packed.offset, packed.nib), b.dequantize())
-    assert _relative(module.block_gemv(x, packed.q, packed.scale, packed.offset, packed.nib),
-                     x.double() @ b.dequantize().double().T) < 2e-6
-
-    (folder / block_kernels.STAMP).write_text("0" * 64 + "\n")
-    module, why = block_kernels._prebuilt(folder)
-    assert module is None and "another source, flags or torch" in why
-    module, why = block_kernels._prebuilt(tmp_path / "empty")
-    assert module is None and "holds no build" in why
 
 
 def test_the_command_line_offers_every_format() -> None:

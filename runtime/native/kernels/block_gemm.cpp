@@ -1,4 +1,5 @@
-// KVDrive's CPU kernels for weights kept in a GGUF file's own blocks (runtime/model/block_kernels.py).
+// KVDrive's CPU kernels for weights kept in a GGUF file's own blocks (runtime/model/block_kernels.py;
+// built with the other kernels by runtime/native/build.py).
 //
 // A weight W [N, K] is kept as integer levels with a float32 scale, and optionally a float32 offset, per
 // block of B inputs of each row:  W[n, k] = q[n, k] * scale[n, k / B] + offset[n, k / B].
@@ -173,7 +174,7 @@ torch::Tensor block_dequant(torch::Tensor q, torch::Tensor scale, c10::optional<
   return w;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_block_gemm(pybind11::module_& m) {
   m.def("block_gemv", &block_gemv, "y = x @ W.T, W in blocks (levels, float32 scales and offsets)");
   m.def("block_dequant", &block_dequant, "W in blocks -> float32");
 }

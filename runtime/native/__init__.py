@@ -1,0 +1,18 @@
+"""KVDrive's C++ CPU kernels: building the one extension that holds them, and loading it.
+
+``kernels/block_gemm.cpp`` multiplies by weights kept in their GGUF blocks (``model.block_kernels``);
+``kernels/paged_decode.cpp`` selects a decode layer's pages and attends to them in place in the KV pool
+(``attention.paged_kernels``). One extension, so one compiler run and one prebuilt folder.
+"""
+
+from kvdrive.runtime.native.build import (
+    NAME,
+    PREBUILT_ENV,
+    STAMP,
+    build_digest,
+    kernels,
+    prebuild,
+    unavailable_reason,
+)
+
+__all__ = ["NAME", "PREBUILT_ENV", "STAMP", "build_digest", "kernels", "prebuild", "unavailable_reason"]

@@ -1,0 +1,332 @@
+// KVDrive's CPU kernels of one decode layer over paged KV (runtime/attention/paged_kernels.py).
+//
+// select_pages: per sequence, each sealed page's estimated attention mass (the Quest bound q.c + |q|.r of its
+//   key box, a softmax over the pages per query head, summed over the heads), plus the mass it drew at the
+//   layer's last step; sinks and the recent window forced, pages a sequence lacks last. Returns the top K
+//   page indices ascending and the next R by score: runtime/attention/selection.py's select_pages, computed
+//   without a [B, Hkv, G, P] tensor per op.
+// paged_decode: exact softmax attention of one query per sequence over K/V read in place, column by column,
+//   from the pool's (page, kv, head) rows (hits) or a staging buffer (misses), so the selected pages are
+//   never gathered into a copy. Returns the output and the attention mass each column (page) drew, summed
+//   over the query heads: runtime/attention/sparse.py's decode_attention over a gathered buffer.
+// Work is split over (sequence, KV head, column range); the column ranges of one head are merged with their
+// softmax maxima (split-K), so one sequence keeps both cores busy.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int64_t MAX_G = 16;   // query heads per KV head
+constexpr int64_t MAX_D = 512;  // head dimension
+
+template <typename T> inline __m512 load16(const T* p);
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <> inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Ask for the next page's rows while this one is computed: the pages are scattered over the pool, so the
+// hardware prefetcher only ever sees one 4 KiB row at a time.
+template <typename T>
+inline void prefetch(const T* p, int64_t elems) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < elems * static_cast<int64_t>(sizeof(T)); i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// e^x in 16 lanes (Cephes' expf: range reduction by ln 2 in two parts, a degree-5 polynomial, 2^n by
+// scalef), within 2 ulp of expf for x in [-87, 88]; softmax inputs here are <= 0, and below -87 it gives
+// about 1e-38 where expf gives a denormal or 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// exp(v[i] - m) for i < n in place; returns their sum.
+inline float exp_shifted(float* v, int64_t n, float m) {
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mm = _mm512_set1_ps(m);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, v + i), mm)));
+    _mm512_mask_storeu_ps(v + i, k, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+struct Geometry {
+  int64_t B, Hkv, G, D, S, W, parts;
+};
+
+// One unit: sequence b, KV head h, columns [w0, w1). Leaves its softmax max m[g], sum l[g], unnormalized
+// output o[g][D] and each column's unnormalized mass cm[g][w].
+template <typename T>
+void decode_unit(const Geometry& geo, int64_t b, int64_t h, int64_t p, const float* q, const T* rows,
+                 const T* stage, const int64_t* slots, const int64_t* ntok, float* part_m, float* part_l,
+                 float* part_o, float* part_cm) {
+  const int64_t G = geo.G, D = geo.D, S = geo.S, W = geo.W, Hkv = geo.Hkv, SD = S * D, DC = D / 16;
+  const int64_t w0 = W * p / geo.parts, w1 = W * (p + 1) / geo.parts;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  __m512 qv[MAX_G * (MAX_D / 16)];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < DC; ++c)
+      qv[g * DC + c] = _mm512_mul_ps(_mm512_loadu_ps(q + ((b * Hkv + h) * G + g) * D + c * 16), _mm512_set1_ps(scale));
+  auto base = [&](int64_t w, int64_t kv) -> const T* {
+    const int64_t slot = slots[b * W + w];
+    if (slot >= 0) return rows + ((slot * 2 + kv) * Hkv + h) * SD;
+    return stage + (((-1 - slot) * 2 + kv) * Hkv + h) * SD;
+  };
+  const int64_t cols = w1 - w0;
+  std::vector<float> sc(static_cast<size_t>(G * cols * S));
+  float m[MAX_G];
+  std::fill(m, m + G, NEG_INF);
+  for (int64_t w = w0; w < w1; ++w) {
+    const int64_t n = ntok[b * W + w];
+    if (n <= 0) continue;
+    const T* k = base(w, 0);
+    if (w + 1 < w1 && ntok[b * W + w + 1] > 0) prefetch(base(w + 1, 0), SD);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 acc[MAX_G];
+      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < DC; ++c) {
+        const __m512 kv = load16<T>(k + t * D + c * 16);
+        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(qv[g * DC + c], kv, acc[g]);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float s = _mm512_reduce_add_ps(acc[g]);
+        sc[(g * cols + (w - w0)) * S + t] = s;
+        m[g] = std::max(m[g], s);
+      }
+    }
+  }
+  const int64_t unit = (b * Hkv + h) * geo.parts + p;
+  __m512 ov[MAX_G * (MAX_D / 16)];
+  for (int64_t i = 0; i < G * DC; ++i) ov[i] = _mm512_setzero_ps();
+  float l[MAX_G];
+  std::fill(l, l + G, 0.f);
+  for (int64_t w = w0; w < w1; ++w) {
+    const int64_t n = ntok[b * W + w];
+    float* cm = part_cm + ((b * Hkv + h) * G) * W + w;  // [g * W]
+    if (n <= 0) {
+      for (int64_t g = 0; g < G; ++g) cm[g * W] = 0.f;
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float sum = exp_shifted(&sc[(g * cols + (w - w0)) * S], n, m[g]);
+      cm[g * W] = sum;
+      l[g] += sum;
+    }
+    const T* v = base(w, 1);
+    if (w + 1 < w1 && ntok[b * W + w + 1] > 0) prefetch(base(w + 1, 1), SD);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t c = 0; c < DC; ++c) {
+        const __m512 vv = load16<T>(v + t * D + c * 16);
+        for (int64_t g = 0; g < G; ++g)
+          ov[g * DC + c] = _mm512_fmadd_ps(_mm512_set1_ps(sc[(g * cols + (w - w0)) * S + t]), vv, ov[g * DC + c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    part_m[unit * G + g] = m[g];
+    part_l[unit * G + g] = l[g];
+    for (int64_t c = 0; c < DC; ++c) _mm512_storeu_ps(part_o + (unit * G + g) * D + c * 16, ov[g * DC + c]);
+  }
+}
+
+void check_decode(const torch::Tensor& q, const torch::Tensor& rows, const torch::Tensor& stage,
+                  const torch::Tensor& slots, const torch::Tensor& ntok, int64_t hkv, int64_t page_size) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q: [B, Hq, D] float32");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(Hq % hkv == 0 && Hq / hkv <= MAX_G, "query heads per KV head: at most ", MAX_G);
+  TORCH_CHECK(D % 16 == 0 && D <= MAX_D, "head dim: a multiple of 16 up to ", MAX_D);
+  TORCH_CHECK(rows.dim() == 2 && rows.size(1) == page_size * D && rows.is_contiguous(), "rows: [R, S * D]");
+  TORCH_CHECK(stage.scalar_type() == rows.scalar_type() && stage.is_contiguous(), "stage: contiguous, the rows' dtype");
+  TORCH_CHECK(stage.numel() % (2 * hkv * page_size * D) == 0, "stage: [M, 2, Hkv, S, D]");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == B && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "slots: [B, W] int64");
+  TORCH_CHECK(ntok.sizes() == slots.sizes() && ntok.scalar_type() == torch::kLong && ntok.is_contiguous(),
+              "ntok: [B, W] int64");
+  const int64_t R = rows.size(0) / (2 * hkv), M = stage.numel() / (2 * hkv * page_size * D);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t* n = ntok.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK(n[i] >= 0 && n[i] <= page_size, "ntok out of 0..", page_size);
+    TORCH_CHECK(n[i] == 0 || (s[i] >= 0 ? s[i] < R : -1 - s[i] < M), "slot ", s[i], " out of the pool or stage");
+  }
+}
+
+}  // namespace
+
+// q [B, Hq, D] float32; rows [R, S * D] (the pool's (slot, kv, head) rows, float32 / bfloat16 / float16);
+// stage [M, 2, Hkv, S, D] (blocks that missed every memory tier, the rows' dtype); slots [B, W] int64 (a pool
+// slot, or -1 - j for stage block j); ntok [B, W] int64 (tokens attended in each column, 0: none)
+// -> out [B, Hq, D] float32, mass [B, W] float32.
+std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor rows, torch::Tensor stage, torch::Tensor slots,
+                                        torch::Tensor ntok, int64_t hkv, int64_t page_size) {
+  check_decode(q, rows, stage, slots, ntok, hkv, page_size);
+  const int64_t B = q.size(0), D = q.size(2), W = slots.size(1), G = q.size(1) / hkv;
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(W / 4, (2 * threads + B * hkv - 1) / (B * hkv)));
+  const Geometry geo{B, hkv, G, D, page_size, W, parts};
+  const auto f = q.options();
+  auto part_m = torch::empty({B * hkv * parts * G}, f), part_l = torch::empty({B * hkv * parts * G}, f);
+  auto part_o = torch::empty({B * hkv * parts * G * D}, f), part_cm = torch::empty({B * hkv * G * W}, f);
+  const float* qp = q.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* np = ntok.data_ptr<int64_t>();
+  float *pm = part_m.data_ptr<float>(), *pl = part_l.data_ptr<float>(), *po = part_o.data_ptr<float>(),
+        *pc = part_cm.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "paged_decode", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "rows: float32, bfloat16 or float16");
+    } else {
+      const scalar_t* rp = rows.data_ptr<scalar_t>();
+      const scalar_t* stp = stage.data_ptr<scalar_t>();
+      at::parallel_for(0, B * hkv * parts, 1, [&](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; ++u) {
+          const int64_t p = u % parts, bh = u / parts;
+          decode_unit<scalar_t>(geo, bh / hkv, bh % hkv, p, qp, rp, stp, sp, np, pm, pl, po, pc);
+        }
+      });
+    }
+  });
+  auto out = torch::empty({B, hkv * G, D}, f);
+  auto mass = torch::zeros({B, W}, f);
+  float *op = out.data_ptr<float>(), *mp = mass.data_ptr<float>();
+  for (int64_t bh = 0; bh < B * hkv; ++bh) {
+    const int64_t b = bh / hkv;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = NEG_INF;
+      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, pm[(bh * parts + p) * G + g]);
+      float scalep[64];
+      float total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float mp_ = pm[(bh * parts + p) * G + g];
+        scalep[p] = mp_ == NEG_INF ? 0.f : std::exp(mp_ - mx);
+        total += pl[(bh * parts + p) * G + g] * scalep[p];
+      }
+      float* o = op + (bh * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = 0.f;
+        for (int64_t p = 0; p < parts; ++p) acc += po[((bh * parts + p) * G + g) * D + d] * scalep[p];
+        o[d] = acc / total;
+      }
+      for (int64_t p = 0; p < parts; ++p) {
+        const float k = scalep[p] / total;
+        for (int64_t w = W * p / parts; w < W * (p + 1) / parts; ++w) mp[b * W + w] += pc[(bh * G + g) * W + w] * k;
+      }
+    }
+  }
+  return {out, mass};
+}
+
+// q [B, Hq, D] float32; summaries [B, Hkv, P, 2D] float32 (center, radius; any strides but the last);
+// drawn [B, P] float32 (last stride 1); npages [B] int64 -> selected [B, K] int64 ascending, runners-up
+// [B, min(P, K + R) - K] int64 by score (see select_pages in runtime/attention/selection.py).
+std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries, torch::Tensor drawn,
+                                        torch::Tensor npages, int64_t sink, int64_t recent, int64_t k, int64_t runners_up) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q: [B, Hq, D] float32");
+  TORCH_CHECK(summaries.dim() == 4 && summaries.scalar_type() == torch::kFloat && summaries.stride(3) == 1,
+              "summaries: [B, Hkv, P, 2D] float32");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = summaries.size(1), P = summaries.size(2);
+  TORCH_CHECK(summaries.size(0) == B && summaries.size(3) == 2 * D && Hq % Hkv == 0, "summaries do not match q");
+  TORCH_CHECK(drawn.dim() == 2 && drawn.size(0) == B && drawn.size(1) == P && drawn.stride(1) == 1 &&
+              drawn.scalar_type() == torch::kFloat, "drawn: [B, P] float32");
+  TORCH_CHECK(npages.dim() == 1 && npages.size(0) == B && npages.scalar_type() == torch::kLong, "npages: [B] int64");
+  TORCH_CHECK(k >= 1 && k <= P && runners_up >= 0, "k: 1..P");
+  const int64_t G = Hq / Hkv, total = std::min(P, k + runners_up);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  auto npc = npages.contiguous();
+  const int64_t* np = npc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(np[b] >= 0 && np[b] <= P, "npages out of 0..P");
+  auto head_mass = torch::zeros({B, Hkv, P}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* sp = summaries.data_ptr<float>();
+  const int64_t s0 = summaries.stride(0), s1 = summaries.stride(1), s2 = summaries.stride(2);
+  float* hm = head_mass.data_ptr<float>();
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> bound(static_cast<size_t>(P));
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / Hkv, h = u % Hkv, n = np[b];
+      if (n == 0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qp + (b * Hq + h * G + g) * D;
+        float mx = NEG_INF;
+        for (int64_t p = 0; p < n; ++p) {
+          const float* cr = sp + b * s0 + h * s1 + p * s2;  // [2D]: center, radius
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t c = 0; c < D; c += 16) {
+            const __m512 qq = _mm512_mul_ps(_mm512_loadu_ps(qg + c), _mm512_set1_ps(scale));
+            acc = _mm512_fmadd_ps(qq, _mm512_loadu_ps(cr + c), acc);
+            acc = _mm512_fmadd_ps(_mm512_abs_ps(qq), _mm512_loadu_ps(cr + D + c), acc);
+          }
+          bound[p] = _mm512_reduce_add_ps(acc);
+          mx = std::max(mx, bound[p]);
+        }
+        const float sum = exp_shifted(bound.data(), n, mx);
+        float* row = hm + (b * Hkv + h) * P;
+        for (int64_t p = 0; p < n; ++p) row[p] += bound[p] / sum;
+      }
+    }
+  });
+  auto selected = torch::empty({B, k}, npages.options());
+  auto near = torch::empty({B, total - k}, npages.options());
+  int64_t *sel = selected.data_ptr<int64_t>(), *nr = near.data_ptr<int64_t>();
+  const float* dp = drawn.data_ptr<float>();
+  const int64_t d0 = drawn.stride(0);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> score(static_cast<size_t>(P));
+    std::vector<int64_t> order(static_cast<size_t>(P));
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = np[b];
+      for (int64_t p = 0; p < P; ++p) {
+        if (p >= n) {
+          score[p] = NEG_INF;
+        } else if (p < sink || p >= n - recent) {
+          score[p] = std::numeric_limits<float>::infinity();
+        } else {
+          float s = dp[b * d0 + p];
+          for (int64_t h = 0; h < Hkv; ++h) s += hm[(b * Hkv + h) * P + p];
+          score[p] = s;
+        }
+      }
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + total, order.end(), [&](int64_t x, int64_t y) {
+        return score[x] > score[y] || (score[x] == score[y] && x < y);
+      });
+      std::sort(order.begin(), order.begin() + k);
+      std::copy(order.begin(), order.begin() + k, sel + b * k);
+      std::copy(order.begin() + k, order.begin() + total, nr + b * (total - k));
+    }
+  });
+  return {selected, near};
+}
+
+void register_paged_decode(pybind11::module_& m) {
+  m.def("paged_decode", &paged_decode, "decode attention over pages read in place, with each page's mass");
+  m.def("select_pages", &select_pages, "the pages each decode query attends to, and the runners-up");
+}

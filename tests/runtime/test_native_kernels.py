@@ -1,0 +1,167 @@
+"""The CPU kernels' extension (``runtime/native``) and the decode layer's paged kernels:
+
+- the runtime image's prebuilt folder is loaded when it matches, refused when stale;
+- ``select`` picks the pages ``select_pages`` picks, and ``attend`` computes what ``decode_attention`` computes
+  over a gathered buffer, reading hits in place in the pool and misses from a staging buffer, in each
+  KV dtype, for short sequences and padding;
+- bad indices are refused with a message, never read;
+- a tiered engine decodes the same tokens with the kernels as with the torch ops.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdrive.runtime import native
+from kvdrive.runtime.attention import (
+    SelectionConfig,
+    decode_attention,
+    paged_kernels,
+    select_pages,
+    selection_masks,
+)
+from kvdrive.runtime.model import block_kernels
+from kvdrive.runtime.model.gguf_blocks import Blocks
+
+HKV, G, D, S = 3, 3, 64, 16
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    if native.unavailable_reason():
+        pytest.skip(f"CPU kernels unavailable here: {native.unavailable_reason()}")
+
+
+def test_a_prebuilt_folder_is_loaded_when_it_matches_and_refused_when_stale(tmp_path: Path) -> None:
+    """The runtime image's way (no compiler in the pod): ``python -m kvdrive.runtime.native DIR`` at build
+    time, ``$KVDRIVE_KERNELS=DIR`` at run time. A build of other sources, flags or torch is refused."""
+    folder = tmp_path / "kernels"
+    done = subprocess.run([sys.executable, "-m", "kvdrive.runtime.native", str(folder)],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr
+    assert (folder / f"{native.NAME}.so").is_file()
+    module, why = native.build.prebuilt(folder)
+    assert why == "" and module is not None
+    levels = torch.randint(-8, 8, (40, 64), dtype=torch.int8)
+    b = Blocks(levels, torch.rand(40, 2) + 0.1, None, 32)
+    packed = block_kernels.pack(b, False)
+    assert torch.equal(module.block_dequant(packed.q, packed.scale, packed.offset, packed.nib), b.dequantize())
+    assert hasattr(module, "paged_decode") and hasattr(module, "select_pages")
+
+    (folder / native.STAMP).write_text("0" * 64 + "\n")
+    module, why = native.build.prebuilt(folder)
+    assert module is None and "other sources, flags or torch" in why
+    module, why = native.build.prebuilt(tmp_path / "empty")
+    assert module is None and "holds no build" in why
+
+
+def _case(batch: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A pool of 400 slots, 32 columns a sequence (the last the open page), two of them staged misses, a
+    second sequence with only 20 pages (the rest padding)."""
+    g = torch.Generator().manual_seed(seed)
+    w = 32
+    pool = torch.randn(400, 2, HKV, S, D, generator=g).to(dtype)
+    stage = torch.randn(3, 2, HKV, S, D, generator=g).to(dtype)
+    slots = torch.randint(0, 400, (batch, w), generator=g)
+    slots[:, 5], slots[:, 11] = -1, -3
+    ntok = torch.full((batch, w), S)
+    ntok[:, -1] = 7  # the open page's written tokens
+    if batch > 1:
+        ntok[1, 20:-1] = 0
+        slots[1, 20:-1] = 10_000  # padding: never read
+    q = torch.randn(batch, HKV * G, D, generator=g)
+    return {"pool": pool, "stage": stage, "slots": slots, "ntok": ntok, "q": q}
+
+
+def _gathered(c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch path's buffer: K, V [B, Hkv, W * S, D] and the mask of what is not attended."""
+    b, w = c["slots"].shape
+    blocks = torch.stack([c["pool"][s] if 0 <= s < 400 else c["stage"][-1 - s] if s < 0 else c["pool"][0]
+                          for s in c["slots"].view(-1).tolist()]).view(b, w, 2, HKV, S, D)
+    k = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(b, HKV, w * S, D).float()
+    v = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(b, HKV, w * S, D).float()
+    mask = (torch.arange(S)[None, None, :] >= c["ntok"][:, :, None]).reshape(b, 1, 1, w * S)
+    return k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_attend_in_place_equals_attention_over_the_gathered_pages(dtype: torch.dtype, batch: int) -> None:
+    c = _case(batch, dtype)
+    k, v, mask = _gathered(c)
+    ref, probs = decode_attention(c["q"], k, v, mask)  # float32 over the same (rounded) values
+    out, mass = paged_kernels.attend(c["q"], c["pool"].view(-1, S * D), c["stage"], c["slots"], c["ntok"], HKV, S)
+    assert out.shape == ref.shape and mass.shape == c["slots"].shape
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5), (out - ref).abs().max()
+    ref_mass = probs.view(batch, -1, c["slots"].shape[1], S).sum(dim=(1, 3))
+    assert torch.allclose(mass, ref_mass, atol=2e-6, rtol=1e-5)
+    assert torch.allclose(mass.sum(dim=1), torch.full((batch,), HKV * G * 1.0), atol=1e-4)  # every head's whole mass
+    if batch > 1:
+        assert torch.all(mass[1, 20:-1] == 0)  # padding draws nothing
+
+
+def test_one_sequence_splits_its_pages_over_the_threads_and_merges_exactly() -> None:
+    """With one sequence the kernel splits each head's pages into parts (both cores busy) and merges their
+    softmax maxima: the result does not depend on the thread count."""
+    c = _case(1, torch.float32, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            outs.append(paged_kernels.attend(c["q"], c["pool"].view(-1, S * D), c["stage"], c["slots"], c["ntok"],
+                                             HKV, S))
+    finally:
+        torch.set_num_threads(threads)
+    for out, mass in outs[1:]:
+        assert torch.allclose(out, outs[0][0], atol=1e-6) and torch.allclose(mass, outs[0][1], atol=1e-6)
+
+
+def test_bad_indices_are_refused_with_a_message_never_read() -> None:
+    c = _case(1, torch.float32)
+    rows = c["pool"].view(-1, S * D)
+    slots = c["slots"].clone()
+    slots[0, 2] = 400  # past the pool
+    with pytest.raises(RuntimeError, match="out of the pool or stage"):
+        paged_kernels.attend(c["q"], rows, c["stage"], slots, c["ntok"], HKV, S)
+    slots[0, 2] = -4  # past the stage's 3 blocks
+    with pytest.raises(RuntimeError, match="out of the pool or stage"):
+        paged_kernels.attend(c["q"], rows, c["stage"], slots, c["ntok"], HKV, S)
+    ntok = c["ntok"].clone()
+    ntok[0, 0] = S + 1
+    with pytest.raises(RuntimeError, match="ntok out of"):
+        paged_kernels.attend(c["q"], rows, c["stage"], c["slots"], ntok, HKV, S)
+    with pytest.raises(RuntimeError, match="float32"):
+        paged_kernels.attend(c["q"].double(), rows, c["stage"], c["slots"], c["ntok"], HKV, S)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_select_picks_the_pages_select_pages_picks(batch: int) -> None:
+    """The same bound, softmax, drawn mass, forced sinks and recent pages, and order, over strided views of
+    a summary table (rows 1..B of a larger one), with a short second sequence."""
+    g = torch.Generator().manual_seed(batch)
+    cfg = SelectionConfig(token_budget=512, page_size=S)
+    p = 300
+    table = torch.randn(batch + 2, HKV, 400, 2 * D, generator=g)
+    table[..., D:] = table[..., D:].abs()
+    summaries = table[1 : batch + 1, :, :p]
+    drawn = (torch.rand(batch + 2, 400, generator=g) * 0.2)[1 : batch + 1, :p]
+    npages = torch.full((batch,), p, dtype=torch.int64)
+    if batch > 1:
+        npages[1] = 20  # fewer pages than the budget (31): all of them, then padding indices
+    q = torch.randn(batch, HKV * G, D, generator=g)
+    idx, near, _ = select_pages(q, summaries, selection_masks(npages, p, cfg), cfg, 12, drawn)
+    k_idx, k_near = paged_kernels.select(q, summaries, drawn, npages, cfg, 12)
+    assert k_idx.shape == idx.shape and k_near.shape == near.shape
+    assert torch.equal(k_idx[0], idx[0]) and torch.equal(k_near[0], near[0])
+    if batch > 1:
+        assert torch.equal(k_idx[1, :20], torch.arange(20)) and torch.all(k_idx[1, 20:] >= 20)
+        assert torch.equal(idx[1, :20], torch.arange(20))
+        assert torch.equal(k_idx[2], idx[2]) and torch.equal(k_near[2], near[2])
+    forced = torch.tensor([0, p - 4, p - 3, p - 2, p - 1])
+    assert torch.isin(forced, k_idx[0]).all()  # the sink and the recent window
