@@ -43,6 +43,16 @@ def select(q: torch.Tensor, summaries: torch.Tensor, drawn: torch.Tensor, npages
                                      cfg.budget_pages, runners_up))  # type: ignore[return-value]
 
 
+def locate(slot_of: torch.Tensor, pids: torch.Tensor, valid: torch.Tensor, tails: torch.Tensor,
+           dram_base: int) -> tuple[torch.Tensor, int, int, int]:
+    """slot_of [Pcap + 1] int64 (a layer's arena slot per page id, < 0: in neither memory tier); pids [B, K];
+    valid [B, K] bool; tails [B] (the open pages' slots) -> (slots [B, K + 1] with -1 where a valid entry
+    missed, and how many valid entries hit the device tier, hit DRAM (slots from ``dram_base`` on), missed)."""
+    module = native.kernels()
+    assert module is not None, "paged kernels used where they are not available"
+    return tuple(module.locate_pages(slot_of, pids, valid, tails, dram_base))  # type: ignore[return-value]
+
+
 def attend(q: torch.Tensor, rows: torch.Tensor, stage: torch.Tensor, slots: torch.Tensor, ntok: torch.Tensor,
            num_kv_heads: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, D] float32; rows [R, S * D] the pool's (slot, kv, head) rows; stage [M, 2, Hkv, S, D] the

@@ -93,9 +93,11 @@ class SummaryTable:
             return m[first_row : first_row + rows.shape[0], :pages]
         return m.index_select(0, rows)[:, :pages]
 
-    def record_drawn(self, layer: int, rows: torch.Tensor, pages: torch.Tensor, mass: torch.Tensor) -> None:
-        """This step's decode attention at ``layer``: ``rows`` [B] attended page indices ``pages`` [B, K] (distinct
-        per row), drawing ``mass`` [B, K] (summed over query heads); every other page of those rows drew none."""
-        m = self.mass[layer]
-        m.index_fill_(0, rows, 0.0)
-        m.index_put_((rows[:, None].expand_as(pages), pages), mass.float())
+    def record_drawn(self, rows: torch.Tensor, pages: torch.Tensor, mass: torch.Tensor) -> None:
+        """A decode step's attention in every layer: ``rows`` [B] attended page indices ``pages`` [L, B, K]
+        (distinct per row and layer), drawing ``mass`` [L, B, K] (summed over query heads); every other page
+        of those rows drew none."""
+        m = self.mass
+        m.index_fill_(1, rows, 0.0)
+        layers = torch.arange(m.shape[0], device=m.device)[:, None, None]
+        m.index_put_((layers.expand_as(pages), rows[None, :, None].expand_as(pages), pages), mass.float())

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvdrive.runtime.attention import paged_kernels
 from kvdrive.runtime.engine.kv_state import PageLostError
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class PageReader:
             self.miss_seconds += time.perf_counter() - t0
         return self._outputs()
 
-    def locate(self, layer: int, pids: torch.Tensor, valid: torch.Tensor, n_valid: int, tails: torch.Tensor,
+    def locate(self, layer: int, pids: torch.Tensor, valid: torch.Tensor, tails: torch.Tensor,
                seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where each entry can be read in place, on a CPU host (one arena holds both memory tiers), for the
         paged kernels: pids [B, P], valid [B, P], tails [B] -> (rows [R, S * D] the arena's (slot, kv, head)
@@ -100,22 +101,17 @@ class PageReader:
         store, lay = self.store, self.layout
         arena = store.arena
         assert arena is not None, "locate reads in place in the host arena"
-        b, p = self.batch, self.pages
-        rows = store.index.rows()[layer].index_select(0, pids.view(-1)).view(b, p)
-        hit = rows >= 0
-        slots = torch.cat([rows, tails[:, None]], dim=1)
+        slots, n_dev, n_dram, n_miss = paged_kernels.locate(store.index.rows()[layer], pids, valid, tails,
+                                                            arena.dram_base)
+        self.cache.hot_reads["gpu"] += n_dev
+        self.cache.hot_reads["dram"] += n_dram
         stage = self._no_stage
-        if n_valid:
-            miss = valid & ~hit
-            n_miss = int(miss.sum())
-            n_dev = int(((rows >= 0) & (rows < arena.dram_base)).sum())
-            self.cache.hot_reads["gpu"] += n_dev
-            self.cache.hot_reads["dram"] += n_valid - n_dev - n_miss
-            if n_miss:
-                t0 = time.perf_counter()
-                bi, ki, stage = self._from_store(layer, pids, miss, seq_ids)
-                slots[bi, ki] = -1 - torch.arange(bi.numel(), device=slots.device)
-                self.miss_seconds += time.perf_counter() - t0
+        if n_miss:
+            t0 = time.perf_counter()
+            miss = valid & (slots[:, :-1] < 0)
+            bi, ki, stage = self._from_store(layer, pids, miss, seq_ids)
+            slots[bi, ki] = -1 - torch.arange(bi.numel(), device=slots.device)
+            self.miss_seconds += time.perf_counter() - t0
         return arena.table.view(lay.dtype).view(-1, lay.row_elems), slots, stage
 
     def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:

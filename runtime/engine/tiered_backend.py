@@ -6,18 +6,22 @@ Decode (one generated token per sequence), per layer, for the whole batch at onc
             ──► select: Quest bounds from the row summaries, softmax over pages,
                  + the mass each page drew at this layer's last step, topk              [B, K] page indices
             ──► page ids = page_table[rows].gather(idx)                                    [B, K]
-            ──► read (PageReader): device-tier pages + open page, one index_select          [2, B, Hkv, K+1, S*D]
-                 misses only: DRAM rows by tensor gather, the rest through the Mover (host code)
-            ──► attend: one masked matmul / softmax / matmul                               [B, Hq, D]
-            ──► placement.record: the attention mass of each page, one index_add_ (and kept per row
-                 for the next step's selection)
+            ──► read, where the pages are:
+                 a CPU host (the paged kernels, ``attention.paged_kernels``): each page's slot in the host
+                   arena; misses only: read by the Mover into a staging buffer               slots [B, K+1]
+                 elsewhere (PageReader.read): device-tier pages + open page, one index_select [2, B, Hkv, K+1, S*D]
+                   misses only: DRAM rows by tensor gather, the rest through the Mover (host code)
+            ──► attend: on a CPU host one kernel reads the pages in place (no gathered copy); elsewhere one
+                 masked matmul / softmax / matmul over the buffer                            [B, Hq, D]
+                 + the attention mass each page drew                                          [B, K]
 
 Everything that does not change between layers (rows, page-table view, masks, the open pages' rows) is
-computed once per step. Prompt chunks attend exactly to every earlier page (read the same way) plus
-their own tokens; the pages they fill are sealed into the store. A decode page that fills is sealed at
-the end of the step, for all layers at once. Where a page lives, and what moves, placement decides: the
-copies that the step's lower-tier reads earned are decided in one batch at the end of the step
-(``promotions``, timed as bookkeeping).
+computed once per step. What each layer attended to is kept and recorded once, at the end of the step, for
+all layers: the mass each page drew (for the next step's selection) and the placer's scores. Prompt chunks
+attend exactly to every earlier page (read the same way) plus their own tokens; the pages they fill are
+sealed into the store. A decode page that fills is sealed at the end of the step, for all layers at once.
+Where a page lives, and what moves, placement decides: the copies that the step's lower-tier reads earned
+are decided in one batch at the end of the step (``promotions``, timed as bookkeeping).
 """
 
 from __future__ import annotations
@@ -88,9 +92,13 @@ class _DecodeBatch:
         self.scratch = cache.placer.scratch
         self.mass = cache.placer.wants_mass
         self.prefetch = cache.placer.policy.prefetch
-        if self.prefetch:
-            r = cache.placer.runners_up if self.sparse else 0
-            self.chosen = torch.full((L, b, k + r), self.scratch, dtype=torch.int64, device=dev)
+        # what each layer attended to, recorded for placement and the next step's selection once per step
+        # (``TieredAttentionBackend.finish``): the pages [L, B, K], then the runners-up's indices [L, B, R]
+        r = cache.placer.runners_up if self.sparse else 0
+        self.chosen = torch.full((L, b, k + r), self.scratch, dtype=torch.int64, device=dev)
+        self.near = torch.full((L, b, r), self.pmax, dtype=torch.int64, device=dev)  # >= every row's pages: none
+        self.idx_seen = torch.empty((L, b, k), dtype=torch.int64, device=dev) if self.sparse else None
+        self.mass_seen = torch.empty((L, b, k), dtype=torch.float32, device=dev) if self.mass or self.sparse else None
 
 
 class TieredAttentionBackend:
@@ -186,7 +194,7 @@ class TieredAttentionBackend:
         t0 = self._mark("selection", t0)
         missed = dec.reader.miss_seconds
         if in_place:
-            rows, slots, stage = dec.reader.locate(layer, pids, dec.valid, dec.n_valid, tails, dec.seq_ids)
+            rows, slots, stage = dec.reader.locate(layer, pids, dec.valid, tails, dec.seq_ids)
         else:
             kk, vv = dec.reader.read(layer, pids, dec.valid, dec.n_valid, tails, dec.seq_ids)
         if self.timings is not None:
@@ -205,16 +213,14 @@ class TieredAttentionBackend:
             mass = probs.view(b, -1, kk_ + 1, cache.layout.page_size).sum(dim=(1, 3))[:, :kk_] \
                 if dec.mass or dec.sparse else None  # [B, K]: each attended page's mass, summed over heads
         t0 = self._mark("attention", t0)
-        if dec.sparse:
+        dec.chosen[layer, :, :kk_] = pids
+        if dec.mass_seen is not None:
             assert mass is not None
-            cache.summaries.record_drawn(layer, dec.rows, idx, mass)  # the next step's selection adds it
-        cache.placer.record(layer, pids.view(-1), mass.reshape(-1) if mass is not None and dec.mass else None)
-        if dec.prefetch:
-            dec.chosen[layer, :, :kk_] = pids
-            if near is not None and near.shape[1]:
-                near_pids = torch.where(near < dec.npages[:, None], dec.table.gather(1, near), dec.scratch)
-                dec.chosen[layer, :, kk_:] = near_pids
-                cache.placer.predicted(layer, near_pids.view(-1))
+            dec.mass_seen[layer] = mass
+        if dec.idx_seen is not None:
+            dec.idx_seen[layer] = idx
+        if near is not None and near.shape[1]:
+            dec.near[layer, :, : near.shape[1]] = near
         self._mark("bookkeeping", t0)
         return out
 
@@ -279,9 +285,28 @@ class TieredAttentionBackend:
         finally:
             self._mark("bookkeeping", t0)
 
+    def _record_attention(self, cache: TieredKVCache, dec: _DecodeBatch) -> None:
+        """What every layer attended to this step, in one batch: the mass each page drew (the next step's
+        selection adds it), the placer's scores of the pages read and of the runners-up."""
+        k = dec.k
+        if dec.idx_seen is not None:
+            assert dec.mass_seen is not None
+            cache.summaries.record_drawn(dec.rows, dec.idx_seen, dec.mass_seen)
+        L, b = dec.chosen.shape[:2]
+        mass = dec.mass_seen.view(L, b * k) if dec.mass_seen is not None and dec.mass else None
+        cache.placer.record(dec.chosen[:, :, :k].reshape(L, b * k), mass)
+        if dec.prefetch and dec.near.shape[2]:
+            near = dec.near.permute(1, 0, 2).reshape(b, -1)  # [B, L * R]
+            pids = torch.where(near < dec.npages[:, None], dec.table.gather(1, near.clamp(max=dec.table.shape[1] - 1)),
+                               dec.scratch)
+            near_pids = pids.view(b, L, -1).permute(1, 0, 2)  # [L, B, R]
+            dec.chosen[:, :, k:] = near_pids
+            cache.placer.predicted(near_pids.reshape(L, -1))
+
     def _finish_decode(self, cache: TieredKVCache, dec: _DecodeBatch) -> None:
         lay = cache.layout
         s, L = lay.page_size, lay.num_layers
+        self._record_attention(cache, dec)
         for st in dec.steps:
             if st.new_digests:  # the token filled the open page
                 seq = cache.seq(st.seq_id)

@@ -85,6 +85,8 @@ class RotaryEmbedding:
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
         self._dynamic_len = config.max_position_embeddings
+        # the last positions rotated by, with their rows: (positions, dtype, cos, sin)
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:
         """Dynamic NTK: grow the base once positions pass the trained context."""
@@ -108,11 +110,21 @@ class RotaryEmbedding:
             self._sin = (emb.sin() * self.attention_scaling).to(device)
         return self._cos, self._sin
 
+    def _at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, 1, D] of positions [N]. Every layer of a forward pass rotates by the same positions
+        tensor, so the last one's rows are kept and looked up once per pass, not once per layer."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        cos_t, sin_t = self._tables(int(positions.max().item()) + 1, positions.device)
+        cos = cos_t[positions].unsqueeze(1).to(dtype)  # [N, 1, D]
+        sin = sin_t[positions].unsqueeze(1).to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
+
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [N, Hq, D] and k [N, Hkv, D] by their positions [N]."""
-        cos_t, sin_t = self._tables(int(positions.max().item()) + 1, q.device)
-        cos = cos_t[positions].unsqueeze(1).to(q.dtype)  # [N, 1, D]
-        sin = sin_t[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._at(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -141,18 +141,19 @@ class Placer:
         """Whether ``record`` needs the attention mass (hotness) or only which pages were read (recency)."""
         return isinstance(self.scores, Hotness)
 
-    def record(self, layer: int, pids: torch.Tensor, mass: torch.Tensor | None) -> None:
-        """Decode attention of ``layer`` read pages ``pids`` [n] (padding at ``scratch``) with ``mass`` [n]."""
-        self.scores.record(layer, pids, mass)
+    def record(self, pids: torch.Tensor, mass: torch.Tensor | None) -> None:
+        """A decode step's attention read pages ``pids`` [L, n] of every layer (padding at ``scratch``) with
+        ``mass`` [L, n]."""
+        self.scores.record(pids, mass)
 
-    def predicted(self, layer: int, pids: torch.Tensor) -> None:
-        """Pages ``pids`` [n] (padding at ``scratch``) ranked just below the selection of ``layer`` (the
-        runners-up): they get the credit of a selection without attention mass. Selection is a per-row
-        rank, so the pages worth keeping above the SSD are the ones ranked near the cut in every row, not
-        the globally heaviest; this is what keeps them there, and what prefetch admits them by."""
+    def predicted(self, pids: torch.Tensor) -> None:
+        """Pages ``pids`` [L, n] of every layer (padding at ``scratch``) ranked just below a decode step's
+        selection (the runners-up): they get the credit of a selection without attention mass. Selection
+        is a per-row rank, so the pages worth keeping above the SSD are the ones ranked near the cut in
+        every row, not the globally heaviest; this is what keeps them there, and what prefetch admits them
+        by."""
         if isinstance(self.scores, Hotness):
-            self.scores.estimate(layer, pids, torch.full(pids.shape, self.config.hotness.selection_weight,
-                                                         device=pids.device))
+            self.scores.estimate(pids, self.config.hotness.selection_weight)
 
     def stored(self, layer: int | None, pids: list[int]) -> None:
         """Pages ``pids`` were sealed in ``layer`` (None: every layer)."""

@@ -2,7 +2,8 @@
 
 Scores live in one float32 tensor ``[L, Pcap + 1]`` on the compute device, indexed by (layer, page id);
 the last column is a scratch slot that padded (invalid) entries of a batch write to, so that hot-path
-updates need no masking. The hot path updates them with one ``index_add_`` / ``index_copy_`` per layer.
+updates need no masking. A decode step updates them once, for every layer: one ``index_add_`` /
+``index_fill_`` over (layer, page id) pairs.
 
 Hotness: score(t) = sum over steps s <= t of decay^(t - s) * (mass_s + selection_weight), where mass is
 the attention a decode query put on the block's keys (summed over query heads, between 0 and Hq). The
@@ -63,7 +64,14 @@ class BlockScores:
         if pids:
             self.values[:, torch.tensor(pids, device=self.device)] = 0.0
 
-    def record(self, layer: int, pids: torch.Tensor, mass: torch.Tensor | None) -> None:
+    def _flat(self, pids: torch.Tensor) -> torch.Tensor:
+        """pids [L, n] (one row per layer) -> their [L * n] positions in ``values.view(-1)``."""
+        layers = torch.arange(pids.shape[0], device=pids.device)[:, None]
+        return (layers * self.values.shape[1] + pids).view(-1)
+
+    def record(self, pids: torch.Tensor, mass: torch.Tensor | None) -> None:
+        """A decode step read pages pids [L, n] of every layer (padding at ``scratch``), which drew ``mass``
+        [L, n] of its attention."""
         raise NotImplementedError
 
     def touch(self, layer: int | None, pids: list[int]) -> None:
@@ -89,20 +97,21 @@ class Hotness(BlockScores):
     def of(self, layers: torch.Tensor, pids: torch.Tensor) -> torch.Tensor:
         return super().of(layers, pids) * (1.0 / self._scale())
 
-    def record(self, layer: int, pids: torch.Tensor, mass: torch.Tensor | None) -> None:
-        """pids [n] (padded entries at ``scratch``) received attention ``mass`` [n] this step."""
+    def record(self, pids: torch.Tensor, mass: torch.Tensor | None) -> None:
         assert mass is not None, "hotness needs the attention mass"
-        self.values[layer].index_add_(0, pids, (mass + self.config.selection_weight) * self._scale())
+        self.values.view(-1).index_add_(0, self._flat(pids), ((mass + self.config.selection_weight) * self._scale()).view(-1))
 
-    def estimate(self, layer: int, pids: torch.Tensor, mass: torch.Tensor) -> None:
-        """pids [n] were *estimated* to draw ``mass`` [n] (the selection's scores of pages it did not
-        read): a page whose estimate rises is kept or brought up before it enters the selection."""
-        self.values[layer].index_add_(0, pids, mass * self._scale())
+    def estimate(self, pids: torch.Tensor, mass: float) -> None:
+        """pids [L, n] of every layer were *estimated* to draw ``mass`` each (the runners-up of the selection,
+        pages it did not read): a page whose estimate rises is kept or brought up before it enters the
+        selection."""
+        self.values.view(-1).index_add_(0, self._flat(pids), torch.full((pids.numel(),), mass * self._scale(),
+                                                                          device=pids.device))
 
 
 class Recency(BlockScores):
-    def record(self, layer: int, pids: torch.Tensor, mass: torch.Tensor | None) -> None:
-        self.values[layer].index_fill_(0, pids, float(self.step + 1))
+    def record(self, pids: torch.Tensor, mass: torch.Tensor | None) -> None:
+        self.values.view(-1).index_fill_(0, self._flat(pids), float(self.step + 1))
 
     def touch(self, layer: int | None, pids: list[int]) -> None:
         ids = torch.tensor(pids, dtype=torch.int64, device=self.device)

@@ -145,9 +145,11 @@ def test_the_summary_table_keeps_the_last_steps_mass_per_row_and_forgets_it_when
     its mass, so a row reused by another sequence starts clean; growing the table keeps both."""
     t = SummaryTable(num_layers=2, num_kv_heads=HKV, head_dim=D, device=torch.device("cpu"), rows=2, pages=8)
     rows = torch.tensor([0, 1])
-    t.record_drawn(1, rows, torch.tensor([[1, 3], [2, 5]]), torch.tensor([[0.5, 2.0], [1.0, 0.25]]))
+    # a step's attention in both layers: layer 0's pages drew nothing, layer 1's drew these
+    t.record_drawn(rows, torch.tensor([[[0, 1], [0, 1]], [[1, 3], [2, 5]]]),
+                   torch.tensor([[[0.0, 0.0], [0.0, 0.0]], [[0.5, 2.0], [1.0, 0.25]]]))
     assert t.drawn(1, rows, 0, 8)[0, [1, 3]].tolist() == [0.5, 2.0] and float(t.drawn(0, rows, 0, 8).abs().sum()) == 0
-    t.record_drawn(1, torch.tensor([0]), torch.tensor([[4, 6]]), torch.tensor([[0.75, 0.125]]))
+    t.record_drawn(torch.tensor([0]), torch.tensor([[[0, 1]], [[4, 6]]]), torch.tensor([[[0.0, 0.0]], [[0.75, 0.125]]]))
     assert t.drawn(1, torch.tensor([0]), None, 8)[0].tolist() == [0, 0, 0, 0, 0.75, 0, 0.125, 0]
     assert t.drawn(1, torch.tensor([1]), None, 8)[0, [2, 5]].tolist() == [1.0, 0.25]  # the other row is kept
     t.ensure(rows=4, pages=16)

@@ -30,7 +30,7 @@ def _attend(placer: Placer, store: TieredKVStore, keys: list[BlockKey], masses: 
     """One decode step in which ``keys`` (layer 0) received ``masses`` of attention."""
     placer.begin_step()
     pids = torch.tensor([store.index.find(k.digest) for k in keys])
-    placer.record(0, pids, torch.tensor(masses))
+    placer.record(pids[None, :], torch.tensor(masses)[None, :])  # layer 0 (the layout's only one)
     placer.end_decode_step()
 
 

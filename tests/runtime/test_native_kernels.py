@@ -165,3 +165,16 @@ def test_select_picks_the_pages_select_pages_picks(batch: int) -> None:
         assert torch.equal(k_idx[2], idx[2]) and torch.equal(k_near[2], near[2])
     forced = torch.tensor([0, p - 4, p - 3, p - 2, p - 1])
     assert torch.isin(forced, k_idx[0]).all()  # the sink and the recent window
+
+
+def test_locate_finds_each_pages_slot_and_counts_the_reads_by_tier() -> None:
+    """Page ids map to arena slots (device slots below ``dram_base``, DRAM slots from it, < 0 in neither);
+    padding entries are not counted; the open page's slot comes last; an id past the table is refused."""
+    slot_of = torch.tensor([5, -1, 120, 7, -1, 130, -1])  # page id 6 is the scratch id (padding)
+    pids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 6]])
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    slots, n_dev, n_dram, n_miss = paged_kernels.locate(slot_of, pids, valid, torch.tensor([900, 901]), 100)
+    assert slots.tolist() == [[5, -1, 120, 7, 900], [-1, 130, -1, -1, 901]]
+    assert (n_dev, n_dram, n_miss) == (2, 2, 2)
+    with pytest.raises(RuntimeError, match="page id 7 out of"):
+        paged_kernels.locate(slot_of, torch.tensor([[7]]), torch.tensor([[True]]), torch.tensor([0]), 100)

@@ -5,6 +5,8 @@
 //   layer's last step; sinks and the recent window forced, pages a sequence lacks last. Returns the top K
 //   page indices ascending and the next R by score: runtime/attention/selection.py's select_pages, computed
 //   without a [B, Hkv, G, P] tensor per op.
+// locate_pages: where each selected page can be read in place (its slot in the host arena, which holds both
+//   memory tiers), with the open page last, and how many entries hit each tier or missed both.
 // paged_decode: exact softmax attention of one query per sequence over K/V read in place, column by column,
 //   from the pool's (page, kv, head) rows (hits) or a staging buffer (misses), so the selected pages are
 //   never gathered into a copy. Returns the output and the attention mass each column (page) drew, summed
@@ -326,7 +328,45 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
   return {selected, near};
 }
 
+// slot_of [Pcap + 1] int64 (each page id's arena slot in this layer, < 0: in neither memory tier); pids [B, K]
+// int64; valid [B, K] bool; tails [B] int64 (the open pages' slots); dram_base (the first DRAM slot)
+// -> slots [B, K + 1] int64 (-1 where a valid entry missed), and the valid entries on the device tier, in
+// DRAM and missed.
+std::tuple<torch::Tensor, int64_t, int64_t, int64_t> locate_pages(torch::Tensor slot_of, torch::Tensor pids,
+                                                                  torch::Tensor valid, torch::Tensor tails,
+                                                                  int64_t dram_base) {
+  TORCH_CHECK(slot_of.dim() == 1 && slot_of.scalar_type() == torch::kLong && slot_of.is_contiguous(),
+              "slot_of: [Pcap + 1] int64");
+  TORCH_CHECK(pids.dim() == 2 && pids.scalar_type() == torch::kLong, "pids: [B, K] int64");
+  TORCH_CHECK(valid.sizes() == pids.sizes() && valid.scalar_type() == torch::kBool, "valid: [B, K] bool");
+  TORCH_CHECK(tails.dim() == 1 && tails.size(0) == pids.size(0) && tails.scalar_type() == torch::kLong, "tails: [B] int64");
+  auto pc = pids.contiguous();
+  auto vc = valid.contiguous();
+  auto tc = tails.contiguous();
+  const int64_t B = pids.size(0), K = pids.size(1), cap = slot_of.size(0);
+  auto slots = torch::empty({B, K + 1}, pids.options());
+  const int64_t *so = slot_of.data_ptr<int64_t>(), *pp = pc.data_ptr<int64_t>(), *tp = tc.data_ptr<int64_t>();
+  const bool* vp = vc.data_ptr<bool>();
+  int64_t* out = slots.data_ptr<int64_t>();
+  int64_t dev = 0, dram = 0, miss = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t pid = pp[b * K + k];
+      TORCH_CHECK(pid >= 0 && pid < cap, "page id ", pid, " out of 0..", cap - 1);
+      const int64_t slot = so[pid];
+      out[b * (K + 1) + k] = slot >= 0 ? slot : -1;
+      if (!vp[b * K + k]) continue;
+      if (slot < 0) ++miss;
+      else if (slot < dram_base) ++dev;
+      else ++dram;
+    }
+    out[b * (K + 1) + K] = tp[b];
+  }
+  return {slots, dev, dram, miss};
+}
+
 void register_paged_decode(pybind11::module_& m) {
+  m.def("locate_pages", &locate_pages, "each selected page's arena slot, and the reads by tier");
   m.def("paged_decode", &paged_decode, "decode attention over pages read in place, with each page's mass");
   m.def("select_pages", &select_pages, "the pages each decode query attends to, and the runners-up");
 }
