@@ -37,7 +37,8 @@ from kvdrive.runtime.placement.scores import BlockScores, Hotness, HotnessConfig
 
 @dataclass(frozen=True)
 class PlacerConfig:
-    runners_up: int = 2  # pages ranked after the selection that are kept warm and prefetched, per sequence and layer
+    runners_up: int = 4  # pages ranked after the selection that are kept warm and prefetched, per sequence and layer
+    # (4 against 2: demo 7K decode steps 33.9 -> 30.6 ms at batch 1, 72.7 -> 65.4 at batch 4, fewer misses)
     promote_margin: float = 1.5  # a block replaces the device tier's coldest only when 1.5x hotter
     promote_min_gain: float = 0.05  # ... and by at least this much attention mass (scores are in [0, Hq] per step)
     prefetch_min_precision: float = 0.5  # prefetch while at least half of what it moves is then used
