@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from kvdrive.runtime import native
 from kvdrive.runtime.model.config import ModelConfig, RopeScaling
 
 
@@ -123,8 +124,13 @@ class RotaryEmbedding:
         return cos, sin
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [N, Hq, D] and k [N, Hkv, D] by their positions [N]."""
+        """Rotate q [N, Hq, D] and k [N, Hkv, D] by their positions [N]: on a CPU in float32 by the kernel
+        (``native/kernels/rope.cpp``, equal bit for bit), elsewhere by the same formula in torch ops."""
         cos, sin = self._at(positions, q.dtype)
+        module = native.kernels() if q.device.type == "cpu" and q.dtype == torch.float32 else None
+        if module is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            q, k = module.rope_rotate(q, k, cos, sin)
+            return q, k
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

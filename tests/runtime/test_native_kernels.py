@@ -178,3 +178,23 @@ def test_locate_finds_each_pages_slot_and_counts_the_reads_by_tier() -> None:
     assert (n_dev, n_dram, n_miss) == (2, 2, 2)
     with pytest.raises(RuntimeError, match="page id 7 out of"):
         paged_kernels.locate(slot_of, torch.tensor([[7]]), torch.tensor([[True]]), torch.tensor([0]), 100)
+
+
+def test_rope_rotates_queries_and_keys_as_torch_does_bit_for_bit() -> None:
+    """The kernel reads q and k through their strides (views of a fused qkv projection) and rounds as the
+    torch formula rounds: equal bit for bit, so a model's outputs do not change with the kernels."""
+    g = torch.Generator().manual_seed(7)
+    n, hq, hkv, d = 5, 9, 3, 64
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(n, hq, d), k.view(n, hkv, d)
+    angles = torch.rand(n, 1, d, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    rq, rk = native.kernels().rope_rotate(q, k, cos, sin)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
+
+    assert torch.equal(rq, q * cos + rotate_half(q) * sin) and torch.equal(rk, k * cos + rotate_half(k) * sin)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.kernels().rope_rotate(q.double(), k, cos, sin)
