@@ -9,6 +9,7 @@ about which slots are in the window:
 
     decode (one token per sequence, batched):  write k, v at slot p mod C, attend over the C slots,
         masking the slots whose position is outside the window or not written yet      ring rows [B, C]
+        (on a CPU host the paged decode kernel, reading the ring in place with each slot a one-token page)
     prompt chunk (positions s .. s+n-1):  attend over the ring (positions s-C .. s-1, those >= 0) and the
         chunk itself, each query within its window; then the chunk's last min(n, C) tokens go in
 
@@ -26,7 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvdrive.runtime.attention import decode_attention
+from kvdrive.runtime.attention import decode_attention, paged_kernels
 
 
 class SlidingWindows:
@@ -64,6 +65,14 @@ class SlidingWindows:
         [B, Hkv, D] -> [B, Hq, D]."""
         j, c = self.index[layer], self.capacity
         self.ring[rows, j, positions % c] = torch.stack([k, v], dim=1).to(self.ring.dtype)
+        hkv, d = self.ring.shape[4], self.ring.shape[5]
+        if paged_kernels.available(self.device) and paged_kernels.fits(q, hkv):
+            # the paged kernel, each ring slot a page of one token: slot (row, layer, c) of the ring
+            # [rows, layers, C, 2, Hkv, D] is page (row * layers + j) * C + c of its [.., 2, Hkv, 1 * D] rows
+            slots = ((rows * len(self.layers) + j) * c)[:, None] + torch.arange(c, device=self.device)  # [B, C]
+            ntok = (~outside).view(-1, c).long()  # [B, C]: 1 where the slot is in the window
+            stage = self.ring.new_empty((0, 2, hkv, 1, d))
+            return paged_kernels.attend(q, self.ring.view(-1, d), stage, slots, ntok, hkv, 1)[0]
         kv = self.ring[rows, j]  # [B, C, 2, Hkv, D]
         kk, vv = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, C, D]
         return decode_attention(q, kk, vv, outside)[0]
