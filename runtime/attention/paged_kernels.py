@@ -13,6 +13,8 @@ backend keeps the torch ops.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvdrive.runtime import native
@@ -20,6 +22,13 @@ from kvdrive.runtime.attention.selection import SelectionConfig
 
 MAX_GROUP = 16  # query heads per KV head (the kernel keeps their queries in registers)
 MAX_HEAD_DIM = 512  # and a head dimension that is a multiple of 16 (one AVX-512 vector)
+
+
+def _module() -> Any:
+    """The built extension (callers have checked ``available``)."""
+    module = native.kernels()
+    assert module is not None, "paged kernels used where they are not available"
+    return module
 
 
 def available(device: torch.device) -> bool:
@@ -37,10 +46,8 @@ def select(q: torch.Tensor, summaries: torch.Tensor, drawn: torch.Tensor, npages
            cfg: SelectionConfig, runners_up: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, D] float32; summaries [B, Hkv, P, 2D]; drawn [B, P]; npages [B] int64 -> the selected pages
     [B, K] int64 ascending and the runners-up [B, min(P, K + R) - K] by score (``select_pages``)."""
-    module = native.kernels()
-    assert module is not None, "paged kernels used where they are not available"
-    return tuple(module.select_pages(q.contiguous(), summaries, drawn, npages, cfg.sink_pages, cfg.recent_pages,
-                                     cfg.budget_pages, runners_up))  # type: ignore[return-value]
+    return tuple(_module().select_pages(q.contiguous(), summaries, drawn, npages, cfg.sink_pages,
+                                        cfg.recent_pages, cfg.budget_pages, runners_up))  # type: ignore[return-value]
 
 
 def locate(slot_of: torch.Tensor, pids: torch.Tensor, valid: torch.Tensor, tails: torch.Tensor,
@@ -48,9 +55,7 @@ def locate(slot_of: torch.Tensor, pids: torch.Tensor, valid: torch.Tensor, tails
     """slot_of [Pcap + 1] int64 (a layer's arena slot per page id, < 0: in neither memory tier); pids [B, K];
     valid [B, K] bool; tails [B] (the open pages' slots) -> (slots [B, K + 1] with -1 where a valid entry
     missed, and how many valid entries hit the device tier, hit DRAM (slots from ``dram_base`` on), missed)."""
-    module = native.kernels()
-    assert module is not None, "paged kernels used where they are not available"
-    return tuple(module.locate_pages(slot_of, pids, valid, tails, dram_base))  # type: ignore[return-value]
+    return tuple(_module().locate_pages(slot_of, pids, valid, tails, dram_base))  # type: ignore[return-value]
 
 
 def attend(q: torch.Tensor, rows: torch.Tensor, stage: torch.Tensor, slots: torch.Tensor, ntok: torch.Tensor,
@@ -59,7 +64,5 @@ def attend(q: torch.Tensor, rows: torch.Tensor, stage: torch.Tensor, slots: torc
     blocks read from the store (the rows' dtype); slots [B, W] int64 (a pool slot, or -1 - j for stage block
     j); ntok [B, W] int64 (tokens attended per column, 0 for none) -> out [B, Hq, D] float32, mass [B, W]
     float32 (the attention each column drew, summed over the query heads)."""
-    module = native.kernels()
-    assert module is not None, "paged kernels used where they are not available"
-    return tuple(module.paged_decode(q.contiguous(), rows, stage, slots, ntok, num_kv_heads,
-                                     page_size))  # type: ignore[return-value]
+    return tuple(_module().paged_decode(q.contiguous(), rows, stage, slots, ntok, num_kv_heads,
+                                        page_size))  # type: ignore[return-value]

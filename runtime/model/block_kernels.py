@@ -57,11 +57,6 @@ def pack(blocks: Blocks, nib: bool) -> PackedBlocks:
     return PackedBlocks(q, blocks.scale.contiguous(), None if blocks.offset is None else blocks.offset.contiguous(), nib)
 
 
-def unavailable_reason() -> str:
-    """Empty when the kernels are built and loaded; otherwise why they are not (logged once)."""
-    return native.unavailable_reason()
-
-
 def gemv(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:  # [M, K] -> [M, N] float32
     x = x.float().contiguous()
     module = native.kernels()

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvdrive.runtime import native
 from kvdrive.runtime.model import block_kernels
 from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, FOUR_BIT_TYPES, Blocks
 from kvdrive.runtime.model.layers import vocab_projection
@@ -48,7 +49,7 @@ def auto_format(source_types: Sequence[str], device: torch.device) -> str:
     types = set(source_types)
     if types and types <= set(BLOCK_EXACT_TYPES):
         if device.type == "cpu":
-            if block_kernels.unavailable_reason():
+            if native.unavailable_reason():
                 return "fp32"
             return "int4" if types <= set(FOUR_BIT_TYPES) else "int8"
         return "int4" if types <= set(FOUR_BIT_TYPES) else "bf16"

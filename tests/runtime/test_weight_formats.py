@@ -85,8 +85,8 @@ def test_block_kernels_compute_the_fp32_product(nib: bool, block: int, levels: t
                                                 rows: int) -> None:
     """The kernel's product is the float32 matmul of the dequantized weight up to summation order, for
     every row count a decode batch can have, and an output count that is no multiple of the tile."""
-    if block_kernels.unavailable_reason():
-        pytest.skip(f"block kernels unavailable here: {block_kernels.unavailable_reason()}")
+    if native.unavailable_reason():
+        pytest.skip(f"block kernels unavailable here: {native.unavailable_reason()}")
     b = _blocks(70, 96, block, levels, offset)
     packed = block_kernels.pack(b, nib)
     w = b.dequantize()
@@ -126,7 +126,7 @@ def test_pack_refuses_levels_that_do_not_fit_a_nibble() -> None:
     (["Q4_1", "F32"], "fp32"), ([], "fp32"), (["Q2_K"], "fp32"),
 ])
 def test_auto_keeps_each_tensor_in_its_files_format(types: list[str], expected: str) -> None:
-    if block_kernels.unavailable_reason() and expected in ("int8", "int4"):
+    if native.unavailable_reason() and expected in ("int8", "int4"):
         expected = "fp32"
     assert auto_format(types, CPU) == expected
 
@@ -164,7 +164,7 @@ def demo_formats() -> dict[str, object]:
 def test_demo_auto_keeps_the_files_blocks_at_a_quarter_of_the_bytes(demo_formats: dict[str, object]) -> None:
     auto = demo_formats["auto"]
     fp32 = demo_formats["fp32"]
-    if block_kernels.unavailable_reason():
+    if native.unavailable_reason():
         assert auto.weights.summary() == "fp32"  # type: ignore[attr-defined]
         return
     assert auto.weights.summary() == "int4 x 120, int8 x 1"  # type: ignore[attr-defined]
@@ -199,8 +199,8 @@ def _bench_model(weights: str, tmp_path: Path) -> dict:  # type: ignore[type-arg
 def test_the_model_bench_shows_the_weights_saving_in_the_resident_set(tmp_path: Path) -> None:
     """`kvdrive bench model` reports the process's resident bytes before and after the load: the demo's
     auto weights (the file's 4/8-bit blocks) must cost the process hundreds of MB less than fp32."""
-    if block_kernels.unavailable_reason():
-        pytest.skip(f"block kernels unavailable here: {block_kernels.unavailable_reason()}")
+    if native.unavailable_reason():
+        pytest.skip(f"block kernels unavailable here: {native.unavailable_reason()}")
     fp32, auto = _bench_model("fp32", tmp_path), _bench_model("auto", tmp_path)
     assert fp32["weights"] == "fp32: fp32" and auto["weights"].startswith("auto: int4 x ")
     assert fp32["weight_bytes"] > 4 * auto["weight_bytes"]
