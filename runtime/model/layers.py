@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvdrive.runtime import native
+
 
 def vocab_projection(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [M, H], [V, H] -> [M, V]
     """``hidden @ weight.T`` for the logits, the largest matmul of a decode step.
@@ -31,6 +33,8 @@ class RMSNorm(nn.Module):
     ``offset=0`` is Llama's: normalise in float32, cast back, multiply by ``w`` in the model dtype.
     ``offset=1`` is Gemma's: the weight is stored zero-centred and the float32 result is multiplied by
     ``1 + w`` (in float32) before the cast, as transformers' Gemma3RMSNorm does.
+    float32 rows on a CPU go through one kernel (``native``): the same roundings, except that the sum of
+    squares adds in another order.
     """
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
@@ -40,6 +44,11 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+        if x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32 \
+                and x.dim() in (2, 3) and x.stride(-1) == 1:
+            module = native.kernels()  # one call for the seven ops below (``native/kernels/norm.cpp``)
+            if module is not None:
+                return module.rms_norm(x, self.weight, self.eps, self.offset)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset == 0.0:

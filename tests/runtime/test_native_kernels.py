@@ -5,6 +5,7 @@
   over a gathered buffer, reading hits in place in the pool and misses from a staging buffer, in each
   KV dtype, for short sequences and padding;
 - bad indices are refused with a message, never read;
+- RoPE and RMSNorm round as their torch formulas; the block GEMV gives each row the same sum however it tiles;
 - a tiered engine decodes the same tokens with the kernels as with the torch ops.
 """
 
@@ -27,6 +28,7 @@ from kvdrive.runtime.attention import (
 )
 from kvdrive.runtime.model import block_kernels
 from kvdrive.runtime.model.gguf_blocks import Blocks
+from kvdrive.runtime.model.layers import RMSNorm
 
 HKV, G, D, S = 3, 3, 64, 16
 
@@ -198,3 +200,39 @@ def test_rope_rotates_queries_and_keys_as_torch_does_bit_for_bit() -> None:
     assert torch.equal(rq, q * cos + rotate_half(q) * sin) and torch.equal(rk, k * cos + rotate_half(k) * sin)
     with pytest.raises(RuntimeError, match="float32"):
         native.kernels().rope_rotate(q.double(), k, cos, sin)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_rounds_as_the_torch_formula_up_to_the_sum_of_squares(offset: float) -> None:
+    """Llama's ``w * (x r)`` and Gemma's ``(x r) (1 + w)``, over rows read through their strides (Gemma's q/k
+    norms get views of the fused qkv projection): equal to the torch formula within a rounding of r."""
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(64, 1e-6, offset)
+    norm.weight.data = torch.randn(64, generator=g) * 0.2 + (1.0 - offset)
+    qkv = torch.randn(5, 15 * 64, generator=g) * 4
+    q = qkv.split([9 * 64, 6 * 64], dim=-1)[0].reshape(5, 9, 64)  # strides (960, 64, 1)
+    for x in (q, qkv[:, :64].contiguous(), torch.zeros(2, 64)):
+        xf = x.float()
+        r = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)
+        ref = norm.weight * r if offset == 0.0 else r * (offset + norm.weight)
+        got = norm(x)
+        assert got.is_contiguous() and got.shape == x.shape
+        assert torch.allclose(got, ref, rtol=1e-6, atol=0.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.kernels().rms_norm(q.double(), norm.weight, 1e-6, offset)
+    with pytest.raises(RuntimeError, match="weight"):
+        native.kernels().rms_norm(q, norm.weight[:32], 1e-6, offset)
+
+
+def test_block_gemv_gives_each_row_the_same_sum_whether_rows_are_walked_singly_or_in_pairs() -> None:
+    """One input row walks the weight a row at a time, several walk it in pairs (``paired_rows``): each
+    output is the same sum either way, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    b = Blocks(torch.randint(0, 16, (37, 128), dtype=torch.int8, generator=g), torch.rand(37, 4, generator=g),
+               torch.rand(37, 4, generator=g), 32)
+    x = torch.randn(4, 128, generator=g)
+    for nib in (True, False):
+        packed = block_kernels.pack(b, nib)
+        together = block_kernels.gemv(x, packed)
+        for i in range(4):
+            assert torch.equal(block_kernels.gemv(x[i : i + 1], packed), together[i : i + 1])
