@@ -2,9 +2,9 @@
 
 ``kernels/block_gemm.cpp`` multiplies by weights kept in their GGUF blocks (``model.block_kernels``);
 ``kernels/paged_decode.cpp`` selects a decode layer's pages and attends to them in place in the KV pool
-(``attention.paged_kernels``); ``kernels/rope.cpp`` rotates queries and keys (``model.rope``); ``kernels/norm.cpp`` RMS-normalises
-(``model.layers``). One extension,
-so one compiler run and one prebuilt folder.
+(``attention.paged_kernels``); ``kernels/rope.cpp`` rotates queries and keys (``model.rope``);
+``kernels/norm.cpp`` RMS-normalises float32 rows (``model.layers``). One extension, so one compiler run and
+one prebuilt folder.
 """
 
 from kvdrive.runtime.native.build import (

@@ -104,9 +104,10 @@ void rows(const Args& a, int64_t m0, int64_t n0, int64_t n1, bool paired) {
 // Whether to walk the weight two rows at a time (each block's x loaded once for both) or one row at a time.
 // A row at a time reads the weight as one forward stream, which this host's prefetchers follow at its
 // read bandwidth; interleaved rows are not followed as well. Measured, 2 threads: Gemma 3's 262K x 640
-// int8 head at 1 row, 8.3 ms a call against 14.4 with 4-row tiles (13.4 with 2); a SmolLM2-shaped step of
-// 121 nibble and int8 weights at 1 row, 7.6 ms against 10.4 (4-row tiles). With 4 input rows the
-// small weights are bound by arithmetic and pairs win (13.9 against 14.9 ms), the large ones still not.
+// int8 head at 1 row, 5.7 ms a call against 14.5 with 4-row tiles; a SmolLM2-shaped step of 121 nibble
+// and int8 weights at 1 row, 7.6 ms against 10.4 (4-row tiles). With 4 input rows the small weights are
+// bound by arithmetic and pairs win (13.9 against 14.9 ms one row at a time), the large ones do not (the
+// Gemma 3 head: 11.3 ms one row at a time against 18.4 in pairs).
 bool paired_rows(int64_t M, int64_t N, int64_t rowbytes) {
   return M > 1 && N * rowbytes < (int64_t(16) << 20);
 }
