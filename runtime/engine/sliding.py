@@ -43,6 +43,9 @@ class SlidingWindows:
         with torch.inference_mode(False):  # written in place by every step
             # [rows, sliding layers, C, 2 (K, V), Hkv, D]
             self.ring = torch.zeros((rows, len(layers), c, 2, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self._slots = torch.arange(c, device=device)  # [C]: the ring's slots, the same for every step and layer
+        # the paged kernel's staging buffer, always empty: every slot is read in place in the ring
+        self._no_stage = torch.empty((0, 2, num_kv_heads, 1, head_dim), dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -55,8 +58,7 @@ class SlidingWindows:
         """positions [B] -> [B, 1, 1, C], True where a ring slot is outside the window or not written yet
         (the same for every sliding layer of a step: computed once)."""
         c = self.capacity
-        slots = torch.arange(c, device=self.device)
-        held = positions[:, None] - torch.remainder(positions[:, None] - slots[None, :], c)  # [B, C]: each slot's position
+        held = positions[:, None] - torch.remainder(positions[:, None] - self._slots[None, :], c)  # [B, C]: each slot's position
         return ((held <= positions[:, None] - self.window) | (held < 0))[:, None, None, :]
 
     def decode(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, outside: torch.Tensor, q: torch.Tensor,
@@ -69,10 +71,9 @@ class SlidingWindows:
         if paged_kernels.available(self.device) and paged_kernels.fits(q, hkv):
             # the paged kernel, each ring slot a page of one token: slot (row, layer, c) of the ring
             # [rows, layers, C, 2, Hkv, D] is page (row * layers + j) * C + c of its [.., 2, Hkv, 1 * D] rows
-            slots = ((rows * len(self.layers) + j) * c)[:, None] + torch.arange(c, device=self.device)  # [B, C]
+            slots = ((rows * len(self.layers) + j) * c)[:, None] + self._slots  # [B, C]
             ntok = (~outside).view(-1, c).long()  # [B, C]: 1 where the slot is in the window
-            stage = self.ring.new_empty((0, 2, hkv, 1, d))
-            return paged_kernels.attend(q, self.ring.view(-1, d), stage, slots, ntok, hkv, 1)[0]
+            return paged_kernels.attend(q, self.ring.view(-1, d), self._no_stage, slots, ntok, hkv, 1)[0]
         kv = self.ring[rows, j]  # [B, C, 2, Hkv, D]
         kk, vv = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, C, D]
         return decode_attention(q, kk, vv, outside)[0]
