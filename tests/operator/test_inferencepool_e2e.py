@@ -15,10 +15,10 @@ import json
 from typing import Any
 
 import httpx
+from crkit import chat_cr, condition, condition_is, events_about, ready_cluster
 from giecrd import install_gie_crd
 from kopfenv import Cluster, eventually, never
 from kubernetes.client import ApiException, CustomObjectsApi
-from test_operator_e2e import _condition_is, _events, chat_cr, condition, ready_cluster
 
 from kvdrive.operator import inferencepool
 from kvdrive.operator.objects import CHILDREN, CR, RECONCILER, STATEFULSETS
@@ -144,11 +144,11 @@ async def test_without_the_crd_the_cr_is_degraded_naming_it(no_gie_crd: None, op
     await ready_cluster(operator)
     await operator.create(CR, chat_cr(routing={"mode": "inferencepool"}))
     reason = "InferencePoolCRDNotInstalled"
-    degraded = await eventually(lambda: _condition_is(operator, "Degraded", "True"), what="Degraded=True")
+    degraded = await eventually(lambda: condition_is(operator, "Degraded", "True"), what="Degraded=True")
     assert degraded["reason"] == reason, degraded
     assert "inferencepools.inference.networking.k8s.io" in degraded["message"]
     assert "Gateway API Inference Extension" in degraded["message"] and "spec.routing.mode" in degraded["message"]
-    await eventually(lambda: _events(operator, reason), what="a Warning event")
+    await eventually(lambda: events_about(operator, reason), what="a Warning event")
     # a pre-flight problem: nothing is applied; and no retry loop (one reconcile, no error handed to Kopf)
     assert await operator.get(STATEFULSETS, "chat") is None
     before = await _reconciles(operator, reason)
@@ -158,10 +158,10 @@ async def test_without_the_crd_the_cr_is_degraded_naming_it(no_gie_crd: None, op
 
     # mode prefix needs no CRD: reconciled, and the kind nobody serves is never asked for
     await operator.patch(CR, "chat", {"spec": {"routing": {"mode": "prefix"}}})
-    await eventually(lambda: _condition_is(operator, "Degraded", "False"), what="Degraded=False in mode prefix")
+    await eventually(lambda: condition_is(operator, "Degraded", "False"), what="Degraded=False in mode prefix")
     assert await operator.get(STATEFULSETS, "chat") is not None
     await operator.patch(CR, "chat", {"spec": {"routing": {"mode": "inferencepool"}}})
-    degraded = await eventually(lambda: _condition_is(operator, "Degraded", "True"), what="Degraded=True again")
+    degraded = await eventually(lambda: condition_is(operator, "Degraded", "True"), what="Degraded=True again")
     assert degraded["reason"] == reason
 
     # the CRDs installed: the next reconcile (a spec change here, the resync timer in production) creates it
@@ -169,5 +169,5 @@ async def test_without_the_crd_the_cr_is_degraded_naming_it(no_gie_crd: None, op
     await operator.patch(CR, "chat", {"spec": {"routing": {"replicas": 3}}})
     pool = await eventually(lambda: operator.get(POOLS, "chat"), what="the InferencePool once the CRD is there")
     assert pool["spec"]["endpointPickerRef"] == PICKER
-    await eventually(lambda: _condition_is(operator, "Degraded", "False"), what="Degraded=False")
+    await eventually(lambda: condition_is(operator, "Degraded", "False"), what="Degraded=False")
     assert await _reconciles(operator, "error") == 0

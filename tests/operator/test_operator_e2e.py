@@ -1,4 +1,5 @@
-"""The real Kopf operator against a real kube-apiserver: children, status, server-side apply.
+"""The real Kopf operator against a real kube-apiserver: children, status, server-side apply
+(the status conditions and events: ``test_operator_status_e2e.py``).
 
 Each test has its own namespace and operator; the API server assigns uid, resourceVersion and
 generation, splits ``/status``, validates and defaults, and tracks field managers; the garbage
@@ -7,56 +8,13 @@ collector of kube-controller-manager removes what a deleted CR owned.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-import httpx
-from crdcheck import load_example
-from kopfenv import Cluster, eventually, never, run_operator
-from livekit import EVENTS
-from liveservers import free_port
+from crkit import all_children, chat_cr, condition, condition_is, ready_cluster
+from kopfenv import Cluster, eventually, never
 
-from kvdrive.operator.handlers import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS
+from kvdrive.operator.handlers import CHILDREN, CR, STATEFULSETS
 from kvdrive.operator.objects import RECONCILER
-
-CHILD_NAMES = {
-    ("ConfigMap", "chat-config"), ("Secret", "chat-admin"), ("Service", "chat"), ("Service", "chat-headless"),
-    ("StatefulSet", "chat"), ("PodDisruptionBudget", "chat"),
-}
-
-
-def chat_cr(**spec: Any) -> dict[str, Any]:
-    doc = copy.deepcopy(load_example("full.yaml"))
-    doc["spec"].update(spec)
-    return doc
-
-
-async def children(cluster: Cluster) -> dict[tuple[str, str], dict[str, Any]]:
-    found = {}
-    for kind, name in CHILD_NAMES:
-        obj = await cluster.get(CHILDREN[kind], name)
-        if obj is not None:
-            found[kind, name] = obj
-    return found
-
-
-async def condition(cluster: Cluster, kind: str, name: str = "chat") -> dict[str, Any] | None:
-    cr = await cluster.get(CR, name)
-    for cond in ((cr or {}).get("status") or {}).get("conditions") or []:
-        if cond["type"] == kind:
-            return cond
-    return None
-
-
-async def ready_cluster(cluster: Cluster) -> None:
-    await cluster.storage_class()
-    await cluster.create(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
-                                  "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "50Gi"}}}})
-
-
-async def _all_children(cluster: Cluster) -> dict[tuple[str, str], dict[str, Any]] | None:
-    found = await children(cluster)
-    return found if set(found) == CHILD_NAMES else None
 
 
 async def _status(cluster: Cluster) -> dict[str, Any] | None:
@@ -82,7 +40,7 @@ async def test_create_makes_all_children_with_the_right_fields(operator: Cluster
     await ready_cluster(operator)
     cr = await operator.create(CR, chat_cr())
     assert cr is not None and cr["metadata"]["generation"] == 1  # the server's, not the test's
-    found = await eventually(lambda: _all_children(operator), what="all children")
+    found = await eventually(lambda: all_children(operator), what="all children")
     sts = found["StatefulSet", "chat"]
     container = sts["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][container["args"].index("--gpu-budget") + 1] == str(40 << 30)
@@ -230,7 +188,7 @@ async def test_a_conflict_with_another_manager_is_reported_not_forced(operator: 
     # the other manager gives the field back: the next reconcile applies and recovers
     await operator.patch(STATEFULSETS, "chat", {"spec": {"replicas": 2}}, field_manager="someone")
     await operator.patch(CR, "chat", {"spec": {"placement": "kvdrive"}})
-    await eventually(lambda: _condition_is(operator, "Degraded", "False"), what="Degraded=False")
+    await eventually(lambda: condition_is(operator, "Degraded", "False"), what="Degraded=False")
 
 
 async def test_the_scale_subresource_moves_the_statefulset(operator: Cluster) -> None:
@@ -275,11 +233,11 @@ async def _sts_replicas(cluster: Cluster, replicas: int) -> bool:
 async def test_deleted_children_are_recreated(operator: Cluster) -> None:
     await ready_cluster(operator)
     await operator.create(CR, chat_cr())
-    found = await eventually(lambda: _all_children(operator), what="all children")
+    found = await eventually(lambda: all_children(operator), what="all children")
     token = found["Secret", "chat-admin"]["data"]["token"]
     await operator.delete(CHILDREN["Service"], "chat")
     await operator.delete(CHILDREN["ConfigMap"], "chat-config")
-    await eventually(lambda: _all_children(operator), what="recreated children")
+    await eventually(lambda: all_children(operator), what="recreated children")
     # (a hand edit of a field the operator owns is a conflict: reported, not reverted; see
     # test_a_conflict_with_another_manager_is_reported_not_forced)
     # the admin token survives reconciles
@@ -293,7 +251,7 @@ async def test_deleting_the_cr_lets_the_garbage_collector_take_every_child(opera
     owner; and nothing is re-created."""
     await ready_cluster(operator)
     await operator.create(CR, chat_cr())
-    await eventually(lambda: _all_children(operator), what="all children")
+    await eventually(lambda: all_children(operator), what="all children")
     await operator.delete(CR, "chat")
 
     async def gone() -> bool:
@@ -310,123 +268,3 @@ async def _nothing_left(cluster: Cluster) -> bool:
         if await cluster.api.list(ref, cluster.namespace, managed):
             return False
     return True
-
-
-def _pod(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "labels": {
-            "app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance": "chat",
-            "app.kubernetes.io/managed-by": "kvdrive-operator"}},
-        "spec": {"containers": [{"name": "kvdrive", "image": "x"}]},
-    }
-
-
-async def set_ready(cluster: Cluster, name: str, ready: bool) -> None:
-    """What the kubelet would report (there is no kubelet here): the pod's status subresource."""
-    await cluster.patch(PODS, name, {"status": {"phase": "Running", "conditions": [
-        {"type": "Ready", "status": str(ready)}]}}, subresource="status")
-
-
-async def _condition_is(cluster: Cluster, kind: str, status: str) -> dict[str, Any] | None:
-    cond = await condition(cluster, kind)
-    return cond if cond and cond["status"] == status else None
-
-
-async def test_conditions_follow_pod_readiness(operator: Cluster) -> None:
-    await ready_cluster(operator)
-    await operator.create(CR, chat_cr(replicas=2, autoscaling={"mode": "none"}))
-    await eventually(lambda: _condition_is(operator, "Progressing", "True"), what="Progressing=True")
-    ready = await condition(operator, "Ready")
-    assert ready["status"] == "False" and ready["reason"] == "ReplicasNotReady"
-    assert (await condition(operator, "Degraded"))["status"] == "False"
-    for name, is_ready in (("chat-0", False), ("chat-1", True)):
-        await operator.create(PODS, _pod(name))
-        await set_ready(operator, name, is_ready)
-
-    async def one_ready() -> bool:
-        cr = await operator.get(CR, "chat")
-        return cr["status"].get("readyReplicas") == 1
-
-    await eventually(one_ready, what="readyReplicas 1")
-    assert (await condition(operator, "Ready"))["status"] == "False"
-    await set_ready(operator, "chat-0", True)
-    ready = await eventually(lambda: _condition_is(operator, "Ready", "True"), what="Ready=True")
-    assert ready["reason"] == "AllReplicasReady" and ready["observedGeneration"] == 1
-    assert ready["lastTransitionTime"]
-    assert (await condition(operator, "Progressing"))["status"] == "False"
-    cr = await operator.get(CR, "chat")
-    assert cr["status"]["readyReplicas"] == 2 and cr["status"]["replicas"] == 2
-    # a pod turning unready flips Ready back
-    await set_ready(operator, "chat-1", False)
-    await eventually(lambda: _condition_is(operator, "Ready", "False"), what="Ready=False again")
-
-
-async def _events(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
-    items = await cluster.api.list(EVENTS, cluster.namespace, {})
-    return [e for e in items if e.get("reason") == reason and e.get("involvedObject", {}).get("name") == "chat"]
-
-
-async def test_missing_storage_class_degrades_without_children(operator: Cluster) -> None:
-    storage_class = f"nvme-{operator.namespace}"  # StorageClasses are cluster-wide: one of this test's own
-    await operator.create(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
-                                   "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}})
-    doc = chat_cr()
-    doc["spec"]["tiers"]["ssd"]["storageClassName"] = storage_class
-    await operator.create(CR, doc)
-    degraded = await eventually(lambda: _condition_is(operator, "Degraded", "True"), what="Degraded=True")
-    assert degraded["reason"] == "StorageClassNotFound"
-    assert "spec.tiers.ssd.storageClassName" in degraded["message"] and storage_class in degraded["message"]
-    events = await eventually(lambda: _events(operator, "StorageClassNotFound"), what="a Warning event")
-    assert events[0]["type"] == "Warning" and storage_class in events[0]["message"]
-    assert (await condition(operator, "Ready"))["status"] == "False"
-    await never(lambda: children(operator), 1.0, "children of a degraded CR")
-    # once the StorageClass exists, the next reconcile (here: a spec update) recovers
-    await operator.storage_class(storage_class)
-    await operator.patch(CR, "chat", {"spec": {"attention": {"tokenBudget": 4096}}})
-    await eventually(lambda: _all_children(operator), what="children after the fix")
-    await eventually(lambda: _condition_is(operator, "Degraded", "False"), what="Degraded=False")
-
-
-async def test_missing_model_claim_degrades_without_children(operator: Cluster) -> None:
-    await operator.storage_class()
-    await operator.create(CR, chat_cr())
-    degraded = await eventually(lambda: _condition_is(operator, "Degraded", "True"), what="Degraded=True")
-    assert degraded["reason"] == "ModelClaimNotFound"
-    assert "spec.model.source" in degraded["message"] and "'models'" in degraded["message"]
-    await eventually(lambda: _events(operator, "ModelClaimNotFound"), what="a Warning event")
-    await never(lambda: children(operator), 1.0, "children of a degraded CR")
-
-
-async def test_the_operator_serves_its_own_metrics(cluster: Cluster) -> None:
-    """``/metrics`` of the operator itself (``--metrics``): a CR that cannot be reconciled yet (its
-    StorageClass or model claim is missing) is counted under that problem's reason, then under ok once the
-    cluster is ready; each reconcile is timed."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/metrics"
-    async with run_operator(cluster, metrics_address=url) as running:
-        await running.create(CR, chat_cr())
-
-        async def counted(result: str) -> float | None:
-            async with httpx.AsyncClient() as client:
-                text = (await client.get(url, timeout=5)).text
-            line = f'kvdrive_operator_reconciles_total{{result="{result}"}}'
-            found = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(line + " ")]
-            return found[0] if found and found[0] >= 1 else None
-
-        # what is missing first depends on what earlier tests left in the cluster (the StorageClass is
-        # cluster-scoped): the count follows the reason the CR's status gives
-        async def degraded_now() -> dict[str, Any] | None:
-            cond = await condition(running, "Degraded")
-            return cond if cond and cond["status"] == "True" else None
-
-        degraded = await eventually(degraded_now, what="a Degraded condition")
-        await eventually(lambda: counted(degraded["reason"]), what=f"a reconcile counted as {degraded['reason']}")
-        await ready_cluster(running)
-        await running.patch(CR, "chat", {"spec": {"placement": "lru"}})  # reconciled again, now with its class
-        await eventually(lambda: counted("ok"), what="a reconcile counted as ok")
-        async with httpx.AsyncClient() as client:
-            text = (await client.get(url, timeout=5)).text
-        assert 'kvdrive_operator_reconcile_seconds_count{result="ok"}' in text
-

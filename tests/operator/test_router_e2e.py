@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from crkit import chat_cr, condition, ready_cluster, set_ready
 from kopfenv import Cluster, eventually, never
 from test_crd_server import _dry_run
-from test_operator_e2e import chat_cr, condition, ready_cluster, set_ready
 
 from kvdrive.operator.objects import CHILDREN, CR, PODS
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from crkit import chat_cr, ready_cluster
 from kopfenv import Cluster
-from test_operator_e2e import chat_cr, ready_cluster
 
 from kvdrive.operator.handlers import Reconciler
 from kvdrive.operator.kubeclient import KubeApi, Ref

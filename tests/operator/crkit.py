@@ -1,0 +1,80 @@
+"""Shared pieces of the operator's end-to-end tests against a real kube-apiserver: the example CR, its
+children, its status conditions and Warning events, the cluster objects a CR needs before it can
+reconcile, and the Pods a kubelet would have made (there is none here) with their readiness."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from crdcheck import load_example
+from kopfenv import Cluster
+from livekit import EVENTS
+
+from kvdrive.operator.handlers import CHILDREN, CLAIMS, CR, PODS
+
+CHILD_NAMES = {
+    ("ConfigMap", "chat-config"), ("Secret", "chat-admin"), ("Service", "chat"), ("Service", "chat-headless"),
+    ("StatefulSet", "chat"), ("PodDisruptionBudget", "chat"),
+}
+
+
+def chat_cr(**spec: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(load_example("full.yaml"))
+    doc["spec"].update(spec)
+    return doc
+
+
+async def children(cluster: Cluster) -> dict[tuple[str, str], dict[str, Any]]:
+    found = {}
+    for kind, name in CHILD_NAMES:
+        obj = await cluster.get(CHILDREN[kind], name)
+        if obj is not None:
+            found[kind, name] = obj
+    return found
+
+
+async def condition(cluster: Cluster, kind: str, name: str = "chat") -> dict[str, Any] | None:
+    cr = await cluster.get(CR, name)
+    for cond in ((cr or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == kind:
+            return cond
+    return None
+
+
+async def ready_cluster(cluster: Cluster) -> None:
+    await cluster.storage_class()
+    await cluster.create(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+                                  "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "50Gi"}}}})
+
+
+async def all_children(cluster: Cluster) -> dict[tuple[str, str], dict[str, Any]] | None:
+    found = await children(cluster)
+    return found if set(found) == CHILD_NAMES else None
+
+
+def chat_pod(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {
+            "app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance": "chat",
+            "app.kubernetes.io/managed-by": "kvdrive-operator"}},
+        "spec": {"containers": [{"name": "kvdrive", "image": "x"}]},
+    }
+
+
+async def set_ready(cluster: Cluster, name: str, ready: bool) -> None:
+    """What the kubelet would report (there is no kubelet here): the pod's status subresource."""
+    await cluster.patch(PODS, name, {"status": {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": str(ready)}]}}, subresource="status")
+
+
+async def condition_is(cluster: Cluster, kind: str, status: str) -> dict[str, Any] | None:
+    cond = await condition(cluster, kind)
+    return cond if cond and cond["status"] == status else None
+
+
+async def events_about(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
+    items = await cluster.api.list(EVENTS, cluster.namespace, {})
+    return [e for e in items if e.get("reason") == reason and e.get("involvedObject", {}).get("name") == "chat"]
