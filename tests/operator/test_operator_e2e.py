@@ -14,6 +14,7 @@ from crkit import all_children, chat_cr, condition, condition_is, ready_cluster
 from kopfenv import Cluster, eventually, never
 
 from kvdrive.operator.handlers import CHILDREN, CR, STATEFULSETS
+from kvdrive.operator.kubeclient import KindNotServed
 from kvdrive.operator.objects import RECONCILER
 
 
@@ -265,6 +266,9 @@ async def test_deleting_the_cr_lets_the_garbage_collector_take_every_child(opera
 async def _nothing_left(cluster: Cluster) -> bool:
     managed = {"app.kubernetes.io/managed-by": "kvdrive-operator"}
     for ref in {*CHILDREN.values()}:
-        if await cluster.api.list(ref, cluster.namespace, managed):
-            return False
+        try:
+            if await cluster.api.list(ref, cluster.namespace, managed):
+                return False
+        except KindNotServed:  # an optional kind whose CRD this cluster lacks (InferencePool): none can exist
+            continue
     return True
