@@ -5,6 +5,7 @@ reconcile, and the Pods a kubelet would have made (there is none here) with thei
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from typing import Any
 
 from crdcheck import load_example
@@ -25,9 +26,11 @@ def chat_cr(**spec: Any) -> dict[str, Any]:
     return doc
 
 
-async def children(cluster: Cluster) -> dict[tuple[str, str], dict[str, Any]]:
+async def children(cluster: Cluster, names: Iterable[tuple[str, str]] = CHILD_NAMES,
+                   ) -> dict[tuple[str, str], dict[str, Any]]:
+    """The objects of ``names`` ((kind, name) pairs; the CR's own children by default) that exist."""
     found = {}
-    for kind, name in CHILD_NAMES:
+    for kind, name in names:
         obj = await cluster.get(CHILDREN[kind], name)
         if obj is not None:
             found[kind, name] = obj

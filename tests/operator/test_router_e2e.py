@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from crkit import chat_cr, condition, ready_cluster, set_ready
+from crkit import chat_cr, children, condition, ready_cluster, set_ready
 from kopfenv import Cluster, eventually, never
 from test_crd_server import _dry_run
 
@@ -23,22 +23,13 @@ RUNTIME_PODS = {"app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance
 ROUTER_PODS = {"app.kubernetes.io/name": "kvdrive-router", "app.kubernetes.io/instance": "chat"}
 
 
-async def _router_objects(cluster: Cluster) -> dict[tuple[str, str], dict[str, Any]]:
-    found = {}
-    for kind, name in ROUTER:
-        obj = await cluster.get(CHILDREN[kind], name)
-        if obj is not None:
-            found[kind, name] = obj
-    return found
-
-
 async def _all_router_objects(cluster: Cluster) -> dict[tuple[str, str], dict[str, Any]] | None:
-    found = await _router_objects(cluster)
+    found = await children(cluster, ROUTER)
     return found if len(found) == len(ROUTER) else None
 
 
 async def _no_router_objects(cluster: Cluster) -> bool:
-    return not await _router_objects(cluster)
+    return not await children(cluster, ROUTER)
 
 
 async def _client_selects(cluster: Cluster, labels: dict[str, str]) -> dict[str, Any] | None:
@@ -110,7 +101,7 @@ async def test_routing_on_then_off(operator: Cluster) -> None:
         return status if "router" not in status and "RouterReady" not in types and types else None
 
     await eventually(forgotten, what="status.router and RouterReady gone")
-    await never(lambda: _router_objects(operator), 1.0, "router objects re-created with routing off")
+    await never(lambda: children(operator, ROUTER), 1.0, "router objects re-created with routing off")
 
     # and on again: they come back
     await operator.patch(CR, "chat", {"spec": {"routing": {"mode": "prefix"}}})
