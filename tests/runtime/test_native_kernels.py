@@ -62,13 +62,14 @@ def test_a_prebuilt_folder_is_loaded_when_it_matches_and_refused_when_stale(tmp_
     assert module is None and "holds no build" in why
 
 
-def _case(batch: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+def _case(batch: int, dtype: torch.dtype, seed: int = 0, hkv: int = HKV, group: int = G,
+          d: int = D) -> dict[str, torch.Tensor]:
     """A pool of 400 slots, 32 columns a sequence (the last the open page), two of them staged misses, a
     second sequence with only 20 pages (the rest padding)."""
     g = torch.Generator().manual_seed(seed)
     w = 32
-    pool = torch.randn(400, 2, HKV, S, D, generator=g).to(dtype)
-    stage = torch.randn(3, 2, HKV, S, D, generator=g).to(dtype)
+    pool = torch.randn(400, 2, hkv, S, d, generator=g).to(dtype)
+    stage = torch.randn(3, 2, hkv, S, d, generator=g).to(dtype)
     slots = torch.randint(0, 400, (batch, w), generator=g)
     slots[:, 5], slots[:, 11] = -1, -3
     ntok = torch.full((batch, w), S)
@@ -76,17 +77,18 @@ def _case(batch: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tens
     if batch > 1:
         ntok[1, 20:-1] = 0
         slots[1, 20:-1] = 10_000  # padding: never read
-    q = torch.randn(batch, HKV * G, D, generator=g)
+    q = torch.randn(batch, hkv * group, d, generator=g)
     return {"pool": pool, "stage": stage, "slots": slots, "ntok": ntok, "q": q}
 
 
 def _gathered(c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch path's buffer: K, V [B, Hkv, W * S, D] and the mask of what is not attended."""
     b, w = c["slots"].shape
+    hkv, d = c["pool"].shape[2], c["pool"].shape[4]
     blocks = torch.stack([c["pool"][s] if 0 <= s < 400 else c["stage"][-1 - s] if s < 0 else c["pool"][0]
-                          for s in c["slots"].view(-1).tolist()]).view(b, w, 2, HKV, S, D)
-    k = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(b, HKV, w * S, D).float()
-    v = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(b, HKV, w * S, D).float()
+                          for s in c["slots"].view(-1).tolist()]).view(b, w, 2, hkv, S, d)
+    k = blocks[:, :, 0].permute(0, 2, 1, 3, 4).reshape(b, hkv, w * S, d).float()
+    v = blocks[:, :, 1].permute(0, 2, 1, 3, 4).reshape(b, hkv, w * S, d).float()
     mask = (torch.arange(S)[None, None, :] >= c["ntok"][:, :, None]).reshape(b, 1, 1, w * S)
     return k, v, mask
 
@@ -105,6 +107,30 @@ def test_attend_in_place_equals_attention_over_the_gathered_pages(dtype: torch.d
     assert torch.allclose(mass.sum(dim=1), torch.full((batch,), HKV * G * 1.0), atol=1e-4)  # every head's whole mass
     if batch > 1:
         assert torch.all(mass[1, 20:-1] == 0)  # padding draws nothing
+
+
+# (KV heads, query heads per KV head, head dim): SmolLM2's and Gemma 3's shapes have units compiled for them;
+# 2 x 5 x 32 takes the unit that reads its shape at run time
+SHAPES = [(3, 3, 64), (1, 4, 256), (2, 5, 32)]
+
+
+@pytest.mark.parametrize(("hkv", "group", "d"), SHAPES)
+def test_every_shape_attends_and_selects_as_the_torch_ops_do(hkv: int, group: int, d: int) -> None:
+    c = _case(2, torch.float32, seed=5, hkv=hkv, group=group, d=d)
+    k, v, mask = _gathered(c)
+    ref, probs = decode_attention(c["q"], k, v, mask)
+    out, mass = paged_kernels.attend(c["q"], c["pool"].view(-1, S * d), c["stage"], c["slots"], c["ntok"], hkv, S)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5), (out - ref).abs().max()
+    assert torch.allclose(mass, probs.view(2, -1, c["slots"].shape[1], S).sum(dim=(1, 3)), atol=2e-6, rtol=1e-5)
+    g = torch.Generator().manual_seed(d)
+    cfg = SelectionConfig(token_budget=512, page_size=S)
+    summaries = torch.randn(2, hkv, 300, 2 * d, generator=g)
+    summaries[..., d:] = summaries[..., d:].abs()
+    drawn = torch.rand(2, 300, generator=g) * 0.2
+    npages = torch.tensor([300, 250])
+    idx, near, _ = select_pages(c["q"], summaries, selection_masks(npages, 300, cfg), cfg, 8, drawn)
+    k_idx, k_near = paged_kernels.select(c["q"], summaries, drawn, npages, cfg, 8)
+    assert torch.equal(k_idx, idx) and torch.equal(k_near, near)
 
 
 def test_one_sequence_splits_its_pages_over_the_threads_and_merges_exactly() -> None:

@@ -86,14 +86,18 @@ struct Geometry {
 
 // One unit: sequence b, KV head h, columns [w0, w1). Leaves its softmax max m[g], sum l[g], unnormalized
 // output o[g][D] and each column's unnormalized mass cm[g][w].
-template <typename T>
+// GC, DCC: the query heads per KV head and the head dim / 16 as compile-time constants (0: read from geo),
+// so that the common shapes keep their queries and accumulators in registers.
+template <typename T, int64_t GC, int64_t DCC>
 void decode_unit(const Geometry& geo, int64_t b, int64_t h, int64_t p, const float* q, const T* rows,
                  const T* stage, const int64_t* slots, const int64_t* ntok, float* part_m, float* part_l,
                  float* part_o, float* part_cm) {
-  const int64_t G = geo.G, D = geo.D, S = geo.S, W = geo.W, Hkv = geo.Hkv, SD = S * D, DC = D / 16;
+  const int64_t G = GC ? GC : geo.G, DC = DCC ? DCC : geo.D / 16, D = DC * 16;
+  const int64_t S = geo.S, W = geo.W, Hkv = geo.Hkv, SD = S * D;
+  constexpr int64_t NG = GC ? GC : MAX_G, NV = GC && DCC ? GC * DCC : MAX_G * (MAX_D / 16);
   const int64_t w0 = W * p / geo.parts, w1 = W * (p + 1) / geo.parts;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  __m512 qv[MAX_G * (MAX_D / 16)];
+  __m512 qv[NV];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = 0; c < DC; ++c)
       qv[g * DC + c] = _mm512_mul_ps(_mm512_loadu_ps(q + ((b * Hkv + h) * G + g) * D + c * 16), _mm512_set1_ps(scale));
@@ -104,15 +108,21 @@ void decode_unit(const Geometry& geo, int64_t b, int64_t h, int64_t p, const flo
   };
   const int64_t cols = w1 - w0;
   std::vector<float> sc(static_cast<size_t>(G * cols * S));
-  float m[MAX_G];
+  float m[NG];
   std::fill(m, m + G, NEG_INF);
+  auto ahead = [&](int64_t w, int64_t kv) {
+    if (w < w1 && ntok[b * W + w] > 0) prefetch(base(w, kv), SD);
+  };
+  for (int64_t w = w0; w < w0 + 4; ++w) ahead(w, 0);
+  for (int64_t w = w0; w < w0 + 2; ++w) ahead(w, 1);
   for (int64_t w = w0; w < w1; ++w) {
     const int64_t n = ntok[b * W + w];
+    ahead(w + 4, 0);
+    ahead(w + 2, 1);
     if (n <= 0) continue;
     const T* k = base(w, 0);
-    if (w + 1 < w1 && ntok[b * W + w + 1] > 0) prefetch(base(w + 1, 0), SD);
     for (int64_t t = 0; t < n; ++t) {
-      __m512 acc[MAX_G];
+      __m512 acc[NG];
       for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
       for (int64_t c = 0; c < DC; ++c) {
         const __m512 kv = load16<T>(k + t * D + c * 16);
@@ -126,9 +136,9 @@ void decode_unit(const Geometry& geo, int64_t b, int64_t h, int64_t p, const flo
     }
   }
   const int64_t unit = (b * Hkv + h) * geo.parts + p;
-  __m512 ov[MAX_G * (MAX_D / 16)];
+  __m512 ov[NV];
   for (int64_t i = 0; i < G * DC; ++i) ov[i] = _mm512_setzero_ps();
-  float l[MAX_G];
+  float l[NG];
   std::fill(l, l + G, 0.f);
   for (int64_t w = w0; w < w1; ++w) {
     const int64_t n = ntok[b * W + w];
@@ -143,7 +153,6 @@ void decode_unit(const Geometry& geo, int64_t b, int64_t h, int64_t p, const flo
       l[g] += sum;
     }
     const T* v = base(w, 1);
-    if (w + 1 < w1 && ntok[b * W + w + 1] > 0) prefetch(base(w + 1, 1), SD);
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t c = 0; c < DC; ++c) {
         const __m512 vv = load16<T>(v + t * D + c * 16);
@@ -157,6 +166,23 @@ void decode_unit(const Geometry& geo, int64_t b, int64_t h, int64_t p, const flo
     part_l[unit * G + g] = l[g];
     for (int64_t c = 0; c < DC; ++c) _mm512_storeu_ps(part_o + (unit * G + g) * D + c * 16, ov[g * DC + c]);
   }
+}
+
+template <typename T>
+using UnitFn = void (*)(const Geometry&, int64_t, int64_t, int64_t, const float*, const T*, const T*, const int64_t*,
+                        const int64_t*, float*, float*, float*, float*);
+
+// The unit specialized for the models' shapes (SmolLM2 3 x 64, Gemma 3 4 x 256, Llama 3 / Qwen 4 x 128 and
+// 8 x 128, Mistral / Qwen 2 x 128 and 7 x 128), else the one that reads G and D at run time.
+template <typename T>
+UnitFn<T> pick_unit(int64_t G, int64_t D) {
+  if (G == 3 && D == 64) return &decode_unit<T, 3, 4>;
+  if (G == 4 && D == 256) return &decode_unit<T, 4, 16>;
+  if (G == 4 && D == 128) return &decode_unit<T, 4, 8>;
+  if (G == 8 && D == 128) return &decode_unit<T, 8, 8>;
+  if (G == 7 && D == 128) return &decode_unit<T, 7, 8>;
+  if (G == 2 && D == 128) return &decode_unit<T, 2, 8>;
+  return &decode_unit<T, 0, 0>;
 }
 
 void check_decode(const torch::Tensor& q, const torch::Tensor& rows, const torch::Tensor& stage,
@@ -208,10 +234,11 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor rows, tor
     } else {
       const scalar_t* rp = rows.data_ptr<scalar_t>();
       const scalar_t* stp = stage.data_ptr<scalar_t>();
+      const auto unit = pick_unit<scalar_t>(G, D);
       at::parallel_for(0, B * hkv * parts, 1, [&](int64_t u0, int64_t u1) {
         for (int64_t u = u0; u < u1; ++u) {
           const int64_t p = u % parts, bh = u / parts;
-          decode_unit<scalar_t>(geo, bh / hkv, bh % hkv, p, qp, rp, stp, sp, np, pm, pl, po, pc);
+          unit(geo, bh / hkv, bh % hkv, p, qp, rp, stp, sp, np, pm, pl, po, pc);
         }
       });
     }
@@ -246,6 +273,51 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor rows, tor
   return {out, mass};
 }
 
+namespace {
+
+// The Quest bound q.c + |q|.r of pages [p0, p1) of one KV head's summaries (rows ``stride`` apart, [2D] each:
+// center, radius) for the G queries q [G, D] of its query heads, scaled: bound[g * P + p]. Each summary row is
+// read once for all G queries. GC, DCC: G and D / 16 as compile-time constants (0: read at run time), so
+// that the queries stay in registers.
+template <int64_t GC, int64_t DCC>
+void quest_bounds(const float* q, const float* summ, int64_t stride, int64_t p0, int64_t p1, int64_t G_, int64_t D,
+                  int64_t P, float scale, float* bound) {
+  const int64_t G = GC ? GC : G_, DC = DCC ? DCC : D / 16;
+  constexpr int64_t NG = GC ? GC : MAX_G, NV = GC && DCC ? GC * DCC : MAX_G * (MAX_D / 16);
+  __m512 qq[NV], qa[NV];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < DC; ++c) {
+      qq[g * DC + c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + c * 16), _mm512_set1_ps(scale));
+      qa[g * DC + c] = _mm512_abs_ps(qq[g * DC + c]);
+    }
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* cr = summ + p * stride;  // [2D]: center, radius
+    __m512 acc[NG];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512 cc = _mm512_loadu_ps(cr + c * 16), rr = _mm512_loadu_ps(cr + D + c * 16);
+      for (int64_t g = 0; g < G; ++g) {
+        acc[g] = _mm512_fmadd_ps(qq[g * DC + c], cc, acc[g]);
+        acc[g] = _mm512_fmadd_ps(qa[g * DC + c], rr, acc[g]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) bound[g * P + p] = _mm512_reduce_add_ps(acc[g]);
+  }
+}
+
+using BoundsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                          float*);
+
+BoundsFn pick_bounds(int64_t G, int64_t D) {
+  if (G == 3 && D == 64) return &quest_bounds<3, 4>;
+  if (G == 4 && D == 256) return &quest_bounds<4, 16>;
+  if (G == 4 && D == 128) return &quest_bounds<4, 8>;
+  if (G == 8 && D == 128) return &quest_bounds<8, 8>;
+  return &quest_bounds<0, 0>;
+}
+
+}  // namespace
+
 // q [B, Hq, D] float32; summaries [B, Hkv, P, 2D] float32 (center, radius; any strides but the last);
 // drawn [B, P] float32 (last stride 1); npages [B] int64 -> selected [B, K] int64 ascending, runners-up
 // [B, min(P, K + R) - K] int64 by score (see select_pages in runtime/attention/selection.py).
@@ -260,39 +332,39 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
               drawn.scalar_type() == torch::kFloat, "drawn: [B, P] float32");
   TORCH_CHECK(npages.dim() == 1 && npages.size(0) == B && npages.scalar_type() == torch::kLong, "npages: [B] int64");
   TORCH_CHECK(k >= 1 && k <= P && runners_up >= 0, "k: 1..P");
+  TORCH_CHECK(D % 16 == 0 && D <= MAX_D, "head dim: a multiple of 16 up to ", MAX_D);
   const int64_t G = Hq / Hkv, total = std::min(P, k + runners_up);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   auto npc = npages.contiguous();
   const int64_t* np = npc.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(np[b] >= 0 && np[b] <= P, "npages out of 0..P");
-  auto head_mass = torch::zeros({B, Hkv, P}, q.options());
+  // [B, Hkv, G, P]: each query head's softmax over the pages' bounds, one unit of work per query head
+  auto head_mass = torch::empty({B, Hkv, G, P}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* sp = summaries.data_ptr<float>();
   const int64_t s0 = summaries.stride(0), s1 = summaries.stride(1), s2 = summaries.stride(2);
   float* hm = head_mass.data_ptr<float>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> bound(static_cast<size_t>(P));
+  const auto bounds = pick_bounds(G, D);
+  // the bounds: (sequence, KV head, page range) units, so that one sequence keeps both cores busy
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(P / 16, (2 * threads + B * Hkv - 1) / (B * Hkv)));
+  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t b = u / Hkv, h = u % Hkv, n = np[b];
+      const int64_t c = u % chunks, bh = u / chunks, b = bh / Hkv, h = bh % Hkv, n = np[b];
+      bounds(qp + bh * G * D, sp + b * s0 + h * s1, s2, n * c / chunks, n * (c + 1) / chunks, G, D, P, scale,
+             hm + bh * G * P);
+    }
+  });
+  // then each query head's softmax over its sequence's pages
+  at::parallel_for(0, B * Hq, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t n = np[u / Hq];
+      float* row = hm + u * P;  // head_mass[b, h, g]
       if (n == 0) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qp + (b * Hq + h * G + g) * D;
-        float mx = NEG_INF;
-        for (int64_t p = 0; p < n; ++p) {
-          const float* cr = sp + b * s0 + h * s1 + p * s2;  // [2D]: center, radius
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t c = 0; c < D; c += 16) {
-            const __m512 qq = _mm512_mul_ps(_mm512_loadu_ps(qg + c), _mm512_set1_ps(scale));
-            acc = _mm512_fmadd_ps(qq, _mm512_loadu_ps(cr + c), acc);
-            acc = _mm512_fmadd_ps(_mm512_abs_ps(qq), _mm512_loadu_ps(cr + D + c), acc);
-          }
-          bound[p] = _mm512_reduce_add_ps(acc);
-          mx = std::max(mx, bound[p]);
-        }
-        const float sum = exp_shifted(bound.data(), n, mx);
-        float* row = hm + (b * Hkv + h) * P;
-        for (int64_t p = 0; p < n; ++p) row[p] += bound[p] / sum;
-      }
+      float mx = NEG_INF;
+      for (int64_t p = 0; p < n; ++p) mx = std::max(mx, row[p]);
+      const float sum = exp_shifted(row, n, mx);
+      for (int64_t p = 0; p < n; ++p) row[p] /= sum;
     }
   });
   auto selected = torch::empty({B, k}, npages.options());
@@ -312,7 +384,11 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
           score[p] = std::numeric_limits<float>::infinity();
         } else {
           float s = dp[b * d0 + p];
-          for (int64_t h = 0; h < Hkv; ++h) s += hm[(b * Hkv + h) * P + p];
+          for (int64_t h = 0; h < Hkv; ++h) {  // the heads' masses summed per KV head, then over the KV heads
+            float hs = 0.f;
+            for (int64_t g = 0; g < G; ++g) hs += hm[((b * Hkv + h) * G + g) * P + p];
+            s += hs;
+          }
           score[p] = s;
         }
       }
