@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <vector>
+
 namespace {
 
 inline __m512 i8x16(const uint8_t* p) {
@@ -83,13 +85,15 @@ inline void tile(const Args& a, int64_t m0, int64_t n) {
   }
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) {
-      float v = _mm512_reduce_add_ps(acc[m][r]);
-      if (a.offset != nullptr) {
+      if (a.offset != nullptr) {  // + offsets . the blocks' input sums, 16 blocks a vector
         const float* o = a.offset + (n + r) * G;
         const float* xs = a.xsum + (m0 + m) * G;
-        for (int64_t g = 0; g < G; ++g) v += o[g] * xs[g];
+        for (int64_t g = 0; g < G; g += 16) {
+          const __mmask16 k = G - g >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (G - g)) - 1);
+          acc[m][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, o + g), _mm512_maskz_loadu_ps(k, xs + g), acc[m][r]);
+        }
       }
-      a.y[(m0 + m) * a.N + n + r] = v;
+      a.y[(m0 + m) * a.N + n + r] = _mm512_reduce_add_ps(acc[m][r]);
     }
 }
 
@@ -151,10 +155,18 @@ torch::Tensor block_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   check(q, scale, offset, K, nib);
   const int64_t B = K / scale.size(1);
   auto y = torch::empty({M, N}, x.options());
-  torch::Tensor xsum;
-  if (offset) xsum = x.view({M, K / B, B}).sum(-1).contiguous();
+  std::vector<float> xsum;  // [M, K / B]: each block's sum of inputs, for the offsets
+  if (offset) {
+    xsum.resize(static_cast<size_t>(M * (K / B)));
+    const float* xp = x.data_ptr<float>();
+    for (int64_t i = 0; i < M * (K / B); ++i) {
+      float t = 0.f;
+      for (int64_t j = 0; j < B; ++j) t += xp[i * B + j];
+      xsum[static_cast<size_t>(i)] = t;
+    }
+  }
   const Args a{x.data_ptr<float>(), reinterpret_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr<float>(),
-               offset ? offset->data_ptr<float>() : nullptr, offset ? xsum.data_ptr<float>() : nullptr,
+               offset ? offset->data_ptr<float>() : nullptr, offset ? xsum.data() : nullptr,
                y.data_ptr<float>(), M, K, N, B};
   if (nib) run<true, false>(a);
   else if (B == 16) run<false, true>(a);
