@@ -94,8 +94,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | 
     if params.greedy:
         return int(torch.argmax(logits).item())
     scores = logits.float().cpu() / params.temperature  # [V]; -inf: a token masked out (a grammar, a bias)
-    if bool(torch.isnan(scores).any() or torch.isposinf(scores).any()):  # a vanishing temperature overflows:
-        return int(torch.argmax(logits).item())  # its limit is greedy
+    # A vanishing temperature overflows: to +inf, nan (0 / 0) or, where every allowed logit is negative, all
+    # -inf (softmax of which is nan). Its limit is greedy among the allowed tokens.
+    if bool(torch.isnan(scores).any()) or not bool(torch.isfinite(scores.max())):
+        return int(torch.argmax(logits).item())
     if params.top_k > 0:
         kth = torch.topk(scores, min(params.top_k, scores.shape[-1])).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

@@ -24,6 +24,15 @@ def test_vanishing_temperature_is_greedy_not_nan(temperature: float) -> None:
     assert sample(logits, params, make_rng(params)) == 1
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324])
+def test_vanishing_temperature_over_masked_negative_logits_is_greedy_among_the_allowed(temperature: float) -> None:
+    """A grammar leaves only negative logits (the rest -inf): divided by a vanishing temperature every score is
+    -inf, and softmax of all -inf is nan. The limit is the best allowed token."""
+    logits = torch.tensor([float("-inf"), -2.0, -0.5, float("-inf"), -3.0])
+    params = SamplingParams(temperature=temperature, seed=1)
+    assert sample(logits, params, make_rng(params)) == 2
+
+
 def test_top_k_never_leaves_the_top_k() -> None:
     logits = torch.tensor([5.0, 4.0, 0.0, 0.0, 0.0])
     params = SamplingParams(temperature=10.0, top_k=2, seed=0)

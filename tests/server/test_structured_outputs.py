@@ -157,3 +157,13 @@ async def test_a_grammar_that_can_only_end_survives_a_vanishing_repetition_penal
     if answer.status_code == 200:
         assert answer.json()["choices"][0]["message"]["content"] == ""
 
+
+
+async def test_a_regex_sampled_at_a_vanishing_temperature_follows_the_regex(client: httpx.AsyncClient) -> None:
+    """temperature 5e-324 over a grammar's mask divides every allowed (negative) logit to -inf: the answer is
+    the greedy one the regex allows, never a 5xx (the body the fuzzer drew in CI)."""
+    body = {"model": "tiny", "messages": [{"role": "tool"}], "guided_regex": "0", "temperature": 5e-324,
+            "max_tokens": 4}
+    answer = await client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == "0"
