@@ -95,8 +95,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator | 
         return int(torch.argmax(logits).item())
     scores = logits.float().cpu() / params.temperature  # [V]; -inf: a token masked out (a grammar, a bias)
     # A vanishing temperature overflows: to +inf, nan (0 / 0) or, where every allowed logit is negative, all
-    # -inf (softmax of which is nan). Its limit is greedy among the allowed tokens.
-    if bool(torch.isnan(scores).any()) or not bool(torch.isfinite(scores.max())):
+    # -inf (softmax of which is nan); max() carries any of the three. Its limit is greedy among the allowed.
+    if not bool(torch.isfinite(scores.max())):
         return int(torch.argmax(logits).item())
     if params.top_k > 0:
         kth = torch.topk(scores, min(params.top_k, scores.shape[-1])).values[-1]

@@ -58,7 +58,8 @@ def pack(blocks: Blocks, nib: bool) -> PackedBlocks:
 
 
 def gemv(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:  # [M, K] -> [M, N] float32
-    x = x.float().contiguous()
+    if x.dtype != torch.float32 or not x.is_contiguous():  # a decode step's rows are already (no dispatch)
+        x = x.float().contiguous()
     module = native.kernels()
     if module is None:
         return F.linear(x, w.blocks().dequantize())

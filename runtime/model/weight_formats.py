@@ -147,12 +147,9 @@ class QuantLinear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm(xb, self.q, GROUP, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N] in x's dtype
-        packed = self.packed
-        if (packed is not None and self.bias is None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH
-                and x.dtype == torch.float32 and x.is_contiguous()):
-            module = native.kernels()  # a decode step's rows: straight to the kernel (121 calls a demo step)
-            if module is not None:
-                return module.block_gemv(x, packed.q, packed.scale, packed.offset, packed.nib)  # type: ignore[no-any-return]
+        if (self.packed is not None and self.bias is None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH
+                and x.dtype == torch.float32):  # a decode step's rows: no reshape or cast (121 calls a demo step)
+            return block_kernels.gemv(x, self.packed)
         lead = x.shape[:-1]
         y = self._matmul(x.reshape(-1, self.in_features)).to(x.dtype)
         if self.bias is not None:

@@ -158,7 +158,6 @@ async def test_a_grammar_that_can_only_end_survives_a_vanishing_repetition_penal
         assert answer.json()["choices"][0]["message"]["content"] == ""
 
 
-
 async def test_a_regex_sampled_at_a_vanishing_temperature_follows_the_regex(client: httpx.AsyncClient) -> None:
     """temperature 5e-324 over a grammar's mask divides every allowed (negative) logit to -inf: the answer is
     the greedy one the regex allows, never a 5xx (the body the fuzzer drew in CI)."""
