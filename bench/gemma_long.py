@@ -26,7 +26,7 @@ from tqdm import tqdm
 from kvdrive.runtime.bench.texts import filler_tokens
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import load_model
-from kvdrive.runtime.model.loader import gemma3_270m_path
+from kvdrive.runtime.model.registry import gemma3_270m_path
 
 PROMPTS = (
     "The capital of France is", "Once upon a time, in a small village at the edge of the forest,",

@@ -22,14 +22,14 @@ from kvdrive.runtime.cli_args import (
     seconds_arg,
     size_arg,
 )
+from kvdrive.runtime.model.registry import model_help
 
 log = logging.getLogger("kvdrive")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
-    p.add_argument("--model", default="demo", help="'demo' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M base, "
-                        "hybrid sliding/global attention, 32K context), a .gguf file or a Hugging Face model directory")
+    p.add_argument("--model", default="demo", help=model_help())
     p.add_argument("--device", default="auto",
                    help="torch device for compute and the device KV tier: auto (CUDA when torch sees a device, "
                         "else the CPU; logged at start), cpu, cuda or cuda:N")
@@ -123,8 +123,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="YAML/JSON file of flag values (keys as the long flags, e.g. gpu_budget: 512MiB); "
                         "flags given on the command line win")
 
+    md = sub.add_parser("models", help="list the models served by name; --prepare assembles and verifies them")
+    md.add_argument("--prepare", nargs="*", default=[], metavar="NAME",
+                    help="assemble each named model into the cache and check its sha256 (make install / make models)")
+
     bench_cli.add_parser(sub)
     return parser
+
+
+def _models(args: argparse.Namespace) -> int:
+    """Print each named model and where its verified GGUF is; assemble those in ``--prepare`` first."""
+    from kvdrive.runtime.model import ModelLoadError
+    from kvdrive.runtime.model.registry import NAMED_MODELS, named_model
+
+    for name in args.prepare:
+        model = named_model(name)
+        if model is None:
+            raise ValueError(f"--prepare {name!r}: expected one of {', '.join(m.alias for m in NAMED_MODELS)}")
+        print(f"{name}: {model.locate()} (verified)")
+    if args.prepare:
+        return 0
+    for model in NAMED_MODELS:
+        try:
+            where = str(model.locate())
+        except ModelLoadError as exc:
+            where = f"not available: {exc}"
+        print(f"{model.alias:<20} {model.model_id:<30} {where}")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -255,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "models":
+            return _models(args)
         return bench_cli.run(args)
     except (ModelLoadError, PromptTooLongError, CacheFullError, TokenizerError, ValueError, OSError) as exc:
         print(f"kvdrive: error: {exc}", file=sys.stderr)

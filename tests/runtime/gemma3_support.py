@@ -183,7 +183,7 @@ def gemma3_installed() -> bool:
 
 @functools.cache
 def real_gguf() -> Path:
-    from kvdrive.runtime.model.loader import gemma3_270m_path
+    from kvdrive.runtime.model.registry import gemma3_270m_path
 
     return gemma3_270m_path()
 

@@ -15,7 +15,7 @@ import torch
 
 from kvdrive.runtime.engine import ModelRunner, SamplingParams
 from kvdrive.runtime.model import LoadedModel
-from kvdrive.runtime.model.loader import demo_model_path
+from kvdrive.runtime.model.registry import demo_model_path
 from kvdrive.runtime.prompt import ChatMessage
 
 KVDRIVE = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvdrive")

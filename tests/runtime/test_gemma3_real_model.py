@@ -7,6 +7,8 @@ Loading both models takes most of the time (about a minute on 2 cores), hence ``
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from gemma3_support import (
@@ -20,6 +22,7 @@ from gemma3_support import (
 
 from kvdrive.runtime.model import Gemma3Model, ModelLoadError
 from kvdrive.runtime.model import loader as model_loader
+from kvdrive.runtime.model import registry as model_registry
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village"]
 # Measured on CPU, fp32: max |logit diff| 1.8e-05 .. 3.4e-05 on these prompts (logits up to ~32)
@@ -56,17 +59,17 @@ def test_config_and_identity() -> None:
     assert cfg.tie_word_embeddings and cfg.final_logit_softcapping is None
     assert loaded.model_id == "gemma-3-270m" and loaded.path == real_gguf()
     assert model_loader.resolve_model_path("gemma3-270m") == real_gguf()  # cached: assembled once
-    if model_loader.importlib.util.find_spec(model_loader.DEMO_PACKAGE) is not None:
+    if importlib.util.find_spec(model_registry.DEMO_PACKAGE) is not None:
         from kvdrive.runtime.model.gguf_loader import open_gguf
 
-        assert loaded.fingerprint != open_gguf(model_loader.demo_model_path())[3]
+        assert loaded.fingerprint != open_gguf(model_registry.demo_model_path())[3]
 
 
 def test_missing_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_loader, "GEMMA3_PACKAGE", "gemma3_package_that_is_not_there")
-    model_loader.gemma3_270m_path.cache_clear()
+    monkeypatch.setattr(model_registry, "GEMMA3_PACKAGE", "gemma3_package_that_is_not_there")
+    model_registry.gemma3_270m_path.cache_clear()
     try:
         with pytest.raises(ModelLoadError, match="make install"):
             model_loader.load_model("gemma3-270m", progress=False)
     finally:
-        model_loader.gemma3_270m_path.cache_clear()
+        model_registry.gemma3_270m_path.cache_clear()

@@ -25,7 +25,7 @@ from kvdrive.runtime.engine import EngineConfig, ModelRunner
 from kvdrive.runtime.model import block_kernels, load_model
 from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, read_blocks
 from kvdrive.runtime.model.gguf_loader import _dequantize
-from kvdrive.runtime.model.loader import demo_model_path
+from kvdrive.runtime.model.registry import demo_model_path
 from kvdrive.runtime.model.weight_formats import QuantLinear, auto_format, requantize, weight_bytes
 
 CPU = torch.device("cpu")
