@@ -98,6 +98,29 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     wb.add_argument("--kv-dtype", choices=[d for d in DTYPES if d != "auto"], default="float32",
                     help="the KV cache of every format's run (the reference keeps float32)")
     wb.add_argument("--out", type=Path, default=Path("bench/results/weights-accuracy.json"))
+    pb = bsub.add_parser("parity", help="greedy chat answers against transformers' fp32 reference on the same GGUF")
+    add_threads_arg(pb)
+    pb.add_argument("--model", default="qwen2.5-coder-0.5b")
+    pb.add_argument("--chats", type=int, default=20, help="chat prompts (the accuracy benchmark's)")
+    pb.add_argument("--max-tokens", type=int, default=64)
+    pb.add_argument("--legs", nargs="+", default=None,
+                    help="(full|sparse)-(weights) legs, e.g. full-fp32 full-auto sparse-auto (the default)")
+    pb.add_argument("--out", type=Path, default=Path("bench/results/parity.json"))
+    ru = bsub.add_parser("ruler", help="RULER (lm-eval) against kvdrive serve: full attention and sparse budgets "
+                                       "on the same samples, paired")
+    add_threads_arg(ru)
+    ru.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ru.add_argument("--work-dir", type=Path, required=True,
+                    help="the SSD tier, lm-eval's response cache and each finished cell (a run resumes here)")
+    ru.add_argument("--contexts", type=int, nargs="+", default=[8192])
+    ru.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: the six synthetic ones)")
+    ru.add_argument("--limit", type=int, default=20, help="samples per task and context")
+    ru.add_argument("--budgets", type=int, nargs="+", default=[2048, 1024], help="the sparse legs' --token-budget")
+    ru.add_argument("--gpu-budget", default="96MiB", help="each server's device envelope (tight: pages move)")
+    ru.add_argument("--dram-budget", default="128MiB")
+    ru.add_argument("--ssd-budget", default="16GiB", help="holds every prompt of a task, so later legs reuse them")
+    add_weights_arg(ru)
+    ru.add_argument("--out", type=Path, default=Path("bench/results/ruler.json"))
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
     ld.add_argument("--url", default="http://127.0.0.1:8000")
     ld.add_argument("--clients", type=int, default=16)
@@ -154,6 +177,38 @@ def run(args: argparse.Namespace) -> int:
         args.out.with_suffix(".md").write_text(md)
         weights_bench.plot(wres, str(args.out.with_suffix(".png")))
         print(md)
+        return 0
+    if args.bench == "parity":
+        from dataclasses import asdict
+
+        from kvdrive.runtime.bench import parity_bench
+
+        pres = parity_bench.run_parity_bench(args.model, args.chats, args.max_tokens,
+                                             tuple(args.legs or parity_bench.LEGS), args.threads)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(asdict(pres), indent=2) + "\n")
+        md = parity_bench.table(pres)
+        args.out.with_suffix(".md").write_text(md)
+        parity_bench.plot(pres, str(args.out.with_suffix(".png")))
+        print(md)
+        return 0
+    if args.bench == "ruler":
+        from kvdrive.runtime.bench import ruler_bench
+
+        setup = ruler_bench.RulerSetup(args.model, tuple(args.contexts), tuple(args.tasks or ruler_bench.TASKS),
+                                       args.limit, tuple(args.budgets), args.threads, args.gpu_budget,
+                                       args.dram_budget, args.ssd_budget, weights=args.weights)
+        command = "kvdrive bench ruler " + " ".join(sys.argv[3:])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+
+        def save_ruler(rres: ruler_bench.RulerResult) -> None:  # after every cell: a cut-short run keeps it
+            args.out.write_text(json.dumps(ruler_bench.as_dict(rres), indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(ruler_bench.markdown(rres, command))
+
+        rres = ruler_bench.run_ruler_bench(setup, args.work_dir, on_cell=save_ruler)
+        save_ruler(rres)
+        ruler_bench.plot(rres, str(args.out.with_suffix(".png")))
+        print(ruler_bench.markdown(rres, command))
         return 0
     if args.bench == "rss":
         from kvdrive.runtime.bench import rss_bench
