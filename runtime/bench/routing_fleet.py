@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 
-def _port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -129,13 +129,13 @@ class Fleet:
         for i in range(replicas):
             d = root / f"replica{i}"
             d.mkdir(exist_ok=True)
-            port = _port()
-            events = ["--kv-events-endpoint", f"tcp://*:{_port()}", "--kv-events-replay-endpoint",
-                      f"tcp://*:{_port()}"] if kv_events else []
+            port = free_port()
+            events = ["--kv-events-endpoint", f"tcp://*:{free_port()}", "--kv-events-replay-endpoint",
+                      f"tcp://*:{free_port()}"] if kv_events else []
             self.replicas.append(Proc(["serve", "--model", "demo", "--port", str(port), "--gpu-budget", GPU_BUDGET,
                                        "--dram-budget", DRAM_BUDGET, "--ssd-dir", str(d / "ssd"), "--ssd-budget",
                                        ssd_budget, "--threads", str(threads), *events], port, d / "serve.log"))
-        rport = _port()
+        rport = free_port()
         self.router = Proc(["route", "--port", str(rport), "--policy", policy, "--poll-seconds", "0.5", *router_args,
                             *[a for r in self.replicas for a in ("--backend", r.url)]], rport, root / "router.log")
 

@@ -7,7 +7,6 @@ several times G + B, sampling RSS throughout. Reports max RSS - idle RSS against
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import tempfile
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from kvdrive.runtime.bench.routing_fleet import free_port
 from kvdrive.runtime.bench.texts import haystack_words
 
 
@@ -41,15 +41,9 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_rss_bench(kvdrive: str, ssd_dir: str, gpu_budget: int = 32 << 20, dram_budget: int = 128 << 20,
                   prompts: int = 4, prompt_words: int = 1600) -> RssBenchResult:
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"

@@ -1,0 +1,63 @@
+"""``kvdrive bench ruler``: the pairing and its intervals on made-up cells, and a small real run (the 0.5B
+Qwen model, RULER's single-needle task at 4K, full attention against one sparse budget) that fails when any
+part of the pipeline breaks: the tokenizer folder, lm-eval's local-completions, the servers, SSD reuse."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvdrive.runtime.bench.ruler_bench import Cell, RulerResult, RulerSetup, Sample, averages, markdown, paired
+
+KVDRIVE = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvdrive")
+
+
+def _cell(task: str, leg: str, scores: list[float], responses: list[str]) -> Cell:
+    samples = tuple(Sample(i, s, r, ("x",)) for i, (s, r) in enumerate(zip(scores, responses, strict=True)))
+    return Cell(8192, task, leg, samples, 1.0, 100, 50)
+
+
+def _result() -> RulerResult:
+    setup = RulerSetup("m", (8192,), ("a", "b"), 4, (1024,), 2, "1MiB", "1MiB", "1GiB")
+    return RulerResult(setup, {"kvdrive": "0"}, [
+        _cell("a", "full", [1, 1, 0, 1], ["p", "q", "r", "s"]),
+        _cell("a", "sparse-1024", [1, 0, 0, 1], ["p", "x", "r", "s"]),
+        _cell("b", "full", [0.5, 1, 1, 1], ["p", "q", "r", "s"]),
+        _cell("b", "sparse-1024", [0.5, 1, 1, 1], ["p", "q", "r", "s"]),
+    ])
+
+
+def test_pairs_are_per_sample_with_bootstrap_intervals() -> None:
+    res = _result()
+    a, b = paired(res)
+    assert (a.task, a.n, a.full, a.sparse, a.diff) == ("a", 4, 75.0, 50.0, -25.0)
+    assert a.low <= a.diff <= a.high and a.low >= -100 and a.high <= 0  # one loss, no gain: never above 0
+    assert a.identical == 0.75
+    assert (b.diff, b.low, b.high, b.identical) == (0.0, 0.0, 0.0, 1.0)
+    (avg,) = averages(res)
+    assert (avg.task, avg.n, avg.diff) == ("average", 8, -12.5)
+    assert avg.low <= -12.5 <= avg.high <= 0
+    text = markdown(res, "kvdrive bench ruler")
+    assert "| a | sparse-1024 | 4 | 75.0 | 50.0 | -25.0 |" in text and "| average | sparse-1024 | 8 |" in text
+
+
+@pytest.mark.slow
+def test_a_small_real_run(tmp_path: Path) -> None:
+    out = tmp_path / "ruler.json"
+    run = subprocess.run([KVDRIVE, "bench", "ruler", "--model", "qwen2.5-coder-0.5b", "--contexts", "4096",
+                          "--tasks", "niah_single_1", "--limit", "2", "--budgets", "1024", "--work-dir",
+                          str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=1500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads(out.read_text())
+    cells = {c["leg"]: c for c in res["cells"]}
+    assert set(cells) == {"full", "sparse-1024"}
+    for cell in cells.values():
+        assert len(cell["samples"]) == 2 and cell["prompt_tokens"] > 2 * 3500  # the prompts are ~4K tokens
+    full = [s["score"] for s in cells["full"]["samples"]]
+    assert sum(full) >= 1, cells["full"]["samples"]  # the model finds a single needle at 4K
+    assert cells["full"]["cached_tokens"] < cells["sparse-1024"]["cached_tokens"]
+    assert cells["sparse-1024"]["cached_tokens"] >= 2 * 3000  # the second leg reused the stored prompt pages
+    assert res["paired"][0]["n"] == 2 and out.with_suffix(".png").is_file() and out.with_suffix(".md").is_file()
