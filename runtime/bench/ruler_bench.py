@@ -143,10 +143,6 @@ def _load_cell(path: Path) -> Cell:
     return Cell(**raw)
 
 
-def _max_gen_tokens(task: str) -> int:
-    return {"ruler_vt": 30, "ruler_fwe": 50, "ruler_cwe": 120}.get(task, 128)  # RULER's yaml, per task
-
-
 def evaluate(url: str, model_id: str, tokenizer: Path, task: str, context: int, limit: int,
              cache: Path) -> list[Sample]:
     """lm-eval's local-completions over one task at one context; each sample's score and response."""

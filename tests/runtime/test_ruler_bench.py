@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kvdrive.runtime.bench.ruler_bench import Cell, RulerResult, RulerSetup, Sample, averages, markdown, paired
+from kvdrive.runtime.bench.ruler_bench import (
+    Cell,
+    RulerResult,
+    RulerSetup,
+    Sample,
+    averages,
+    markdown,
+    paired,
+)
 
 KVDRIVE = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvdrive")
 
