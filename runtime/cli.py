@@ -22,14 +22,18 @@ from kvdrive.runtime.cli_args import (
     seconds_arg,
     size_arg,
 )
-from kvdrive.runtime.model.registry import model_help
 
 log = logging.getLogger("kvdrive")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
-    p.add_argument("--model", default="demo", help=model_help())
+    # the names are runtime/model/registry.py's, spelled out here: the router's command line never imports
+    # the model package (torch); tests/runtime/test_model_registry.py holds the two lists equal
+    p.add_argument("--model", default="demo", help="'demo' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M base, "
+                   "hybrid sliding/global attention, 32K context), 'qwen2.5-coder-0.5b' or 'qwen2.5-coder-1.5b' "
+                   "(Qwen2.5-Coder-Instruct, 32K context; `kvdrive models` lists them), a .gguf file or a Hugging "
+                   "Face model directory")
     p.add_argument("--device", default="auto",
                    help="torch device for compute and the device KV tier: auto (CUDA when torch sees a device, "
                         "else the CPU; logged at start), cpu, cuda or cuda:N")
@@ -148,7 +152,7 @@ def _models(args: argparse.Namespace) -> int:
             where = str(model.locate())
         except ModelLoadError as exc:
             where = f"not available: {exc}"
-        print(f"{model.alias:<20} {model.model_id:<30} {where}")
+        print(f"{model.alias:<20} {model.description}\n{'':<20} {where}")
     return 0
 
 

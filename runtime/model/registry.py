@@ -65,7 +65,7 @@ class PartedGGUF:
 class NamedModel:
     alias: str  # what ``--model`` takes
     model_id: str  # what /v1/models serves
-    description: str  # one line for --help and the README
+    description: str  # one line for `kvdrive models`
     locate: Callable[[], Path]  # the verified GGUF (assembled on first use where it is parted)
 
 
@@ -258,9 +258,3 @@ MODEL_ALIASES: Mapping[str, str] = MappingProxyType({m.alias: m.model_id for m i
 
 def named_model(alias: str) -> NamedModel | None:
     return next((m for m in NAMED_MODELS if m.alias == alias), None)
-
-
-def model_help() -> str:
-    """``--model``'s help: every name, then the other things it takes."""
-    names = ", ".join(f"'{m.alias}' ({m.description})" for m in NAMED_MODELS)
-    return f"{names}, a .gguf file or a Hugging Face model directory"

@@ -121,3 +121,11 @@ def test_models_command_lists_every_name_and_refuses_an_unknown_one() -> None:
         assert alias in out.stdout
     bad = subprocess.run([KVDRIVE, "models", "--prepare", "qwen9"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--prepare 'qwen9'" in bad.stderr and "qwen2.5-coder-0.5b" in bad.stderr
+
+
+def test_every_name_is_in_the_model_flags_help() -> None:
+    out = subprocess.run([KVDRIVE, "serve", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for alias in MODEL_ALIASES:
+        assert f"'{alias}'" in text, alias
