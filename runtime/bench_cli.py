@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,16 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     ld.add_argument("--out", type=Path, default=None)
 
 
+def _report(out: Path, data: dict[str, Any], md: str, plot: Callable[[str], None]) -> int:
+    """A finished benchmark's files: ``out`` (JSON), its Markdown and PNG beside it; the Markdown printed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    out.with_suffix(".md").write_text(md)
+    plot(str(out.with_suffix(".png")))
+    print(md)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from kvdrive.runtime.bench import model_bench
 
@@ -171,13 +182,7 @@ def run(args: argparse.Namespace) -> int:
         wres = weights_bench.run_weights_bench(args.model, args.formats, args.chats, args.chat_tokens, args.doc_tokens,
                                                args.documents, tuple(args.contexts), tuple(args.depths),
                                                kv_dtype=dtype_of(args.kv_dtype))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(asdict(wres), indent=2) + "\n")
-        md = weights_bench.table(wres)
-        args.out.with_suffix(".md").write_text(md)
-        weights_bench.plot(wres, str(args.out.with_suffix(".png")))
-        print(md)
-        return 0
+        return _report(args.out, asdict(wres), weights_bench.table(wres), lambda png: weights_bench.plot(wres, png))
     if args.bench == "parity":
         from dataclasses import asdict
 
@@ -185,13 +190,7 @@ def run(args: argparse.Namespace) -> int:
 
         pres = parity_bench.run_parity_bench(args.model, args.chats, args.max_tokens,
                                              tuple(args.legs or parity_bench.LEGS), args.threads)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(asdict(pres), indent=2) + "\n")
-        md = parity_bench.table(pres)
-        args.out.with_suffix(".md").write_text(md)
-        parity_bench.plot(pres, str(args.out.with_suffix(".png")))
-        print(md)
-        return 0
+        return _report(args.out, asdict(pres), parity_bench.table(pres), lambda png: parity_bench.plot(pres, png))
     if args.bench == "ruler":
         from kvdrive.runtime.bench import ruler_bench
 

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvdrive.runtime.bench.accuracy_bench import CHAT_PROMPTS
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
-from kvdrive.runtime.model import load_model
+from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.model.loader import resolve_model_path
 
 LEGS = ("full-fp32", "full-auto", "sparse-auto")  # (attention)-(weights); sparse at the default budget
@@ -68,13 +68,12 @@ def reference_answers(model: str, prompts: Sequence[str], max_tokens: int) -> tu
     return out, [tok.decode(a, skip_special_tokens=True) for a in out], transformers.__version__
 
 
-def our_answers(model: str, prompts: Sequence[str], max_tokens: int, weights: str, full_attention: bool,
+def our_answers(loaded: LoadedModel, prompts: Sequence[str], max_tokens: int, full_attention: bool,
                 desc: str) -> tuple[list[list[int]], list[str]]:
     """Our greedy tokens for each chat prompt (EOS appended where the model ended, as transformers keeps it)
     and their texts."""
     from kvdrive.runtime.prompt import ChatMessage
 
-    loaded = load_model(model, progress=False, weights=weights)
     gen = ModelRunner(loaded, EngineConfig(tiers=TierConfig(), full_attention=full_attention, max_sequences=1))
     eos = loaded.tokenizer.eos_token_ids[0]
     out = []
@@ -103,10 +102,15 @@ def run_parity_bench(model: str, chats: int = 20, max_tokens: int = 64, legs: Se
     reference, texts, res.transformers_version = reference_answers(model, prompts, max_tokens)
     res.reference_seconds = time.perf_counter() - t0
     res.reference = tuple(texts)
-    for leg in legs:
+    loaded: LoadedModel | None = None
+    for leg in legs:  # the legs of one weight format share its loaded model (loaded when the format changes)
         attention, weights = leg.split("-", 1)
         t0 = time.perf_counter()
-        ours, answers = our_answers(model, prompts, max_tokens, weights, attention == "full", leg)
+        if loaded is None or loaded.weights.requested != weights:
+            loaded = None
+            gc.collect()
+            loaded = load_model(model, progress=False, weights=weights)
+        ours, answers = our_answers(loaded, prompts, max_tokens, attention == "full", leg)
         div = tuple(_first_divergence(r, o) for r, o in zip(reference, ours, strict=True))
         res.legs.append(LegResult(leg, sum(d is None for d in div), div, tuple(answers),
                                   time.perf_counter() - t0))

@@ -281,6 +281,7 @@ def averages(res: RulerResult) -> list[Paired]:
 def markdown(res: RulerResult, command: str) -> str:
     s = res.setup
     pairs = paired(res)
+    means = averages(res)
     lines = [f"# RULER: {s.model}, sparse against full attention on the same samples", "",
              f"`{command}`", "",
              f"- versions: {', '.join(f'{k} {v}' for k, v in res.versions.items())}",
@@ -292,7 +293,7 @@ def markdown(res: RulerResult, command: str) -> str:
         lines += [f"## {context} tokens", "",
                   "| task | leg | n | full | sparse | paired diff | 95% CI | identical outputs |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for p in [p for p in pairs if p.context == context] + [a for a in averages(res) if a.context == context]:
+        for p in [p for p in pairs if p.context == context] + [a for a in means if a.context == context]:
             ci = "" if np.isnan(p.low) else f"[{p.low:+.1f}, {p.high:+.1f}]"
             lines.append(f"| {p.task} | {p.leg} | {p.n} | {p.full:.1f} | {p.sparse:.1f} | {p.diff:+.1f} | {ci} | "
                          f"{100 * p.identical:.0f}% |")

@@ -234,14 +234,10 @@ QWEN_05B_ALIAS = "qwen2.5-coder-0.5b"
 QWEN_15B_ALIAS = "qwen2.5-coder-1.5b"
 
 
-@functools.cache
-def qwen_05b_path() -> Path:
-    return assemble(QWEN_05B_ALIAS, QWEN_05B)
-
-
-@functools.cache
-def qwen_15b_path() -> Path:
-    return assemble(QWEN_15B_ALIAS, QWEN_15B)
+# one cached assembly per entry: the first use in a process verifies the file, later ones reuse the answer
+_assembled = functools.cache(assemble)
+qwen_05b_path = functools.partial(_assembled, QWEN_05B_ALIAS, QWEN_05B)
+qwen_15b_path = functools.partial(_assembled, QWEN_15B_ALIAS, QWEN_15B)
 
 
 NAMED_MODELS: tuple[NamedModel, ...] = (
