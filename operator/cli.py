@@ -8,6 +8,8 @@ multi-document YAML. ``run`` starts Kopf with the handlers and a liveness endpoi
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import os
 import secrets
 import sys
@@ -104,8 +106,6 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import logging
-
     import kopf
 
     from kvdrive.operator.handlers import build_registry
@@ -113,15 +113,39 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
     registry = build_registry(connect=login, resync_seconds=args.resync_seconds, metrics_address=args.metrics or None)
-    kopf.run(
-        registry=registry,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=args.liveness,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-    )
+    with asyncio.Runner() as runner:
+        runner.get_loop().set_exception_handler(quiet_watch_finalization)
+        runner.run(kopf.operator(
+            registry=registry,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=args.liveness,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+        ))
     return 0
+
+
+def quiet_watch_finalization(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's exception handler while the operator runs: passes everything on, except Kopf's
+    watch streams finalized in the wrong order at shutdown.
+
+    When the operator stops, the loop closes the async generators still alive in no fixed order. Kopf's
+    ``infinite_watch`` holds its ``streaming_block`` context manager open; if the loop closed that context
+    manager's generator first, Python 3.11 answers the later ``athrow()`` on it by returning instead of
+    raising, and contextlib reports "generator didn't stop after athrow()". Both streams are already shut,
+    nothing is lost; it is logged at DEBUG with what happened instead of a traceback.
+    """
+    exc = context.get("exception")
+    agen = context.get("asyncgen")
+    code = getattr(agen, "ag_code", None)
+    if (isinstance(exc, RuntimeError) and "didn't stop after athrow()" in str(exc)
+            and code is not None and code.co_name == "infinite_watch"
+            and Path(code.co_filename).match("kopf/_cogs/clients/watching.py")):
+        logging.getLogger(__name__).debug(
+            "a Kopf watch stream was finalized after its own context manager at shutdown (harmless): %s", exc)
+        return
+    loop.default_exception_handler(context)
 
 
 def main(argv: list[str] | None = None) -> int:
