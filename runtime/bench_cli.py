@@ -122,6 +122,18 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     ru.add_argument("--ssd-budget", default="16GiB", help="holds every prompt of a task, so later legs reuse them")
     add_weights_arg(ru)
     ru.add_argument("--out", type=Path, default=Path("bench/results/ruler.json"))
+    sp = bsub.add_parser("selection", help="which pages sparse selection keeps against where full attention puts "
+                                           "its weight, on RULER prompts (every rule on the same queries)")
+    add_threads_arg(sp)
+    sp.add_argument("--model", default="qwen2.5-coder-0.5b")
+    sp.add_argument("--context", type=int, default=8192)
+    sp.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: the six synthetic ones)")
+    sp.add_argument("--limit", type=int, default=2, help="prompts per task (RULER's first samples)")
+    sp.add_argument("--token-budget", type=int, default=1024)
+    sp.add_argument("--steps", type=int, default=8, help="greedy decode steps probed per prompt")
+    sp.add_argument("--rules", nargs="+", default=None, help="selection rules to score (default: all)")
+    add_weights_arg(sp)
+    sp.add_argument("--out", type=Path, default=Path("bench/results/selection.json"))
     ld = bsub.add_parser("load", help="N concurrent streaming clients against a running server")
     ld.add_argument("--url", default="http://127.0.0.1:8000")
     ld.add_argument("--clients", type=int, default=16)
@@ -191,6 +203,32 @@ def run(args: argparse.Namespace) -> int:
         pres = parity_bench.run_parity_bench(args.model, args.chats, args.max_tokens,
                                              tuple(args.legs or parity_bench.LEGS), args.threads)
         return _report(args.out, asdict(pres), parity_bench.table(pres), lambda png: parity_bench.plot(pres, png))
+    if args.bench == "selection":
+        from tqdm import tqdm
+
+        from kvdrive.runtime.bench import ruler_bench, selection_probe
+        from kvdrive.runtime.model.loader import load_model
+
+        unknown = sorted(set(args.rules or ()) - set(selection_probe.SELECTORS))
+        if unknown:
+            print(f"error: --rules: unknown {', '.join(unknown)} (choose from {', '.join(selection_probe.SELECTORS)})",
+                  file=sys.stderr)
+            return 2
+        loaded = load_model(args.model, weights=args.weights)
+        prompts = [p for task in (args.tasks or ruler_bench.TASKS)
+                   for p in ruler_bench.ruler_prompts(args.model, task, args.context, args.limit)]
+        bar = tqdm(total=len(prompts), desc="probing", unit="prompt")
+
+        def advance(line: str) -> None:
+            bar.update(1)
+            bar.set_postfix_str(line)
+
+        sres = selection_probe.run_probe(loaded, prompts, args.token_budget, args.steps,
+                                         tuple(args.rules or selection_probe.SELECTORS), progress=advance)
+        bar.close()
+        command = "kvdrive bench selection " + " ".join(sys.argv[3:])
+        return _report(args.out, selection_probe.as_dict(sres), selection_probe.markdown(sres, command),
+                       lambda png: selection_probe.plot(sres, png))
     if args.bench == "ruler":
         from kvdrive.runtime.bench import ruler_bench
 

@@ -165,6 +165,27 @@ def evaluate(url: str, model_id: str, tokenizer: Path, task: str, context: int, 
     return sorted(samples, key=lambda x: x.doc_id)
 
 
+def ruler_prompts(model: str, task: str, context: int, limit: int) -> list[tuple[str, list[int]]]:
+    """The token ids ``evaluate`` sends for the first ``limit`` samples of ``task`` at ``context`` (labelled
+    ``task#doc_id``): lm-eval builds the requests with the same metadata and chat template, and they are
+    tokenized as its local-completions model does (no special tokens added)."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+    from transformers import AutoTokenizer
+
+    tokenizer = tokenizer_dir(model)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+
+    def chat_template(history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return str(tok.apply_chat_template(history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=not add_generation_prompt))
+
+    manager = TaskManager(metadata={"tokenizer": str(tokenizer), "max_seq_lengths": [context]})
+    lm_task = get_task_dict([task], manager)[task]
+    lm_task.build_all_requests(limit=limit, apply_chat_template=True, chat_template=chat_template)
+    return [(f"{task}#{inst.doc_id}", tok(inst.arguments[0], add_special_tokens=False).input_ids)
+            for inst in sorted(lm_task.instances, key=lambda i: i.doc_id)]
+
+
 def run_cell(setup: RulerSetup, work: Path, context: int, task: str, leg: str, tokenizer: Path) -> Cell:
     """One (context, task, leg) against a fresh server on the shared SSD directory (or its saved result)."""
     path = _cell_path(work, context, task, leg)

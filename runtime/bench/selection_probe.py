@@ -1,0 +1,274 @@
+"""Where sparse selection loses attention: the pages it keeps against where full attention puts its weight
+(``kvdrive bench selection``, issue 44 item 4).
+
+Owns the probe and its report. A prompt is prefilled and decoded greedily with exact full attention. At
+every decode step and layer the probe also computes, from the same query, what each selection rule
+(``SELECTORS``) would keep under the token budget, and scores it against full attention's probabilities:
+
+- **cover**: the share of a query head's attention that falls on the kept pages and the open tail page (what
+  sparse attention renormalises over; 1.0 means sparse equals full at this step and layer);
+- **top kept**: whether the head's heaviest page is among the kept ones;
+- the same cover for an **oracle** that keeps the pages with the most exact mass (what no bound can beat).
+
+Every rule sees the very same queries, so rules compare without sampling noise; each carries its own
+previous-step mass (what the engine's ``drawn`` holds: the renormalised attention its own selection drew).
+Sliding-window layers are not probed (they attend a window, not a selection); a model with them is refused.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from kvdrive.runtime.attention import (
+    SelectionConfig,
+    SelectionMasks,
+    causal_attention,
+    decode_attention,
+    key_bounds,
+    select_pages,
+    selection_masks,
+)
+from kvdrive.runtime.model.config import ModelConfig
+from kvdrive.runtime.model.loader import LoadedModel
+
+PREFILL_CHUNK = 512
+
+# q [1, Hq, D], summaries [1, Hkv, P, 2D], masks, drawn [1, P] float32 -> kept pages [1, K] int64
+Selector = Callable[[torch.Tensor, torch.Tensor, SelectionMasks, torch.Tensor, SelectionConfig], torch.Tensor]
+
+
+def _bounds_and_carry(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
+                      cfg: SelectionConfig) -> torch.Tensor:
+    return select_pages(q, summ, masks, cfg, 0, drawn)[0]
+
+
+def _bounds_only(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
+                 cfg: SelectionConfig) -> torch.Tensor:
+    return select_pages(q, summ, masks, cfg, 0, None)[0]
+
+
+SELECTORS: dict[str, Selector] = {
+    "bounds+carry": _bounds_and_carry,  # the engine's rule (selection.select_pages with drawn)
+    "bounds": _bounds_only,  # without the previous step's mass
+}
+
+
+@dataclass(frozen=True)
+class StepLayer:
+    """One (prompt, decode step, layer, rule)."""
+
+    prompt: int
+    step: int
+    layer: int
+    rule: str  # a SELECTORS key or "oracle"
+    cover_mean: float  # mean over query heads of the attention share on kept pages + tail
+    cover_min: float  # the worst head's
+    top_kept: float  # share of query heads whose heaviest page was kept
+
+
+@dataclass
+class ProbeResult:
+    model: str
+    token_budget: int
+    page_size: int
+    steps: int
+    prompts: list[dict[str, Any]] = field(default_factory=list)  # label, tokens, pages, seconds, output
+    rows: list[StepLayer] = field(default_factory=list)
+
+
+class _ProbeBackend:
+    """An ``AttentionBackend`` that attends exactly over one sequence's contiguous K/V and, at decode steps,
+    scores every selection rule against the exact probabilities."""
+
+    def __init__(self, cfg: ModelConfig, sel: SelectionConfig, capacity: int, rules: Sequence[str],
+                 device: torch.device, dtype: torch.dtype) -> None:
+        if cfg.sliding_layers:
+            raise ValueError("the selection probe takes models whose every layer attends globally "
+                             f"(this one has sliding-window layers {list(cfg.sliding_layers)})")
+        shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.len = [0] * cfg.num_layers
+        self.sel = sel
+        self.rules = tuple(rules)
+        self.summ: list[torch.Tensor] = [torch.zeros(cfg.num_kv_heads, 0, 2 * cfg.head_dim, device=device)
+                                         for _ in range(cfg.num_layers)]  # [Hkv, P, 2D] per layer
+        self.drawn: dict[tuple[str, int], torch.Tensor] = {}  # (rule, layer) -> [P] float32
+        self.prompt = 0
+        self.step = -1  # -1 while prefilling
+        self.rows: list[StepLayer] = []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t0, n = self.len[layer], q.shape[0]
+        t = t0 + n
+        self.k[layer, :, t0:t] = k.transpose(0, 1)
+        self.v[layer, :, t0:t] = v.transpose(0, 1)
+        self.len[layer] = t
+        keys, values = self.k[layer, :, :t], self.v[layer, :, :t]  # [Hkv, T, D]
+        if self.step < 0:
+            pos = torch.arange(t0, t, device=q.device)
+            return causal_attention(q, keys, values, pos)
+        out, probs = decode_attention(q, keys[None], values[None])  # q [1, Hq, D]; probs [1, Hkv, G, T]
+        self._score(layer, q, keys, probs[0].reshape(-1, t))
+        return out
+
+    def _score(self, layer: int, q: torch.Tensor, keys: torch.Tensor, probs: torch.Tensor) -> None:
+        """q [1, Hq, D]; keys [Hkv, T, D]; probs [Hq, T] exact full-attention probabilities."""
+        s, t = self.sel.page_size, probs.shape[1]
+        pages = (t - 1) // s  # sealed pages; the page holding the current token is the open tail
+        k_pages = self.sel.budget_pages
+        if pages <= k_pages:
+            return  # the budget holds every page: sparse is full attention here
+        have = self.summ[layer].shape[1]
+        if pages > have:
+            hkv, _, d = keys.shape
+            fresh = keys[:, have * s: pages * s].reshape(hkv, pages - have, s, d).transpose(0, 1)
+            self.summ[layer] = torch.cat([self.summ[layer], key_bounds(fresh).transpose(0, 1)], dim=1)
+        summ = self.summ[layer][None]  # [1, Hkv, P, 2D]
+        mass = probs[:, : pages * s].reshape(-1, pages, s).sum(-1)  # [Hq, P]
+        tail = probs[:, pages * s:].sum(-1)  # [Hq]
+        heaviest = mass.argmax(dim=-1)  # [Hq]
+        masks = selection_masks(torch.tensor([pages], device=q.device), pages, self.sel)
+        for rule in self.rules:
+            drawn = self.drawn.get((rule, layer), torch.zeros(0, device=q.device))
+            drawn = torch.cat([drawn, torch.zeros(pages - drawn.shape[0], device=q.device)])[None]
+            kept = SELECTORS[rule](q, summ, masks, drawn, self.sel)[0]
+            kept = kept[kept < pages]
+            cover = tail + mass[:, kept].sum(-1)  # [Hq]
+            new = torch.zeros(pages, device=q.device)
+            new[kept] = (mass[:, kept] / cover[:, None]).sum(0)  # what sparse attention's probabilities draw
+            self.drawn[(rule, layer)] = new
+            self._row(layer, rule, cover, kept, heaviest, pages)
+        oracle = torch.topk(mass.sum(0), k_pages).indices
+        self._row(layer, "oracle", tail + mass[:, oracle].sum(-1), oracle, heaviest, pages)
+
+    def _row(self, layer: int, rule: str, cover: torch.Tensor, kept: torch.Tensor, heaviest: torch.Tensor,
+             pages: int) -> None:
+        is_kept = torch.zeros(pages, dtype=torch.bool, device=cover.device)
+        is_kept[kept] = True
+        self.rows.append(StepLayer(self.prompt, self.step, layer, rule, float(cover.mean()), float(cover.min()),
+                                   float(is_kept[heaviest].float().mean())))
+
+    def next_prompt(self) -> None:
+        self.len = [0] * len(self.len)
+        self.summ = [s[:, :0] for s in self.summ]
+        self.drawn.clear()
+        self.prompt += 1
+        self.step = -1
+
+
+def run_probe(loaded: LoadedModel, prompts: Sequence[tuple[str, Sequence[int]]], token_budget: int,
+              steps: int = 8, rules: Sequence[str] = tuple(SELECTORS), page_size: int = 16,
+              progress: Callable[[str], None] | None = None) -> ProbeResult:
+    """Prefill each (label, token ids) prompt, then ``steps`` greedy decode steps under full attention,
+    scoring every rule at every step and layer."""
+    cfg = loaded.config
+    sel = SelectionConfig(token_budget=token_budget, page_size=page_size)
+    res = ProbeResult(loaded.model_id, token_budget, page_size, steps)
+    capacity = max(len(p) for _, p in prompts) + steps
+    backend = _ProbeBackend(cfg, sel, capacity, rules, loaded.device, loaded.dtype)
+    backend.prompt = 0
+    model = loaded.model
+    with torch.inference_mode():
+        for i, (label, ids) in enumerate(prompts):
+            if i:
+                backend.next_prompt()
+            t0 = time.perf_counter()
+            hidden = None
+            for a in range(0, len(ids), PREFILL_CHUNK):
+                chunk = torch.tensor(ids[a: a + PREFILL_CHUNK], device=loaded.device)
+                hidden = model(chunk, torch.arange(a, a + len(chunk), device=loaded.device), backend)
+            assert hidden is not None
+            out: list[int] = []
+            token = int(model.logits(hidden[-1:]).argmax(-1))
+            for step in range(steps):
+                out.append(token)
+                backend.step = step
+                pos = len(ids) + step
+                hidden = model(torch.tensor([token], device=loaded.device), torch.tensor([pos], device=loaded.device),
+                               backend)
+                token = int(model.logits(hidden[-1:]).argmax(-1))
+            res.prompts.append({"label": label, "tokens": len(ids), "pages": len(ids) // page_size,
+                                "seconds": round(time.perf_counter() - t0, 1), "output": loaded.tokenizer.decode(out)})
+            if progress is not None:
+                progress(f"{label}: {len(ids)} tokens, {time.perf_counter() - t0:.0f} s")
+    res.rows = backend.rows
+    return res
+
+
+# -- report ------------------------------------------------------------------------------------------------
+
+def _label_of(res: ProbeResult, prompt: int) -> str:
+    """A prompt's group: its label up to the first '#' (``niah_multikey_3#4`` -> ``niah_multikey_3``)."""
+    return str(res.prompts[prompt]["label"]).split("#")[0]
+
+
+def summary(res: ProbeResult) -> list[dict[str, Any]]:
+    """Per (group, rule): mean cover, the 5th percentile of the worst head's cover, the share of heads whose
+    heaviest page was kept, and the layer with the lowest mean cover."""
+    groups: dict[tuple[str, str], list[StepLayer]] = {}
+    for r in res.rows:
+        groups.setdefault((_label_of(res, r.prompt), r.rule), []).append(r)
+    out = []
+    for (group, rule), rows in groups.items():
+        by_layer: dict[int, list[float]] = {}
+        for r in rows:
+            by_layer.setdefault(r.layer, []).append(r.cover_mean)
+        worst = min(by_layer, key=lambda layer: statistics.fmean(by_layer[layer]))
+        mins = sorted(r.cover_min for r in rows)
+        out.append({"group": group, "rule": rule, "cases": len(rows),
+                    "cover_mean": statistics.fmean(r.cover_mean for r in rows),
+                    "cover_min_p5": mins[len(mins) // 20],
+                    "top_kept": statistics.fmean(r.top_kept for r in rows),
+                    "worst_layer": worst, "worst_layer_cover": statistics.fmean(by_layer[worst])})
+    return out
+
+
+def markdown(res: ProbeResult, command: str) -> str:
+    lines = [f"# Selection probe: {res.model}, budget {res.token_budget} tokens", "", f"`{command}`", "",
+             f"{len(res.prompts)} prompts, {res.steps} greedy decode steps each under full attention; every rule "
+             "scored on the same queries at every step and layer.", "",
+             "| prompts | rule | cases | cover (mean) | worst head, 5th pct | heaviest page kept | worst layer (cover) |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for s in summary(res):
+        lines.append(f"| {s['group']} | {s['rule']} | {s['cases']} | {s['cover_mean']:.3f} | {s['cover_min_p5']:.3f} | "
+                     f"{s['top_kept']:.1%} | {s['worst_layer']} ({s['worst_layer_cover']:.3f}) |")
+    lines += ["", "| prompt | tokens | seconds | greedy output (full attention) |", "|---|---:|---:|---|"]
+    lines += [f"| {p['label']} | {p['tokens']} | {p['seconds']} | {p['output']!r} |" for p in res.prompts]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: ProbeResult, path: str) -> None:
+    """Mean cover per layer, one line per rule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for rule in dict.fromkeys(r.rule for r in res.rows):
+        by_layer: dict[int, list[float]] = {}
+        for r in res.rows:
+            if r.rule == rule:
+                by_layer.setdefault(r.layer, []).append(r.cover_mean)
+        layers = sorted(by_layer)
+        ax.plot(layers, [statistics.fmean(by_layer[x]) for x in layers], marker="o", ms=3, label=rule)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention share on kept pages + tail")
+    ax.set_title(f"{res.model}: selection at budget {res.token_budget} vs full attention")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def as_dict(res: ProbeResult) -> dict[str, Any]:
+    return {"model": res.model, "token_budget": res.token_budget, "page_size": res.page_size, "steps": res.steps,
+            "prompts": res.prompts, "summary": summary(res), "rows": [asdict(r) for r in res.rows]}

@@ -1,0 +1,50 @@
+"""``kvdrive bench selection``: the probe attends exactly (its greedy tokens are the engine's with full
+attention), scores every rule at every probed step and layer, and no rule covers more attention than the
+oracle that keeps the pages with the most exact mass."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvdrive.runtime.bench.selection_probe import SELECTORS, markdown, run_probe, summary
+from kvdrive.runtime.bench.texts import filler_tokens
+from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
+from kvdrive.runtime.model import LoadedModel
+
+
+def _prompt(demo: LoadedModel, tokens: int) -> list[int]:
+    return filler_tokens(demo.tokenizer, tokens, seed=3)
+
+
+def test_probe_decodes_like_full_attention_and_no_rule_beats_the_oracle(demo: LoadedModel) -> None:
+    ids = _prompt(demo, 400)
+    res = run_probe(demo, [("doc#0", ids)], token_budget=128, steps=4)
+    runner = ModelRunner(demo, EngineConfig(tiers=TierConfig(), full_attention=True, max_sequences=1))
+    try:
+        expected = list(runner.generate(ids, SamplingParams(max_tokens=4, temperature=0.0)))
+    finally:
+        runner.close()
+    assert res.prompts[0]["output"] == demo.tokenizer.decode(expected)
+    layers = demo.config.num_layers
+    assert Counter(r.rule for r in res.rows) == {rule: 4 * layers for rule in [*SELECTORS, "oracle"]}
+    cover = {(r.step, r.layer, r.rule): r for r in res.rows}
+    for (step, layer, rule), row in cover.items():
+        assert 0.0 < row.cover_min <= row.cover_mean <= 1.0 + 1e-5 and 0.0 <= row.top_kept <= 1.0
+        assert row.cover_mean <= cover[(step, layer, "oracle")].cover_mean + 1e-5, (step, layer, rule)
+    rules = {s["rule"] for s in summary(res)}
+    assert rules == {*SELECTORS, "oracle"} and "| doc | bounds+carry | " in markdown(res, "probe")
+
+
+def test_a_budget_that_holds_the_prompt_probes_nothing(demo: LoadedModel) -> None:
+    res = run_probe(demo, [("short", _prompt(demo, 100))], token_budget=1024, steps=2)
+    assert res.rows == [] and res.prompts[0]["tokens"] == 100
+
+
+def test_models_with_sliding_window_layers_are_refused(demo: LoadedModel) -> None:
+    from dataclasses import replace
+
+    sliding = replace(demo, config=replace(demo.config, sliding_layers=(0,), sliding_window=8))
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        run_probe(sliding, [("x", _prompt(demo, 50))], token_budget=32)
