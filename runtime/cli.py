@@ -56,6 +56,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how the SSD tier does its I/O: posix (O_DIRECT preadv/pwritev) or kvikio (cuFile/GPUDirect "
                         "Storage; needs CUDA and the 'gpu' extra; experimental: docs/tiers.md#gpu-paths)")
     p.add_argument("--token-budget", type=int, default=1024, help="tokens each decode query attends to")
+    p.add_argument("--selection-radius", type=float, default=1.0,
+                   help="weight of each page's key-box radius in its selection score: 1 is Quest's upper bound, "
+                        "lower trusts the box center more (docs/attention.md)")
     p.add_argument("--full-attention", action="store_true", help="attend to every page (exact; no selection)")
     p.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive",
                    help="tier policy: kvdrive, or a baseline it is measured against")
@@ -188,6 +191,8 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
     """The engine's KV configuration from the model/tier flags."""
     from kvdrive.runtime.engine import EngineConfig, TierConfig
 
+    if not 0.0 <= args.selection_radius <= 1.0:
+        raise ValueError(f"--selection-radius {args.selection_radius}: expected a number from 0 to 1")
     if args.token_budget < 2 * args.page_size:
         raise ValueError(f"--token-budget {args.token_budget} is below two pages of {args.page_size} tokens")
     ssd_budget = args.ssd_budget if args.ssd_budget is not None else (1 << 30 if args.ssd_dir else 0)
@@ -196,7 +201,7 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
                        ssd_backend=args.ssd_backend)
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
                         full_attention=args.full_attention, token_budget=args.token_budget,
-                        max_sequences=max_sequences, max_running=max_running,
+                        selection_radius=args.selection_radius, max_sequences=max_sequences, max_running=max_running,
                         kv_dtype=dtype_of(args.kv_dtype) or dtype_of(args.dtype))
 
 

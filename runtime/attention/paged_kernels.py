@@ -47,7 +47,8 @@ def select(q: torch.Tensor, summaries: torch.Tensor, drawn: torch.Tensor, npages
     """q [B, Hq, D] float32; summaries [B, Hkv, P, 2D]; drawn [B, P]; npages [B] int64 -> the selected pages
     [B, K] int64 ascending and the runners-up [B, min(P, K + R) - K] by score (``select_pages``)."""
     return tuple(_module().select_pages(q.contiguous(), summaries, drawn, npages, cfg.sink_pages,
-                                        cfg.recent_pages, cfg.budget_pages, runners_up))  # type: ignore[return-value]
+                                        cfg.recent_pages, cfg.budget_pages, runners_up,
+                                        cfg.radius_scale))  # type: ignore[return-value]
 
 
 def locate(slot_of: torch.Tensor, pids: torch.Tensor, valid: torch.Tensor, tails: torch.Tensor,

@@ -29,6 +29,7 @@ class SelectionConfig:
     page_size: int = 16
     sink_pages: int = 1
     recent_pages: int = 4
+    radius_scale: float = 1.0  # the box radius' weight in a page's bound (1: Quest's upper bound; docs/attention.md)
 
     @property
     def budget_pages(self) -> int:
@@ -54,15 +55,16 @@ def selection_masks(npages: torch.Tensor, pmax: int, cfg: SelectionConfig) -> Se
 
 
 def page_scores(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks,
-                drawn: torch.Tensor | None = None) -> torch.Tensor:
+                drawn: torch.Tensor | None = None, radius_scale: float = 1.0) -> torch.Tensor:
     """q [B, Hq, D]; summaries [B, Hkv, P, 2D] (center, radius); drawn [B, P] (the mass each page drew at the
     previous step, or None) -> score [B, P] float32: estimated attention mass summed over heads, plus
-    ``drawn``; forced pages +inf, missing pages -inf."""
+    ``drawn``; forced pages +inf, missing pages -inf. ``radius_scale`` weighs the radius term (1: the bound)."""
     b, hq, d = q.shape
     hkv = summaries.shape[1]
     qg = q.float().view(b, hkv, hq // hkv, d) * (1.0 / math.sqrt(d))
-    qc = torch.cat([qg, qg.abs()], dim=-1)  # [B, Hkv, G, 2D]: q meets the center, |q| the radius
-    bound = torch.matmul(qc, summaries.transpose(-1, -2))  # [B, Hkv, G, P] >= max over the page of q.k / sqrt(D)
+    qa = qg.abs() if radius_scale == 1.0 else qg.abs() * radius_scale
+    qc = torch.cat([qg, qa], dim=-1)  # [B, Hkv, G, 2D]: q meets the center, |q| the radius
+    bound = torch.matmul(qc, summaries.transpose(-1, -2))  # [B, Hkv, G, P]: at scale 1, >= every q.k / sqrt(D)
     if masks.invalid is not None:
         bound.masked_fill_(masks.invalid[:, None, None, :], float("-inf"))
     mass = torch.softmax(bound, dim=-1).sum(dim=(1, 2))
@@ -80,6 +82,6 @@ def select_pages(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks
     likely to enter the selection at the next step: what prefetch fetches from the slow tiers) and every
     page's score [B, Pmax] (``page_scores``)."""
     k = cfg.budget_pages
-    scores = page_scores(q, summaries, masks, drawn)
+    scores = page_scores(q, summaries, masks, drawn, cfg.radius_scale)
     top = torch.topk(scores, min(scores.shape[1], k + runners_up), dim=1, sorted=True).indices
     return torch.sort(top[:, :k], dim=1).values, top[:, k:], scores

@@ -2,7 +2,7 @@
 (``kvdrive bench ruler``, issue 44).
 
 Owns running the cells and pairing their scores. A cell is one (context, task, leg); a leg is ``full`` or
-``sparse-<token budget>``. For each context and task the legs run one after another, each against its own
+``sparse-<token budget>`` (``sparse-<budget>-r<radius>`` under a ``--selection-radius`` other than 1). For each context and task the legs run one after another, each against its own
 ``kvdrive serve`` (the attention mode is a server flag) on one SSD directory with tight device and DRAM
 tiers, so the pages really move: the first leg prefills every prompt and writes its pages through to the SSD
 tier, and the later legs' servers recover the stored pages and reuse them (``cached`` in the result counts
@@ -53,10 +53,12 @@ class RulerSetup:
     ssd_budget: str
     page_size: int = 16
     weights: str = "auto"
+    radius: float = 1.0  # the sparse legs' --selection-radius
 
     @property
     def legs(self) -> tuple[str, ...]:
-        return ("full", *(f"sparse-{b}" for b in self.budgets))
+        suffix = "" if self.radius == 1.0 else f"-r{self.radius:g}"
+        return ("full", *(f"sparse-{b}{suffix}" for b in self.budgets))
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,11 @@ def tokenizer_dir(model: str) -> Path:
 
 
 def serve_args(setup: RulerSetup, leg: str, port: int, ssd_dir: Path) -> list[str]:
-    attention = ["--full-attention"] if leg == "full" else ["--token-budget", leg.removeprefix("sparse-")]
+    if leg == "full":
+        attention = ["--full-attention"]
+    else:
+        budget, _, radius = leg.removeprefix("sparse-").partition("-r")
+        attention = ["--token-budget", budget, "--selection-radius", radius or "1"]
     return ["serve", "--model", setup.model, "--port", str(port), "--threads", str(setup.threads),
             "--weights", setup.weights, "--page-size", str(setup.page_size), "--gpu-budget", setup.gpu_budget,
             "--dram-budget", setup.dram_budget, "--ssd-dir", str(ssd_dir), "--ssd-budget", setup.ssd_budget,
@@ -169,6 +175,10 @@ def ruler_prompts(model: str, task: str, context: int, limit: int) -> list[tuple
     """The token ids ``evaluate`` sends for the first ``limit`` samples of ``task`` at ``context`` (labelled
     ``task#doc_id``): lm-eval builds the requests with the same metadata and chat template, and they are
     tokenized as its local-completions model does (no special tokens added)."""
+    import random
+
+    import torch
+    from lm_eval.defaults import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
     from lm_eval.tasks import TaskManager, get_task_dict
     from transformers import AutoTokenizer
 
@@ -179,6 +189,11 @@ def ruler_prompts(model: str, task: str, context: int, limit: int) -> list[tuple
         return str(tok.apply_chat_template(history, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            continue_final_message=not add_generation_prompt))
 
+    # RULER's generators draw from the global generators: seed them as simple_evaluate does before it builds
+    # the tasks, or the samples differ from the ones the cells scored
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
     manager = TaskManager(metadata={"tokenizer": str(tokenizer), "max_seq_lengths": [context]})
     lm_task = get_task_dict([task], manager)[task]
     lm_task.build_all_requests(limit=limit, apply_chat_template=True, chat_template=chat_template)

@@ -17,10 +17,11 @@ Sliding-window layers are not probed (they attend a window, not a selection); a 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -53,9 +54,42 @@ def _bounds_only(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, dra
     return select_pages(q, summ, masks, cfg, 0, None)[0]
 
 
+def _shrunk_radius(scale: float) -> Selector:
+    """The engine's rule under ``--selection-radius scale``: the box radius weighed by ``scale`` (0: the box
+    centers alone), a tighter estimate of each page's best key than Quest's bound, no longer an upper bound."""
+    def rule(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
+             cfg: SelectionConfig) -> torch.Tensor:
+        return select_pages(q, summ, masks, replace(cfg, radius_scale=scale), 0, drawn)[0]
+
+    return rule
+
+
+def _per_head(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
+              cfg: SelectionConfig) -> torch.Tensor:
+    """Each query head ranks the pages by its own bound softmax plus the carried mass; the budget is filled
+    rank by rank across heads (every head's first choice, then every head's second, ...), so a head whose
+    attention is spread thin still gets its best pages instead of losing them to sharper heads."""
+    _, hq, dim = q.shape
+    hkv = summ.shape[1]
+    qg = q.float().view(1, hkv, hq // hkv, dim) * (1.0 / math.sqrt(dim))
+    bound = torch.matmul(torch.cat([qg, qg.abs()], dim=-1), summ.transpose(-1, -2)).reshape(hq, -1)  # [Hq, P]
+    score = torch.softmax(bound, dim=-1) + drawn / hq
+    score = score.masked_fill(masks.forced[0], float("inf"))
+    order = torch.argsort(score, dim=-1, descending=True).t().reshape(-1)  # rank-major: [P * Hq]
+    seen: dict[int, None] = {}  # insertion-ordered: a page counts at its best rank
+    for page in order.tolist():
+        seen.setdefault(page, None)
+        if len(seen) == cfg.budget_pages:
+            break
+    return torch.tensor(sorted(seen), dtype=torch.int64, device=q.device)[None]
+
+
 SELECTORS: dict[str, Selector] = {
     "bounds+carry": _bounds_and_carry,  # the engine's rule (selection.select_pages with drawn)
     "bounds": _bounds_only,  # without the previous step's mass
+    "half-radius+carry": _shrunk_radius(0.5),
+    "centers+carry": _shrunk_radius(0.0),
+    "per-head+carry": _per_head,
 }
 
 

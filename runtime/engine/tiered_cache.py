@@ -59,9 +59,12 @@ class TieredKVCache:
         self.device = device
         tiers = config.tiers
         self.policy: PlacementPolicy = policy_for(config.placement, config.full_attention)
-        self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size)
+        self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size,
+                                         radius_scale=config.selection_radius)
         self.root = root_digest(fingerprint)
-        self._sparse_salt = f"sparse:{config.token_budget}:{self.selection.sink_pages}:{self.selection.recent_pages}".encode()
+        sel = self.selection  # pages written after a sparse decode depend on everything that picks the pages
+        radius = "" if sel.radius_scale == 1.0 else f":r{sel.radius_scale:g}"  # (1.0: the keys stored before it)
+        self._sparse_salt = f"sparse:{config.token_budget}:{sel.sink_pages}:{sel.recent_pages}{radius}".encode()
         # each running sequence's open page (all global layers) and, for a hybrid model, its sliding window
         self.seq_reserve = layout.page_bytes + (windows.bytes_per_sequence() if windows is not None else 0)
         self.tail_reserve = config.max_sequences * self.seq_reserve

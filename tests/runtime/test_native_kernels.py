@@ -168,12 +168,12 @@ def test_bad_indices_are_refused_with_a_message_never_read() -> None:
         paged_kernels.attend(c["q"].double(), rows, c["stage"], c["slots"], c["ntok"], HKV, S)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_select_picks_the_pages_select_pages_picks(batch: int) -> None:
-    """The same bound, softmax, drawn mass, forced sinks and recent pages, and order, over strided views of
-    a summary table (rows 1..B of a larger one), with a short second sequence."""
+@pytest.mark.parametrize(("batch", "radius"), [(1, 1.0), (3, 1.0), (3, 0.5), (1, 0.0)])
+def test_select_picks_the_pages_select_pages_picks(batch: int, radius: float) -> None:
+    """The same bound (the radius weighed alike), softmax, drawn mass, forced sinks and recent pages, and
+    order, over strided views of a summary table (rows 1..B of a larger one), with a short second sequence."""
     g = torch.Generator().manual_seed(batch)
-    cfg = SelectionConfig(token_budget=512, page_size=S)
+    cfg = SelectionConfig(token_budget=512, page_size=S, radius_scale=radius)
     p = 300
     table = torch.randn(batch + 2, HKV, 400, 2 * D, generator=g)
     table[..., D:] = table[..., D:].abs()

@@ -18,6 +18,8 @@ from kvdrive.runtime.bench.ruler_bench import (
     averages,
     markdown,
     paired,
+    ruler_prompts,
+    serve_args,
 )
 
 KVDRIVE = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvdrive")
@@ -52,11 +54,24 @@ def test_pairs_are_per_sample_with_bootstrap_intervals() -> None:
     assert "| a | sparse-1024 | 4 | 75.0 | 50.0 | -25.0 |" in text and "| average | sparse-1024 | 8 |" in text
 
 
+def test_legs_name_their_server_flags() -> None:
+    setup = RulerSetup("m", (8192,), ("a",), 4, (2048, 1024), 2, "1MiB", "1MiB", "1GiB")
+    assert setup.legs == ("full", "sparse-2048", "sparse-1024")
+    radius = RulerSetup("m", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB", radius=0.5)
+    assert radius.legs == ("full", "sparse-1024-r0.5")
+    assert serve_args(setup, "full", 1, Path("ssd"))[-1] == "--full-attention"
+    assert serve_args(setup, "sparse-1024", 1, Path("ssd"))[-4:] == ["--token-budget", "1024",
+                                                                      "--selection-radius", "1"]
+    assert serve_args(radius, "sparse-1024-r0.5", 1, Path("ssd"))[-4:] == ["--token-budget", "1024",
+                                                                            "--selection-radius", "0.5"]
+
+
 @pytest.mark.slow
 def test_a_small_real_run(tmp_path: Path) -> None:
     out = tmp_path / "ruler.json"
     run = subprocess.run([KVDRIVE, "bench", "ruler", "--model", "qwen2.5-coder-0.5b", "--contexts", "4096",
-                          "--tasks", "niah_single_1", "--limit", "2", "--budgets", "1024", "--work-dir",
+                          "--tasks", "niah_single_1", "--limit", "2", "--budgets", "1024", "--ssd-budget", "1GiB",
+                          "--work-dir",
                           str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -69,3 +84,7 @@ def test_a_small_real_run(tmp_path: Path) -> None:
     assert cells["full"]["cached_tokens"] < cells["sparse-1024"]["cached_tokens"]
     assert cells["sparse-1024"]["cached_tokens"] >= 2 * 3000  # the second leg reused the stored prompt pages
     assert res["paired"][0]["n"] == 2 and out.with_suffix(".png").is_file() and out.with_suffix(".md").is_file()
+    # the selection probe's prompts are the very samples lm-eval sent (same seeds, template and tokenization)
+    prompts = ruler_prompts("qwen2.5-coder-0.5b", "niah_single_1", 4096, 2)
+    assert [label for label, _ in prompts] == ["niah_single_1#0", "niah_single_1#1"]
+    assert sum(len(ids) for _, ids in prompts) == cells["full"]["prompt_tokens"]

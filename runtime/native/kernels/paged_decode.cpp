@@ -275,20 +275,20 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor rows, tor
 
 namespace {
 
-// The Quest bound q.c + |q|.r of pages [p0, p1) of one KV head's summaries (rows ``stride`` apart, [2D] each:
+// The Quest bound q.c + radius * |q|.r of pages [p0, p1) of one KV head's summaries (rows ``stride`` apart, [2D] each:
 // center, radius) for the G queries q [G, D] of its query heads, scaled: bound[g * P + p]. Each summary row is
 // read once for all G queries. GC, DCC: G and D / 16 as compile-time constants (0: read at run time), so
 // that the queries stay in registers.
 template <int64_t GC, int64_t DCC>
 void quest_bounds(const float* q, const float* summ, int64_t stride, int64_t p0, int64_t p1, int64_t G_, int64_t D,
-                  int64_t P, float scale, float* bound) {
+                  int64_t P, float scale, float radius, float* bound) {
   const int64_t G = GC ? GC : G_, DC = DCC ? DCC : D / 16;
   constexpr int64_t NG = GC ? GC : MAX_G, NV = GC && DCC ? GC * DCC : MAX_G * (MAX_D / 16);
   __m512 qq[NV], qa[NV];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t c = 0; c < DC; ++c) {
       qq[g * DC + c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + c * 16), _mm512_set1_ps(scale));
-      qa[g * DC + c] = _mm512_abs_ps(qq[g * DC + c]);
+      qa[g * DC + c] = _mm512_mul_ps(_mm512_abs_ps(qq[g * DC + c]), _mm512_set1_ps(radius));
     }
   for (int64_t p = p0; p < p1; ++p) {
     const float* cr = summ + p * stride;  // [2D]: center, radius
@@ -306,7 +306,7 @@ void quest_bounds(const float* q, const float* summ, int64_t stride, int64_t p0,
 }
 
 using BoundsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                          float*);
+                          float, float*);
 
 BoundsFn pick_bounds(int64_t G, int64_t D) {
   if (G == 3 && D == 64) return &quest_bounds<3, 4>;
@@ -322,7 +322,8 @@ BoundsFn pick_bounds(int64_t G, int64_t D) {
 // drawn [B, P] float32 (last stride 1); npages [B] int64 -> selected [B, K] int64 ascending, runners-up
 // [B, min(P, K + R) - K] int64 by score (see select_pages in runtime/attention/selection.py).
 std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries, torch::Tensor drawn,
-                                        torch::Tensor npages, int64_t sink, int64_t recent, int64_t k, int64_t runners_up) {
+                                        torch::Tensor npages, int64_t sink, int64_t recent, int64_t k, int64_t runners_up,
+                                        double radius) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q: [B, Hq, D] float32");
   TORCH_CHECK(summaries.dim() == 4 && summaries.scalar_type() == torch::kFloat && summaries.stride(3) == 1,
               "summaries: [B, Hkv, P, 2D] float32");
@@ -352,7 +353,7 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t c = u % chunks, bh = u / chunks, b = bh / Hkv, h = bh % Hkv, n = np[b];
       bounds(qp + bh * G * D, sp + b * s0 + h * s1, s2, n * c / chunks, n * (c + 1) / chunks, G, D, P, scale,
-             hm + bh * G * P);
+             static_cast<float>(radius), hm + bh * G * P);
     }
   });
   // then each query head's softmax over its sequence's pages
