@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -303,6 +303,20 @@ def plot(res: ProbeResult, path: str) -> None:
     plt.close(fig)
 
 
+def by_layer(res: ProbeResult) -> list[dict[str, Any]]:
+    """Per (group, rule, layer): the mean cover, the worst head's lowest cover and the share of heaviest pages
+    kept, over the prompts and steps."""
+    cells: dict[tuple[str, str, int], list[StepLayer]] = {}
+    for r in res.rows:
+        cells.setdefault((_label_of(res, r.prompt), r.rule, r.layer), []).append(r)
+    return [{"group": g, "rule": rule, "layer": layer, "cases": len(rows),
+             "cover_mean": round(statistics.fmean(r.cover_mean for r in rows), 4),
+             "cover_min": round(min(r.cover_min for r in rows), 4),
+             "top_kept": round(statistics.fmean(r.top_kept for r in rows), 4)}
+            for (g, rule, layer), rows in cells.items()]
+
+
 def as_dict(res: ProbeResult) -> dict[str, Any]:
+    """The result file: the setup, each prompt, the summary and the per-layer figures (not every row)."""
     return {"model": res.model, "token_budget": res.token_budget, "page_size": res.page_size, "steps": res.steps,
-            "prompts": res.prompts, "summary": summary(res), "rows": [asdict(r) for r in res.rows]}
+            "prompts": res.prompts, "summary": summary(res), "by_layer": by_layer(res)}

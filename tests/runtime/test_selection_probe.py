@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from kvdrive.runtime.bench.selection_probe import SELECTORS, markdown, run_probe, summary
+from kvdrive.runtime.bench.selection_probe import SELECTORS, by_layer, markdown, run_probe, summary
 from kvdrive.runtime.bench.texts import filler_tokens
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import LoadedModel
@@ -35,6 +35,8 @@ def test_probe_decodes_like_full_attention_and_no_rule_beats_the_oracle(demo: Lo
         assert row.cover_mean <= cover[(step, layer, "oracle")].cover_mean + 1e-5, (step, layer, rule)
     rules = {s["rule"] for s in summary(res)}
     assert rules == {*SELECTORS, "oracle"} and "| doc | bounds+carry | " in markdown(res, "probe")
+    layer_rows = by_layer(res)
+    assert len(layer_rows) == layers * (len(SELECTORS) + 1) and all(r["cases"] == 4 for r in layer_rows)
 
 
 def test_a_budget_that_holds_the_prompt_probes_nothing(demo: LoadedModel) -> None:
