@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
             args.out.write_text(json.dumps(ruler_bench.as_dict(rres), indent=1) + "\n")
             args.out.with_suffix(".md").write_text(ruler_bench.markdown(rres, command))
 
+        ruler_bench.restore_cells(args.out, setup, args.work_dir)  # resume from a committed result
         rres = ruler_bench.run_ruler_bench(setup, args.work_dir, on_cell=save_ruler)
         save_ruler(rres)
         ruler_bench.plot(rres, str(args.out.with_suffix(".png")))

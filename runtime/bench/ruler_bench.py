@@ -143,7 +143,7 @@ def _cell_path(work: Path, context: int, task: str, leg: str) -> Path:
     return work / "cells" / str(context) / task / f"{leg}.json"
 
 
-def _load_cell(path: Path) -> Cell:
+def load_cell(path: Path) -> Cell:
     raw = json.loads(path.read_text())
     raw["samples"] = tuple(Sample(**{**s, "target": tuple(s["target"])}) for s in raw["samples"])
     return Cell(**raw)
@@ -206,7 +206,7 @@ def run_cell(setup: RulerSetup, work: Path, context: int, task: str, leg: str, t
     path = _cell_path(work, context, task, leg)
     if path.is_file():
         log.info("ruler: %s %s %s already measured (%s)", context, task, leg, path)
-        return _load_cell(path)
+        return load_cell(path)
     port = free_port()
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -240,6 +240,29 @@ def versions() -> dict[str, str]:
     except OSError:
         out["kvdrive_commit"] = ""
     return out
+
+
+def restore_cells(result_file: Path, setup: RulerSetup, work: Path) -> int:
+    """Write the cells of an earlier result file (``--out``) that ``work`` lacks into it, so a run resumes from
+    the committed result on a machine where the work folder is gone; only a file of the same model, sample
+    count and weights counts. Returns how many cells were restored."""
+    if not result_file.is_file():
+        return 0
+    earlier = json.loads(result_file.read_text())
+    old = earlier.get("setup", {})
+    if (old.get("model"), old.get("limit"), old.get("weights")) != (setup.model, setup.limit, setup.weights):
+        log.warning("ruler: %s is of another setup; not resuming from it", result_file)
+        return 0
+    restored = 0
+    for raw in earlier.get("cells", []):
+        path = _cell_path(work, raw["context"], raw["task"], raw["leg"])
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(raw, indent=1) + "\n")
+            restored += 1
+    if restored:
+        log.info("ruler: %d measured cells restored from %s into %s", restored, result_file, work)
+    return restored
 
 
 def run_ruler_bench(setup: RulerSetup, work: Path,

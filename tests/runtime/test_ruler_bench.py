@@ -15,9 +15,12 @@ from kvdrive.runtime.bench.ruler_bench import (
     RulerResult,
     RulerSetup,
     Sample,
+    as_dict,
     averages,
+    load_cell,
     markdown,
     paired,
+    restore_cells,
     ruler_prompts,
     serve_args,
 )
@@ -64,6 +67,18 @@ def test_legs_name_their_server_flags() -> None:
                                                                       "--selection-radius", "1"]
     assert serve_args(radius, "sparse-1024-r0.5", 1, Path("ssd"))[-4:] == ["--token-budget", "1024",
                                                                             "--selection-radius", "0.5"]
+
+
+def test_a_run_resumes_from_its_result_file(tmp_path: Path) -> None:
+    res = _result()
+    out = tmp_path / "ruler.json"
+    out.write_text(json.dumps(as_dict(res)))
+    work = tmp_path / "work"
+    assert restore_cells(out, res.setup, work) == 4
+    assert load_cell(work / "cells" / "8192" / "a" / "sparse-1024.json") == res.cells[1]
+    assert restore_cells(out, res.setup, work) == 0  # present cells are left alone
+    other = RulerSetup("another-model", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB")
+    assert restore_cells(out, other, tmp_path / "elsewhere") == 0
 
 
 @pytest.mark.slow
