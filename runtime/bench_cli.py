@@ -117,9 +117,10 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     ru.add_argument("--tasks", nargs="+", default=None, help="RULER tasks (default: the six synthetic ones)")
     ru.add_argument("--limit", type=int, default=20, help="samples per task and context")
     ru.add_argument("--budgets", type=int, nargs="+", default=[2048, 1024], help="the sparse legs' --token-budget")
-    ru.add_argument("--selection-radius", type=float, default=1.0,
-                    help="the sparse legs' --selection-radius (legs other than 1 are named sparse-<budget>-r<radius>; "
-                         "run again on the same --work-dir to add them beside the measured legs)")
+    ru.add_argument("--sparse-flags", default="",
+                    help="more kvdrive serve flags for the sparse legs, e.g. '--selection-radius 0.5' (needs --tag)")
+    ru.add_argument("--tag", default="", help="names the legs run with --sparse-flags: sparse-<budget>-<tag> (run "
+                                              "again on the same --work-dir to add them beside the measured legs)")
     ru.add_argument("--gpu-budget", default="96MiB", help="each server's device envelope (tight: pages move)")
     ru.add_argument("--dram-budget", default="128MiB")
     ru.add_argument("--ssd-budget", default="16GiB", help="holds every prompt of a task, so later legs reuse them")
@@ -233,12 +234,19 @@ def run(args: argparse.Namespace) -> int:
         return _report(args.out, selection_probe.as_dict(sres), selection_probe.markdown(sres, command),
                        lambda png: selection_probe.plot(sres, png))
     if args.bench == "ruler":
+        import shlex
+
         from kvdrive.runtime.bench import ruler_bench
+
+        if bool(args.sparse_flags) != bool(args.tag):
+            print("error: --sparse-flags and --tag go together (the tag names the legs those flags run)",
+                  file=sys.stderr)
+            return 2
 
         setup = ruler_bench.RulerSetup(args.model, tuple(args.contexts), tuple(args.tasks or ruler_bench.TASKS),
                                        args.limit, tuple(args.budgets), args.threads, args.gpu_budget,
                                        args.dram_budget, args.ssd_budget, weights=args.weights,
-                                       radius=args.selection_radius)
+                                       sparse_flags=tuple(shlex.split(args.sparse_flags)), tag=args.tag)
         command = "kvdrive bench ruler " + " ".join(sys.argv[3:])
         args.out.parent.mkdir(parents=True, exist_ok=True)
 

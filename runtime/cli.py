@@ -59,6 +59,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--selection-radius", type=float, default=1.0,
                    help="weight of each page's key-box radius in its selection score: 1 is Quest's upper bound, "
                         "lower trusts the box center more (docs/attention.md)")
+    p.add_argument("--selection-carry", choices=["layer", "shared", "shared+neighbours"], default="layer",
+                   help="the previous step's attention a page carries into its selection score: its own layer's; "
+                        "also the most it drew at any layer (shared); and half that of the pages beside it "
+                        "(shared+neighbours) (docs/attention.md)")
     p.add_argument("--full-attention", action="store_true", help="attend to every page (exact; no selection)")
     p.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive",
                    help="tier policy: kvdrive, or a baseline it is measured against")
@@ -201,7 +205,8 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
                        ssd_backend=args.ssd_backend)
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
                         full_attention=args.full_attention, token_budget=args.token_budget,
-                        selection_radius=args.selection_radius, max_sequences=max_sequences, max_running=max_running,
+                        selection_radius=args.selection_radius, selection_carry=args.selection_carry,
+                        max_sequences=max_sequences, max_running=max_running,
                         kv_dtype=dtype_of(args.kv_dtype) or dtype_of(args.dtype))
 
 

@@ -2,6 +2,8 @@
 
 from kvdrive.runtime.attention.dense import causal_attention
 from kvdrive.runtime.attention.selection import (
+    NEIGHBOUR_SHARE,
+    SELECTION_CARRIES,
     SelectionConfig,
     SelectionMasks,
     page_scores,
@@ -11,5 +13,5 @@ from kvdrive.runtime.attention.selection import (
 from kvdrive.runtime.attention.sparse import decode_attention
 from kvdrive.runtime.attention.summaries import SummaryTable, key_bounds
 
-__all__ = ["SelectionConfig", "SelectionMasks", "SummaryTable", "causal_attention", "decode_attention",
+__all__ = ["NEIGHBOUR_SHARE", "SELECTION_CARRIES", "SelectionConfig", "SelectionMasks", "SummaryTable", "causal_attention", "decode_attention",
            "key_bounds", "page_scores", "select_pages", "selection_masks"]

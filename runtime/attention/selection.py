@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+SELECTION_CARRIES = ("layer", "shared", "shared+neighbours")  # what --selection-carry names
+NEIGHBOUR_SHARE = 0.5  # shared+neighbours: the share of a neighbour page's carried mass a page adds
+
 
 @dataclass(frozen=True)
 class SelectionConfig:
@@ -30,6 +33,8 @@ class SelectionConfig:
     sink_pages: int = 1
     recent_pages: int = 4
     radius_scale: float = 1.0  # the box radius' weight in a page's bound (1: Quest's upper bound; docs/attention.md)
+    shared_carry: bool = False  # each page also carries the most mass it drew at any layer's previous step
+    neighbour_carry: float = 0.0  # and this share of that of the pages before and after it (with shared_carry)
 
     @property
     def budget_pages(self) -> int:

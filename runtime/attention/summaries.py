@@ -93,6 +93,20 @@ class SummaryTable:
             return m[first_row : first_row + rows.shape[0], :pages]
         return m.index_select(0, rows)[:, :pages]
 
+    def shared_drawn(self, rows: torch.Tensor, first_row: int | None, pages: int, neighbours: float) -> torch.Tensor:
+        """[B, pages]: the most mass each page of ``rows`` drew at any layer's last decode step, plus
+        ``neighbours`` x that of the pages before and after it (a value read across a page boundary goes on in
+        the next page)."""
+        m = self.mass[:, first_row : first_row + rows.shape[0], :pages] if first_row is not None \
+            else self.mass.index_select(1, rows)[:, :, :pages]
+        top = m.amax(dim=0)  # [B, pages]
+        if not neighbours:
+            return top
+        out = top.clone()
+        out[:, 1:] += neighbours * top[:, :-1]
+        out[:, :-1] += neighbours * top[:, 1:]
+        return out
+
     def record_drawn(self, rows: torch.Tensor, pages: torch.Tensor, mass: torch.Tensor) -> None:
         """A decode step's attention in every layer: ``rows`` [B] attended page indices ``pages`` [L, B, K]
         (distinct per row and layer), drawing ``mass`` [L, B, K] (summed over query heads); every other page

@@ -2,7 +2,7 @@
 (``kvdrive bench ruler``, issue 44).
 
 Owns running the cells and pairing their scores. A cell is one (context, task, leg); a leg is ``full`` or
-``sparse-<token budget>`` (``sparse-<budget>-r<radius>`` under a ``--selection-radius`` other than 1). For each context and task the legs run one after another, each against its own
+``sparse-<token budget>`` (``sparse-<budget>-<tag>`` for legs run with other selection flags). For each context and task the legs run one after another, each against its own
 ``kvdrive serve`` (the attention mode is a server flag) on one SSD directory with tight device and DRAM
 tiers, so the pages really move: the first leg prefills every prompt and writes its pages through to the SSD
 tier, and the later legs' servers recover the stored pages and reuse them (``cached`` in the result counts
@@ -53,11 +53,12 @@ class RulerSetup:
     ssd_budget: str
     page_size: int = 16
     weights: str = "auto"
-    radius: float = 1.0  # the sparse legs' --selection-radius
+    sparse_flags: tuple[str, ...] = ()  # more serve flags of the sparse legs (a selection rule under test)
+    tag: str = ""  # what names those legs: sparse-<budget>-<tag>
 
     @property
     def legs(self) -> tuple[str, ...]:
-        suffix = "" if self.radius == 1.0 else f"-r{self.radius:g}"
+        suffix = f"-{self.tag}" if self.tag else ""
         return ("full", *(f"sparse-{b}{suffix}" for b in self.budgets))
 
 
@@ -131,8 +132,8 @@ def serve_args(setup: RulerSetup, leg: str, port: int, ssd_dir: Path) -> list[st
     if leg == "full":
         attention = ["--full-attention"]
     else:
-        budget, _, radius = leg.removeprefix("sparse-").partition("-r")
-        attention = ["--token-budget", budget, "--selection-radius", radius or "1"]
+        budget = leg.removeprefix("sparse-").partition("-")[0]
+        attention = ["--token-budget", budget, *setup.sparse_flags]
     return ["serve", "--model", setup.model, "--port", str(port), "--threads", str(setup.threads),
             "--weights", setup.weights, "--page-size", str(setup.page_size), "--gpu-budget", setup.gpu_budget,
             "--dram-budget", setup.dram_budget, "--ssd-dir", str(ssd_dir), "--ssd-budget", setup.ssd_budget,

@@ -40,17 +40,19 @@ from kvdrive.runtime.model.loader import LoadedModel
 
 PREFILL_CHUNK = 512
 
-# q [1, Hq, D], summaries [1, Hkv, P, 2D], masks, drawn [1, P] float32 -> kept pages [1, K] int64
-Selector = Callable[[torch.Tensor, torch.Tensor, SelectionMasks, torch.Tensor, SelectionConfig], torch.Tensor]
+# q [1, Hq, D], summaries [1, Hkv, P, 2D], masks, drawn [1, P] float32 (the layer's previous-step mass), cross
+# [1, P] float32 (each page's largest mass over every layer's latest step) -> kept pages [1, K] int64
+Selector = Callable[[torch.Tensor, torch.Tensor, SelectionMasks, torch.Tensor, torch.Tensor, SelectionConfig],
+                    torch.Tensor]
 
 
 def _bounds_and_carry(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
-                      cfg: SelectionConfig) -> torch.Tensor:
+                      cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
     return select_pages(q, summ, masks, cfg, 0, drawn)[0]
 
 
 def _bounds_only(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
-                 cfg: SelectionConfig) -> torch.Tensor:
+                 cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
     return select_pages(q, summ, masks, cfg, 0, None)[0]
 
 
@@ -58,14 +60,14 @@ def _shrunk_radius(scale: float) -> Selector:
     """The engine's rule under ``--selection-radius scale``: the box radius weighed by ``scale`` (0: the box
     centers alone), a tighter estimate of each page's best key than Quest's bound, no longer an upper bound."""
     def rule(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
-             cfg: SelectionConfig) -> torch.Tensor:
+             cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
         return select_pages(q, summ, masks, replace(cfg, radius_scale=scale), 0, drawn)[0]
 
     return rule
 
 
 def _per_head(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
-              cfg: SelectionConfig) -> torch.Tensor:
+              cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
     """Each query head ranks the pages by its own bound softmax plus the carried mass; the budget is filled
     rank by rank across heads (every head's first choice, then every head's second, ...), so a head whose
     attention is spread thin still gets its best pages instead of losing them to sharper heads."""
@@ -84,12 +86,33 @@ def _per_head(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn:
     return torch.tensor(sorted(seen), dtype=torch.int64, device=q.device)[None]
 
 
+def _across_layers(scale: float, neighbours: float) -> Selector:
+    """The engine's rule (radius weight ``scale``) with a carry shared by the layers: to the layer's own
+    previous-step mass each page adds the most it drew at any layer's latest step (``cross``), and each page
+    ``neighbours`` x that of the page before and after it. A retrieval head in one layer that never selected
+    the needle's page then still gets it from the layers that found it, and a value that runs on past a page
+    boundary brings the next page along."""
+    def rule(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
+             cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
+        carry = drawn + cross
+        if neighbours:
+            carry = carry.clone()
+            carry[:, 1:] += neighbours * cross[:, :-1]
+            carry[:, :-1] += neighbours * cross[:, 1:]
+        return select_pages(q, summ, masks, replace(cfg, radius_scale=scale), 0, carry)[0]
+
+    return rule
+
+
 SELECTORS: dict[str, Selector] = {
     "bounds+carry": _bounds_and_carry,  # the engine's rule (selection.select_pages with drawn)
     "bounds": _bounds_only,  # without the previous step's mass
     "half-radius+carry": _shrunk_radius(0.5),
     "centers+carry": _shrunk_radius(0.0),
     "per-head+carry": _per_head,
+    "layers-carry": _across_layers(1.0, 0.0),
+    "layers-carry+neighbours": _across_layers(1.0, 0.5),
+    "half-radius+layers-carry+neighbours": _across_layers(0.5, 0.5),
 }
 
 
@@ -172,7 +195,7 @@ class _ProbeBackend:
         for rule in self.rules:
             drawn = self.drawn.get((rule, layer), torch.zeros(0, device=q.device))
             drawn = torch.cat([drawn, torch.zeros(pages - drawn.shape[0], device=q.device)])[None]
-            kept = SELECTORS[rule](q, summ, masks, drawn, self.sel)[0]
+            kept = SELECTORS[rule](q, summ, masks, drawn, self._cross(rule, pages, q.device), self.sel)[0]
             kept = kept[kept < pages]
             cover = tail + mass[:, kept].sum(-1)  # [Hq]
             new = torch.zeros(pages, device=q.device)
@@ -181,6 +204,16 @@ class _ProbeBackend:
             self._row(layer, rule, cover, kept, heaviest, pages)
         oracle = torch.topk(mass.sum(0), k_pages).indices
         self._row(layer, "oracle", tail + mass[:, oracle].sum(-1), oracle, heaviest, pages)
+
+    def _cross(self, rule: str, pages: int, device: torch.device) -> torch.Tensor:
+        """[1, P]: each page's largest mass over the layers' latest steps under ``rule`` (this step's for the
+        layers before this one, the previous step's for the rest)."""
+        cross = torch.zeros(pages, device=device)
+        for (r, _), m in self.drawn.items():
+            if r == rule:
+                n = min(pages, m.shape[0])
+                cross[:n] = torch.maximum(cross[:n], m[:n])
+        return cross[None]
 
     def _row(self, layer: int, rule: str, cover: torch.Tensor, kept: torch.Tensor, heaviest: torch.Tensor,
              pages: int) -> None:

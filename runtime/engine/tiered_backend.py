@@ -74,6 +74,9 @@ class _DecodeBatch:
         self.table = pt[self.first_row : self.first_row + b, :width] if self.first_row is not None \
             else pt.index_select(0, self.rows)[:, :width]
         self.masks = selection_masks(self.npages, self.pmax, cache.selection) if self.sparse else None
+        sel = cache.selection  # the previous step's mass shared by the layers: one [B, P] for the whole step
+        self.shared = cache.summaries.shared_drawn(self.rows, self.first_row, self.pmax, sel.neighbour_carry) \
+            if self.sparse and sel.shared_carry else None
         self.positions = torch.tensor([st.start for st in self.steps], dtype=torch.int64, device=dev)  # [B]
         offs = self.positions % s
         self.offs = offs
@@ -182,6 +185,8 @@ class TieredAttentionBackend:
             assert dec.masks is not None
             summ = cache.summaries.batch(layer, dec.rows, dec.first_row, dec.pmax)
             drawn = cache.summaries.drawn(layer, dec.rows, dec.first_row, dec.pmax)
+            if dec.shared is not None:
+                drawn = drawn + dec.shared
             if in_place:
                 idx, near = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection, cache.placer.runners_up)
             else:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvdrive.runtime.attention import SelectionConfig, SummaryTable
+from kvdrive.runtime.attention import NEIGHBOUR_SHARE, SELECTION_CARRIES, SelectionConfig, SummaryTable
 from kvdrive.runtime.engine.envelope import Envelope, step_columns
 from kvdrive.runtime.engine.kv_state import EngineConfig, PageLostError, SeqKV, StepSeq
 from kvdrive.runtime.engine.prefix_reuse import PrefixPages
@@ -59,12 +59,17 @@ class TieredKVCache:
         self.device = device
         tiers = config.tiers
         self.policy: PlacementPolicy = policy_for(config.placement, config.full_attention)
+        carry = config.selection_carry
+        if carry not in SELECTION_CARRIES:
+            raise ValueError(f"selection_carry {carry!r}: expected one of {', '.join(SELECTION_CARRIES)}")
         self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size,
-                                         radius_scale=config.selection_radius)
+                                         radius_scale=config.selection_radius, shared_carry=carry != "layer",
+                                         neighbour_carry=NEIGHBOUR_SHARE if carry.endswith("+neighbours") else 0.0)
         self.root = root_digest(fingerprint)
         sel = self.selection  # pages written after a sparse decode depend on everything that picks the pages
-        radius = "" if sel.radius_scale == 1.0 else f":r{sel.radius_scale:g}"  # (1.0: the keys stored before it)
-        self._sparse_salt = f"sparse:{config.token_budget}:{sel.sink_pages}:{sel.recent_pages}{radius}".encode()
+        rule = ("" if sel.radius_scale == 1.0 else f":r{sel.radius_scale:g}") + \
+            ("" if carry == "layer" else f":{carry}")  # (the defaults add nothing: the keys stored before them)
+        self._sparse_salt = f"sparse:{config.token_budget}:{sel.sink_pages}:{sel.recent_pages}{rule}".encode()
         # each running sequence's open page (all global layers) and, for a hybrid model, its sliding window
         self.seq_reserve = layout.page_bytes + (windows.bytes_per_sequence() if windows is not None else 0)
         self.tail_reserve = config.max_sequences * self.seq_reserve

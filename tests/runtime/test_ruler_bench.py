@@ -60,13 +60,13 @@ def test_pairs_are_per_sample_with_bootstrap_intervals() -> None:
 def test_legs_name_their_server_flags() -> None:
     setup = RulerSetup("m", (8192,), ("a",), 4, (2048, 1024), 2, "1MiB", "1MiB", "1GiB")
     assert setup.legs == ("full", "sparse-2048", "sparse-1024")
-    radius = RulerSetup("m", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB", radius=0.5)
-    assert radius.legs == ("full", "sparse-1024-r0.5")
+    rule = RulerSetup("m", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB",
+                      sparse_flags=("--selection-radius", "0.5"), tag="r0.5")
+    assert rule.legs == ("full", "sparse-1024-r0.5")
     assert serve_args(setup, "full", 1, Path("ssd"))[-1] == "--full-attention"
-    assert serve_args(setup, "sparse-1024", 1, Path("ssd"))[-4:] == ["--token-budget", "1024",
-                                                                      "--selection-radius", "1"]
-    assert serve_args(radius, "sparse-1024-r0.5", 1, Path("ssd"))[-4:] == ["--token-budget", "1024",
-                                                                            "--selection-radius", "0.5"]
+    assert serve_args(setup, "sparse-1024", 1, Path("ssd"))[-2:] == ["--token-budget", "1024"]
+    assert serve_args(rule, "sparse-1024-r0.5", 1, Path("ssd"))[-4:] == ["--token-budget", "1024",
+                                                                          "--selection-radius", "0.5"]
 
 
 def test_a_run_resumes_from_its_result_file(tmp_path: Path) -> None:
