@@ -59,7 +59,8 @@ def test_the_shared_carry_is_the_most_any_layer_drew_plus_its_neighbours_share()
 @pytest.mark.parametrize("carry", ["shared", "shared+neighbours"])
 def test_sparse_decoding_runs_under_each_carry(demo: LoadedModel, carry: str) -> None:
     """A prompt of ~40 pages under a 16-page budget decodes with the shared carry (the native kernels where this
-    host has them): tokens come out, and the first (before any carry exists) is the default rule's."""
+    host has them): tokens come out, and the first two (from the prompt, then from the first decode step, when
+    no layer has drawn anything yet) are the default rule's."""
     prompt = demo.tokenizer.encode("word " * 640)[:640]
     outs = {}
     for rule in ("layer", carry):
@@ -69,4 +70,4 @@ def test_sparse_decoding_runs_under_each_carry(demo: LoadedModel, carry: str) ->
             outs[rule] = list(gen.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
         finally:
             gen.close()
-    assert len(outs[carry]) == 8 and outs[carry][0] == outs["layer"][0]
+    assert len(outs[carry]) == 8 and outs[carry][:2] == outs["layer"][:2]
