@@ -119,6 +119,8 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     ru.add_argument("--budgets", type=int, nargs="+", default=[2048, 1024], help="the sparse legs' --token-budget")
     ru.add_argument("--sparse-flags", default="",
                     help="more kvdrive serve flags for the sparse legs, e.g. '--selection-radius 0.5' (needs --tag)")
+    ru.add_argument("--report-only", action="store_true",
+                    help="write the report of the cells already measured in --work-dir (or --out) and run nothing")
     ru.add_argument("--tag", default="", help="names the legs run with --sparse-flags: sparse-<budget>-<tag> (run "
                                               "again on the same --work-dir to add them beside the measured legs)")
     ru.add_argument("--gpu-budget", default="96MiB", help="each server's device envelope (tight: pages move)")
@@ -255,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
             args.out.with_suffix(".md").write_text(ruler_bench.markdown(rres, command))
 
         ruler_bench.restore_cells(args.out, setup, args.work_dir)  # resume from a committed result
-        rres = ruler_bench.run_ruler_bench(setup, args.work_dir, on_cell=save_ruler)
+        rres = ruler_bench.run_ruler_bench(setup, args.work_dir, on_cell=save_ruler, measure=not args.report_only)
         save_ruler(rres)
         ruler_bench.plot(rres, str(args.out.with_suffix(".png")))
         print(ruler_bench.markdown(rres, command))

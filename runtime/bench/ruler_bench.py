@@ -267,14 +267,19 @@ def restore_cells(result_file: Path, setup: RulerSetup, work: Path) -> int:
 
 
 def run_ruler_bench(setup: RulerSetup, work: Path,
-                    on_cell: Callable[[RulerResult], None] | None = None) -> RulerResult:
-    """Every (context, task) with its legs in order (full first: it prefills the prompts into the SSD tier)."""
-    tokenizer = tokenizer_dir(setup.model)
+                    on_cell: Callable[[RulerResult], None] | None = None, measure: bool = True) -> RulerResult:
+    """Every (context, task) with its legs in order (full first: it prefills the prompts into the SSD tier);
+    ``measure=False`` reports the cells already measured and runs nothing."""
     res = RulerResult(setup, versions())
-    res.versions["model_file"] = str(resolve_model_path(setup.model))
+    tokenizer = Path()
+    if measure:
+        tokenizer = tokenizer_dir(setup.model)
+        res.versions["model_file"] = str(resolve_model_path(setup.model))
     for context in setup.contexts:
         for task in setup.tasks:
             for leg in setup.legs:
+                if not measure and not _cell_path(work, context, task, leg).is_file():
+                    continue
                 res.cells.append(run_cell(setup, work, context, task, leg, tokenizer))
                 if on_cell is not None:
                     on_cell(res)

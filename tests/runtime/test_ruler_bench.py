@@ -22,6 +22,7 @@ from kvdrive.runtime.bench.ruler_bench import (
     paired,
     restore_cells,
     ruler_prompts,
+    run_ruler_bench,
     serve_args,
 )
 
@@ -77,6 +78,8 @@ def test_a_run_resumes_from_its_result_file(tmp_path: Path) -> None:
     assert restore_cells(out, res.setup, work) == 4
     assert load_cell(work / "cells" / "8192" / "a" / "sparse-1024.json") == res.cells[1]
     assert restore_cells(out, res.setup, work) == 0  # present cells are left alone
+    report = run_ruler_bench(res.setup, work, measure=False)  # what is measured, nothing run
+    assert report.cells == res.cells
     other = RulerSetup("another-model", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB")
     assert restore_cells(out, other, tmp_path / "elsewhere") == 0
 
