@@ -31,6 +31,16 @@ def key_bounds(k: torch.Tensor) -> torch.Tensor:
     return torch.cat([(hi + lo) * 0.5, (hi - lo) * 0.5], dim=-1)
 
 
+def spread_to_neighbours(mass: torch.Tensor, share: float) -> torch.Tensor:
+    """mass [B, P] -> [B, P]: each page's mass plus ``share`` x that of the pages before and after it."""
+    if not share:
+        return mass
+    out = mass.clone()
+    out[:, 1:] += share * mass[:, :-1]
+    out[:, :-1] += share * mass[:, 1:]
+    return out
+
+
 class SummaryTable:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  rows: int = 1, pages: int = 64) -> None:
@@ -99,13 +109,7 @@ class SummaryTable:
         the next page)."""
         m = self.mass[:, first_row : first_row + rows.shape[0], :pages] if first_row is not None \
             else self.mass.index_select(1, rows)[:, :, :pages]
-        top = m.amax(dim=0)  # [B, pages]
-        if not neighbours:
-            return top
-        out = top.clone()
-        out[:, 1:] += neighbours * top[:, :-1]
-        out[:, :-1] += neighbours * top[:, 1:]
-        return out
+        return spread_to_neighbours(m.amax(dim=0), neighbours)  # [B, pages]
 
     def record_drawn(self, rows: torch.Tensor, pages: torch.Tensor, mass: torch.Tensor) -> None:
         """A decode step's attention in every layer: ``rows`` [B] attended page indices ``pages`` [L, B, K]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvdrive.runtime.attention import (
+    NEIGHBOUR_SHARE,
     SelectionConfig,
     SelectionMasks,
     causal_attention,
@@ -34,6 +35,7 @@ from kvdrive.runtime.attention import (
     key_bounds,
     select_pages,
     selection_masks,
+    spread_to_neighbours,
 )
 from kvdrive.runtime.model.config import ModelConfig
 from kvdrive.runtime.model.loader import LoadedModel
@@ -46,22 +48,24 @@ Selector = Callable[[torch.Tensor, torch.Tensor, SelectionMasks, torch.Tensor, t
                     torch.Tensor]
 
 
-def _bounds_and_carry(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
-                      cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
-    return select_pages(q, summ, masks, cfg, 0, drawn)[0]
-
-
 def _bounds_only(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
                  cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
     return select_pages(q, summ, masks, cfg, 0, None)[0]
 
 
-def _shrunk_radius(scale: float) -> Selector:
-    """The engine's rule under ``--selection-radius scale``: the box radius weighed by ``scale`` (0: the box
-    centers alone), a tighter estimate of each page's best key than Quest's bound, no longer an upper bound."""
+def _engine_rule(radius: float = 1.0, carry: str = "layer") -> Selector:
+    """The engine's rule under ``--selection-radius radius --selection-carry carry``: the box radius weighed by
+    ``radius`` (0: the box centers alone; below 1 no longer an upper bound), and to the layer's own
+    previous-step mass, unless ``carry`` is "layer", the most each page drew at any layer's latest step
+    (``cross``), spread to the pages beside it under "+neighbours". A retrieval head in one layer that never
+    selected the needle's page then still gets it from the layers that found it, and a value that runs on
+    past a page boundary brings the next page along."""
+    neighbours = NEIGHBOUR_SHARE if carry.endswith("+neighbours") else 0.0
+
     def rule(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
              cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
-        return select_pages(q, summ, masks, replace(cfg, radius_scale=scale), 0, drawn)[0]
+        carried = drawn if carry == "layer" else drawn + spread_to_neighbours(cross, neighbours)
+        return select_pages(q, summ, masks, replace(cfg, radius_scale=radius), 0, carried)[0]
 
     return rule
 
@@ -86,33 +90,15 @@ def _per_head(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn:
     return torch.tensor(sorted(seen), dtype=torch.int64, device=q.device)[None]
 
 
-def _across_layers(scale: float, neighbours: float) -> Selector:
-    """The engine's rule (radius weight ``scale``) with a carry shared by the layers: to the layer's own
-    previous-step mass each page adds the most it drew at any layer's latest step (``cross``), and each page
-    ``neighbours`` x that of the page before and after it. A retrieval head in one layer that never selected
-    the needle's page then still gets it from the layers that found it, and a value that runs on past a page
-    boundary brings the next page along."""
-    def rule(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
-             cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
-        carry = drawn + cross
-        if neighbours:
-            carry = carry.clone()
-            carry[:, 1:] += neighbours * cross[:, :-1]
-            carry[:, :-1] += neighbours * cross[:, 1:]
-        return select_pages(q, summ, masks, replace(cfg, radius_scale=scale), 0, carry)[0]
-
-    return rule
-
-
 SELECTORS: dict[str, Selector] = {
-    "bounds+carry": _bounds_and_carry,  # the engine's rule (selection.select_pages with drawn)
+    "bounds+carry": _engine_rule(),  # the engine's default rule (selection.select_pages with drawn)
     "bounds": _bounds_only,  # without the previous step's mass
-    "half-radius+carry": _shrunk_radius(0.5),
-    "centers+carry": _shrunk_radius(0.0),
+    "half-radius+carry": _engine_rule(0.5),
+    "centers+carry": _engine_rule(0.0),
     "per-head+carry": _per_head,
-    "layers-carry": _across_layers(1.0, 0.0),
-    "layers-carry+neighbours": _across_layers(1.0, 0.5),
-    "half-radius+layers-carry+neighbours": _across_layers(0.5, 0.5),
+    "layers-carry": _engine_rule(carry="shared"),
+    "layers-carry+neighbours": _engine_rule(carry="shared+neighbours"),
+    "half-radius+layers-carry+neighbours": _engine_rule(0.5, "shared+neighbours"),
 }
 
 
@@ -240,7 +226,6 @@ def run_probe(loaded: LoadedModel, prompts: Sequence[tuple[str, Sequence[int]]],
     res = ProbeResult(loaded.model_id, token_budget, page_size, steps)
     capacity = max(len(p) for _, p in prompts) + steps
     backend = _ProbeBackend(cfg, sel, capacity, rules, loaded.device, loaded.dtype)
-    backend.prompt = 0
     model = loaded.model
     with torch.inference_mode():
         for i, (label, ids) in enumerate(prompts):
