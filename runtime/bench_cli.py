@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "ruler":
         import shlex
 
-        from kvdrive.runtime.bench import ruler_bench
+        from kvdrive.runtime.bench import ruler_bench, ruler_report
 
         if bool(args.sparse_flags) != bool(args.tag):
             print("error: --sparse-flags and --tag go together (the tag names the legs those flags run)",
@@ -253,14 +253,14 @@ def run(args: argparse.Namespace) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
 
         def save_ruler(rres: ruler_bench.RulerResult) -> None:  # after every cell: a cut-short run keeps it
-            args.out.write_text(json.dumps(ruler_bench.as_dict(rres), indent=1) + "\n")
-            args.out.with_suffix(".md").write_text(ruler_bench.markdown(rres, command))
+            args.out.write_text(json.dumps(ruler_report.as_dict(rres), indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(ruler_report.markdown(rres, command))
 
         ruler_bench.restore_cells(args.out, setup, args.work_dir)  # resume from a committed result
         rres = ruler_bench.run_ruler_bench(setup, args.work_dir, on_cell=save_ruler, measure=not args.report_only)
         save_ruler(rres)
-        ruler_bench.plot(rres, str(args.out.with_suffix(".png")))
-        print(ruler_bench.markdown(rres, command))
+        ruler_report.plot(rres, str(args.out.with_suffix(".png")))
+        print(ruler_report.markdown(rres, command))
         return 0
     if args.bench == "rss":
         from kvdrive.runtime.bench import rss_bench

@@ -15,16 +15,13 @@ from kvdrive.runtime.bench.ruler_bench import (
     RulerResult,
     RulerSetup,
     Sample,
-    as_dict,
-    averages,
     load_cell,
-    markdown,
-    paired,
     restore_cells,
     ruler_prompts,
     run_ruler_bench,
     serve_args,
 )
+from kvdrive.runtime.bench.ruler_report import as_dict, averages, markdown, paired
 
 KVDRIVE = str(Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvdrive")
 
