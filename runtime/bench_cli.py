@@ -47,7 +47,8 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     dc.add_argument("--ssd-dir", required=True, help="SSD tier directory (prompts are prefilled into it once)")
     dc.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
     dc.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    dc.add_argument("--modes", nargs="+", default=None, help="subset of full-gpu sparse-gpu kvdrive lru ondemand fullfetch")
+    dc.add_argument("--modes", nargs="+", default=None, help="subset of full-gpu sparse-gpu kvdrive lru ondemand fullfetch, and sparse-gpu-k8 "
+                    "kvdrive-k8 sparse-gpu-k4 kvdrive-k4 (pages chosen by the key sketch; not run unless named)")
     dc.add_argument("--steps", type=int, default=16)
     dc.add_argument("--warmup", type=int, default=8)
     dc.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")

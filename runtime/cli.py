@@ -63,6 +63,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the previous step's attention a page carries into its selection score: its own layer's; "
                         "also the most it drew at any layer (shared); and half that of the pages beside it "
                         "(shared+neighbours) (docs/attention.md)")
+    p.add_argument("--selection-sketch", type=int, choices=[0, 4, 8], default=0,
+                   help="keep every key quantised to this many bits inside its page's box and pick pages by the "
+                        "attention those keys predict (0: by the box bound alone; docs/attention.md)")
     p.add_argument("--full-attention", action="store_true", help="attend to every page (exact; no selection)")
     p.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive",
                    help="tier policy: kvdrive, or a baseline it is measured against")
@@ -206,7 +209,7 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
                         full_attention=args.full_attention, token_budget=args.token_budget,
                         selection_radius=args.selection_radius, selection_carry=args.selection_carry,
-                        max_sequences=max_sequences, max_running=max_running,
+                        selection_sketch=args.selection_sketch, max_sequences=max_sequences, max_running=max_running,
                         kv_dtype=dtype_of(args.kv_dtype) or dtype_of(args.dtype))
 
 

@@ -36,6 +36,9 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and native.kernels() is not None
 
 
+SKETCH_PAGE = 16  # the page size select() takes a key sketch at (one page's tokens are one vector's lanes)
+
+
 def fits(q: torch.Tensor, num_kv_heads: int) -> bool:
     """Whether queries q [B, Hq, D] are of a shape and dtype the kernels take (float32; D a multiple of 16)."""
     _, hq, d = q.shape
@@ -43,12 +46,14 @@ def fits(q: torch.Tensor, num_kv_heads: int) -> bool:
 
 
 def select(q: torch.Tensor, summaries: torch.Tensor, drawn: torch.Tensor, npages: torch.Tensor,
-           cfg: SelectionConfig, runners_up: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Hq, D] float32; summaries [B, Hkv, P, 2D]; drawn [B, P]; npages [B] int64 -> the selected pages
-    [B, K] int64 ascending and the runners-up [B, min(P, K + R) - K] by score (``select_pages``)."""
+           cfg: SelectionConfig, runners_up: int, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, D] float32; summaries [B, Hkv, P, 2D]; drawn [B, P]; npages [B] int64; codes [B, Hkv, P,
+    D * bits / 8, S] (the key sketch when ``cfg.sketch_bits``; 16-token pages) -> the selected pages [B, K]
+    int64 ascending and the runners-up [B, min(P, K + R) - K] by score (``select_pages``)."""
+    bits = cfg.sketch_bits if codes is not None else 0
     return tuple(_module().select_pages(q.contiguous(), summaries, drawn, npages, cfg.sink_pages,
-                                        cfg.recent_pages, cfg.budget_pages, runners_up,
-                                        cfg.radius_scale))  # type: ignore[return-value]
+                                        cfg.recent_pages, cfg.budget_pages, runners_up, cfg.radius_scale,
+                                        codes if codes is not None else torch.empty(0, dtype=torch.uint8), bits))  # type: ignore[return-value]
 
 
 def locate(slot_of: torch.Tensor, pids: torch.Tensor, valid: torch.Tensor, tails: torch.Tensor,

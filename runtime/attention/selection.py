@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .summaries import unpack_codes
+
 SELECTION_CARRIES = ("layer", "shared", "shared+neighbours")  # what --selection-carry names
 NEIGHBOUR_SHARE = 0.5  # shared+neighbours: the share of a neighbour page's carried mass a page adds
 
@@ -35,6 +37,7 @@ class SelectionConfig:
     radius_scale: float = 1.0  # the box radius' weight in a page's bound (1: Quest's upper bound; docs/attention.md)
     shared_carry: bool = False  # each page also carries the most mass it drew at any layer's previous step
     neighbour_carry: float = 0.0  # and this share of that of the pages before and after it (with shared_carry)
+    sketch_bits: int = 0  # 8 or 4: score pages by the attention the quantised keys predict (summaries.py), not bounds
 
     @property
     def budget_pages(self) -> int:
@@ -59,20 +62,44 @@ def selection_masks(npages: torch.Tensor, pmax: int, cfg: SelectionConfig) -> Se
     return SelectionMasks(invalid if bool(invalid.any()) else None, forced)
 
 
+def sketch_mass(qg: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bits: int,
+                invalid: torch.Tensor | None) -> torch.Tensor:
+    """qg [B, Hkv, G, D] (scaled queries); summaries [B, Hkv, P, 2D]; codes [B, Hkv, P, D * bits / 8, S] (the
+    key sketch); invalid [B, P] or None -> [B, Hkv, G, P]: each page's share of a softmax over every sketched
+    key (a key is ``kmin + code * step``, so q.k = q.kmin + (q * step).code)."""
+    d = qg.shape[-1]
+    c, r = summaries[..., :d], summaries[..., d:]  # [B, Hkv, P, D]
+    step = r * (2.0 / ((1 << bits) - 1))
+    base = torch.matmul(qg, (c - r).transpose(-1, -2))  # [B, Hkv, G, P]: q . kmin
+    qs = qg[:, :, None] * step[:, :, :, None]  # [B, Hkv, P, G, D]
+    tok = torch.matmul(qs, unpack_codes(codes, bits))  # [B, Hkv, P, G, S]
+    score = tok.permute(0, 1, 3, 2, 4) + base[..., None]  # [B, Hkv, G, P, S]
+    if invalid is not None:
+        score.masked_fill_(invalid[:, None, None, :, None], float("-inf"))
+    b, h, g, p, s = score.shape
+    return torch.softmax(score.reshape(b, h, g, p * s), dim=-1).view(b, h, g, p, s).sum(dim=-1)
+
+
 def page_scores(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks,
-                drawn: torch.Tensor | None = None, radius_scale: float = 1.0) -> torch.Tensor:
+                drawn: torch.Tensor | None = None, radius_scale: float = 1.0,
+                codes: torch.Tensor | None = None, bits: int = 0) -> torch.Tensor:
     """q [B, Hq, D]; summaries [B, Hkv, P, 2D] (center, radius); drawn [B, P] (the mass each page drew at the
-    previous step, or None) -> score [B, P] float32: estimated attention mass summed over heads, plus
-    ``drawn``; forced pages +inf, missing pages -inf. ``radius_scale`` weighs the radius term (1: the bound)."""
+    previous step, or None); codes [B, Hkv, P, D * bits / 8, S] (the key sketch, or None) -> score [B, P]
+    float32: estimated attention mass summed over heads, plus ``drawn``; forced pages +inf, missing pages
+    -inf. Without a sketch a head's mass is a softmax of the pages' bounds (``radius_scale`` weighs the
+    radius term; 1: the bound); with one, its softmax over the sketched keys, summed per page."""
     b, hq, d = q.shape
     hkv = summaries.shape[1]
     qg = q.float().view(b, hkv, hq // hkv, d) * (1.0 / math.sqrt(d))
-    qa = qg.abs() if radius_scale == 1.0 else qg.abs() * radius_scale
-    qc = torch.cat([qg, qa], dim=-1)  # [B, Hkv, G, 2D]: q meets the center, |q| the radius
-    bound = torch.matmul(qc, summaries.transpose(-1, -2))  # [B, Hkv, G, P]: at scale 1, >= every q.k / sqrt(D)
-    if masks.invalid is not None:
-        bound.masked_fill_(masks.invalid[:, None, None, :], float("-inf"))
-    mass = torch.softmax(bound, dim=-1).sum(dim=(1, 2))
+    if codes is not None:
+        mass = sketch_mass(qg, summaries, codes, bits, masks.invalid).sum(dim=(1, 2))
+    else:
+        qa = qg.abs() if radius_scale == 1.0 else qg.abs() * radius_scale
+        qc = torch.cat([qg, qa], dim=-1)  # [B, Hkv, G, 2D]: q meets the center, |q| the radius
+        bound = torch.matmul(qc, summaries.transpose(-1, -2))  # [B, Hkv, G, P]: at scale 1, >= every q.k / sqrt(D)
+        if masks.invalid is not None:
+            bound.masked_fill_(masks.invalid[:, None, None, :], float("-inf"))
+        mass = torch.softmax(bound, dim=-1).sum(dim=(1, 2))
     if drawn is not None:
         mass += drawn
     if masks.invalid is not None:
@@ -81,12 +108,13 @@ def page_scores(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks,
 
 
 def select_pages(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks, cfg: SelectionConfig,
-                 runners_up: int = 0, drawn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 runners_up: int = 0, drawn: torch.Tensor | None = None,
+                 codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Selected pages [B, K] int64 ascending (K = budget_pages; a sequence with fewer pages has them all
     first, then indices >= its page count), the next ``runners_up`` pages by score [B, R] (the pages most
     likely to enter the selection at the next step: what prefetch fetches from the slow tiers) and every
-    page's score [B, Pmax] (``page_scores``)."""
+    page's score [B, Pmax] (``page_scores``; ``codes`` the key sketch when ``cfg.sketch_bits``)."""
     k = cfg.budget_pages
-    scores = page_scores(q, summaries, masks, drawn, cfg.radius_scale)
+    scores = page_scores(q, summaries, masks, drawn, cfg.radius_scale, codes, cfg.sketch_bits)
     top = torch.topk(scores, min(scores.shape[1], k + runners_up), dim=1, sorted=True).indices
     return torch.sort(top[:, :k], dim=1).values, top[:, k:], scores

@@ -16,6 +16,15 @@ to the bound's estimate: a bound is loose (a box over 16 keys in D dimensions), 
 32K a page that really holds what the query looks for can rank below looser boxes; the mass it drew one
 step earlier is exact evidence, and it keeps the page while it still draws attention
 (``docs/attention.md``, measured on Gemma 3 at 32K).
+
+With a key sketch (``sketch_bits`` 8 or 4) the table also keeps every key of every page, quantised inside
+its page's own box: ``code = round((k - kmin) / (kmax - kmin) * (2^bits - 1))`` per dimension, so a key
+is ``kmin + code * step`` with ``step = 2r / (2^bits - 1)``, within ``step / 2`` of the truth in each
+dimension. Layout ``[L, rows, Hkv, Pcap, D * bits / 8, S]`` uint8, dimension-major within a page (byte
+``(j, t)``: token t's code of dimension j, or at 4 bits of dimensions 2j in the low nibble and 2j + 1 in the
+high one), so that one 16-byte load is a dimension of a 16-token page's keys (the native kernel's lanes). It costs ``D * bits / 8`` bytes per token and head beside the box's ``8D / S`` (at S = 16, D = 64:
+32 bytes at 4 bits, as much as the box), and it turns a page's score from a bound into an estimate of the
+attention mass the page really draws (``selection.sketch_scores``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,25 @@ def key_bounds(k: torch.Tensor) -> torch.Tensor:
     return torch.cat([(hi + lo) * 0.5, (hi - lo) * 0.5], dim=-1)
 
 
+def key_codes(k: torch.Tensor, bounds: torch.Tensor, bits: int) -> torch.Tensor:
+    """k [..., S, D]; bounds [..., 2D] (``key_bounds`` of the same keys) -> [..., D * bits / 8, S] uint8: each
+    key quantised in its page's box, dimension-major (4 bits: two dimensions a byte, the even one in the low
+    nibble)."""
+    d = k.shape[-1]
+    c, r = bounds[..., None, :d], bounds[..., None, d:]
+    top = (1 << bits) - 1
+    scale = torch.where(r > 0, top / (2 * r).clamp_min(1e-30), torch.zeros_like(r))
+    q = ((k.float() - (c - r)) * scale).round_().clamp_(0, top).to(torch.uint8).transpose(-1, -2)  # [..., D, S]
+    return (q if bits == 8 else q[..., 0::2, :] | (q[..., 1::2, :] << 4)).contiguous()
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., D * bits / 8, S] uint8 -> [..., D, S] float32 codes (``key_codes``' inverse packing)."""
+    if bits == 8:
+        return codes.float()
+    return torch.stack([codes & 0xF, codes >> 4], dim=-2).flatten(-3, -2).float()
+
+
 def spread_to_neighbours(mass: torch.Tensor, share: float) -> torch.Tensor:
     """mass [B, P] -> [B, P]: each page's mass plus ``share`` x that of the pages before and after it."""
     if not share:
@@ -43,16 +71,21 @@ def spread_to_neighbours(mass: torch.Tensor, share: float) -> torch.Tensor:
 
 class SummaryTable:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 rows: int = 1, pages: int = 64) -> None:
+                 rows: int = 1, pages: int = 64, page_size: int = 16, sketch_bits: int = 0) -> None:
+        if sketch_bits not in (0, 4, 8):
+            raise ValueError(f"sketch_bits {sketch_bits}: expected 0 (no key sketch), 4 or 8")
         self.shape = (num_layers, num_kv_heads, 2 * head_dim)
+        self.page_size, self.sketch_bits = page_size, sketch_bits
         self.device = device
-        self.table, self.mass = self._zeros(max(1, rows), max(1, pages))
+        self.table, self.mass, self.codes = self._zeros(max(1, rows), max(1, pages))
 
-    def _zeros(self, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _zeros(self, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         L, H, D2 = self.shape
         with torch.inference_mode(False):  # long-lived: written from the model's forward and outside it
+            codes = torch.zeros((L, rows, H, pages, D2 // 2 * self.sketch_bits // 8, self.page_size),
+                                dtype=torch.uint8, device=self.device) if self.sketch_bits else None
             return (torch.zeros((L, rows, H, pages, D2), dtype=torch.float32, device=self.device),
-                    torch.zeros((L, rows, pages), dtype=torch.float32, device=self.device))
+                    torch.zeros((L, rows, pages), dtype=torch.float32, device=self.device), codes)
 
     @property
     def rows(self) -> int:
@@ -71,27 +104,46 @@ class SummaryTable:
             r *= 2
         while p < pages:
             p *= 2
-        table, mass = self._zeros(r, p)
+        table, mass, codes = self._zeros(r, p)
         table[:, : self.rows, :, : self.pages] = self.table
         mass[:, : self.rows, : self.pages] = self.mass
-        self.table, self.mass = table, mass
+        if codes is not None:
+            assert self.codes is not None
+            codes[:, : self.rows, :, : self.pages] = self.codes
+        self.table, self.mass, self.codes = table, mass, codes
 
     def set(self, layer: int, row: int, first_page: int, k: torch.Tensor) -> None:
         """Summarise full pages k [n, Hkv, S, D] of ``layer`` as pages first_page.. of ``row`` (a page written
         has drawn no attention yet: a row reused by another sequence starts without the old one's)."""
         n = k.shape[0]
         if n:
-            self.table[layer, row, :, first_page : first_page + n] = key_bounds(k).transpose(0, 1)
+            bounds = key_bounds(k)  # [n, Hkv, 2D]
+            self.table[layer, row, :, first_page : first_page + n] = bounds.transpose(0, 1)
             self.mass[layer, row, first_page : first_page + n] = 0.0
+            if self.codes is not None:
+                self.codes[layer, row, :, first_page : first_page + n] = \
+                    key_codes(k, bounds, self.sketch_bits).transpose(0, 1)
 
     def set_all_layers(self, row: int, page: int, k: torch.Tensor) -> None:
         """Summarise page ``page`` of ``row`` in every layer at once: k [L, Hkv, S, D] (a decode page that filled)."""
-        self.table[:, row, :, page] = key_bounds(k)
+        bounds = key_bounds(k)  # [L, Hkv, 2D]
+        self.table[:, row, :, page] = bounds
         self.mass[:, row, page] = 0.0
+        if self.codes is not None:
+            self.codes[:, row, :, page] = key_codes(k, bounds, self.sketch_bits)
 
     def batch(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
         """[B, Hkv, pages, 2D] of ``rows``: a view when they are consecutive (``first_row`` given)."""
         t = self.table[layer]
+        if first_row is not None:
+            return t[first_row : first_row + rows.shape[0], :, :pages]
+        return t.index_select(0, rows)[:, :, :pages]
+
+    def sketch(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor | None:
+        """[B, Hkv, pages, D * bits / 8, S] uint8: the key sketch of ``rows`` (None without one)."""
+        if self.codes is None:
+            return None
+        t = self.codes[layer]
         if first_row is not None:
             return t[first_row : first_row + rows.shape[0], :, :pages]
         return t.index_select(0, rows)[:, :, :pages]

@@ -13,6 +13,8 @@ everything (it is write-through). Rows:
 - ``full-gpu``: exact attention over every page, all of them on the device tier (no I/O): full attention;
 - ``sparse-gpu``: kvdrive's selection and hot path with every page already on the device tier (no I/O);
 - ``kvdrive``, ``lru``, ``ondemand``, ``fullfetch``: the tier policies under the budgets above;
+- ``sparse-gpu-k8``, ``kvdrive-k8`` (and ``-k4``): those rows with pages chosen by the key sketch
+  (``--selection-sketch 8`` or ``4``) instead of the box bound, when asked for in ``modes``;
 - ``llama.cpp``: the same GGUF, same threads, all KV in RAM (``llama_cpp.py``), when installed.
 
 Time to first token (``prefill_contexts``): one fresh prompt (nothing of it stored anywhere), cut to each
@@ -50,6 +52,17 @@ from kvdrive.runtime.model.weight_formats import weight_bytes
 log = logging.getLogger(__name__)
 
 MODES = ("full-gpu", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
+SKETCH_MODES = tuple(f"{m}-k{bits}" for m in ("sparse-gpu", "kvdrive") for bits in (8, 4))  # by request
+
+
+def split_mode(mode: str) -> tuple[str, int]:
+    """A mode -> (its tier mode, the key sketch's bits or 0): ``kvdrive-k8`` -> (``kvdrive``, 8)."""
+    if mode in MODES:
+        return mode, 0
+    if mode in SKETCH_MODES:
+        base, _, bits = mode.rpartition("-k")
+        return base, int(bits)
+    raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES + SKETCH_MODES)}")
 PHASES = ("selection", "gather", "misses", "attention", "bookkeeping")
 
 
@@ -136,6 +149,7 @@ def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: in
             token_budget: int) -> EngineConfig:
     """The case's engine under ``mode``: budgets are fractions of ``total`` (the case's KV bytes in
     ``layout``, whose dtype the cache keeps)."""
+    mode, sketch = split_mode(mode)
     page_bytes = layout.page_bytes
     placement = "fullfetch" if mode == "full-gpu" else "kvdrive" if mode == "sparse-gpu" else mode
     # what the envelope reserves for the running sequences beside the hot tier: each one's open page (and a
@@ -149,7 +163,7 @@ def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: in
         tiers = TierConfig(envelope_bytes=max(int(total * 0.10), 2 * page_bytes) + tails, dram_bytes=int(total * 0.25),
                            ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
     return EngineConfig(tiers=tiers, placement=placement, token_budget=token_budget, max_sequences=batch,
-                        kv_dtype=layout.dtype)
+                        kv_dtype=layout.dtype, selection_sketch=sketch)
 
 
 def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[int, ...], ssd_dir: str,
@@ -297,6 +311,8 @@ def run_decode_bench(ssd_dir: str, model: str = "demo", contexts: tuple[int, ...
     result so far after each measured case (so that a run cut short keeps what it measured). ``kv_dtype``: the
     KV cache's dtype in every kvdrive row and the floor (None: the model's)."""
     started = time.perf_counter()
+    for mode in modes:
+        split_mode(mode)  # an unknown mode is refused before anything loads
     loaded = loaded or load_model(model, device=device, weights=weights)
     probe = ModelRunner(loaded, EngineConfig(max_sequences=1, kv_dtype=kv_dtype))
     layout, seq_reserve = probe.cache.layout, probe.cache.seq_reserve

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from kvdrive.runtime.bench.decode_bench import PHASES, DecodeBenchResult, ModeResult, PrefillResult
 
-ORDER = ("floor", "llama.cpp", "full-gpu", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
+ORDER = ("floor", "llama.cpp", "full-gpu", "sparse-gpu", "sparse-gpu-k8", "sparse-gpu-k4", "kvdrive", "kvdrive-k8",
+         "kvdrive-k4", "lru", "ondemand", "fullfetch")
 
 
 def _by(result: DecodeBenchResult) -> dict[tuple[int, int, str], ModeResult]:
@@ -85,7 +86,7 @@ def breakdown(result: DecodeBenchResult) -> str:
     by = _by(result)
     for ctx, b in _cases(result):
         floor = by.get((ctx, b, "floor"))
-        for mode in ("sparse-gpu", "kvdrive"):
+        for mode in ("sparse-gpu", "sparse-gpu-k8", "sparse-gpu-k4", "kvdrive", "kvdrive-k8", "kvdrive-k4"):
             r = by.get((ctx, b, mode))
             if r is None or not r.breakdown_ms:
                 continue

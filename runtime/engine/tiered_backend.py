@@ -187,10 +187,12 @@ class TieredAttentionBackend:
             drawn = cache.summaries.drawn(layer, dec.rows, dec.first_row, dec.pmax)
             if dec.shared is not None:
                 drawn = drawn + dec.shared
-            if in_place:
-                idx, near = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection, cache.placer.runners_up)
+            codes = cache.summaries.sketch(layer, dec.rows, dec.first_row, dec.pmax)
+            if in_place and (codes is None or cache.layout.page_size == paged_kernels.SKETCH_PAGE):
+                idx, near = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection, cache.placer.runners_up,
+                                                 codes)
             else:
-                idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up, drawn)
+                idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up, drawn, codes)
         else:
             idx = dec.idx
         pids = dec.table.gather(1, idx)

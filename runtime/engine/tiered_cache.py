@@ -64,11 +64,13 @@ class TieredKVCache:
             raise ValueError(f"selection_carry {carry!r}: expected one of {', '.join(SELECTION_CARRIES)}")
         self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size,
                                          radius_scale=config.selection_radius, shared_carry=carry != "layer",
-                                         neighbour_carry=NEIGHBOUR_SHARE if carry.endswith("+neighbours") else 0.0)
+                                         neighbour_carry=NEIGHBOUR_SHARE if carry.endswith("+neighbours") else 0.0,
+                                         sketch_bits=config.selection_sketch)
         self.root = root_digest(fingerprint)
         sel = self.selection  # pages written after a sparse decode depend on everything that picks the pages
         rule = ("" if sel.radius_scale == 1.0 else f":r{sel.radius_scale:g}") + \
-            ("" if carry == "layer" else f":{carry}")  # (the defaults add nothing: the keys stored before them)
+            ("" if carry == "layer" else f":{carry}") + \
+            (f":k{sel.sketch_bits}" if sel.sketch_bits else "")  # (the defaults add nothing: the keys stored before them)
         self._sparse_salt = f"sparse:{config.token_budget}:{sel.sink_pages}:{sel.recent_pages}{rule}".encode()
         # each running sequence's open page (all global layers) and, for a hybrid model, its sliding window
         self.seq_reserve = layout.page_bytes + (windows.bytes_per_sequence() if windows is not None else 0)
@@ -95,7 +97,9 @@ class TieredKVCache:
         self.promotions = PromotionQueue(self.placer, self.mover)  # copies the step's lower-tier reads earn
         self.transfers = TransferEngine(self.mover, workers=1)
         self.envelope.bind(self.mover, self.transfers.drain)
-        self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device)
+        self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device,
+                                      page_size=layout.page_size,
+                                      sketch_bits=0 if config.full_attention else sel.sketch_bits)
         self.prefix = PrefixPages(layout, self.store, self.mover, self.placer, self.summaries, self.keeper)
         self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from kvdrive.runtime.attention import (
     select_pages,
     selection_masks,
 )
+from kvdrive.runtime.attention.summaries import key_bounds, key_codes
 from kvdrive.runtime.model import block_kernels
 from kvdrive.runtime.model.gguf_blocks import Blocks
 from kvdrive.runtime.model.layers import RMSNorm
@@ -193,6 +195,35 @@ def test_select_picks_the_pages_select_pages_picks(batch: int, radius: float) ->
         assert torch.equal(k_idx[2], idx[2]) and torch.equal(k_near[2], near[2])
     forced = torch.tensor([0, p - 4, p - 3, p - 2, p - 1])
     assert torch.isin(forced, k_idx[0]).all()  # the sink and the recent window
+
+
+@pytest.mark.parametrize(("bits", "group"), [(8, G), (4, G), (8, 7), (4, 7)])
+def test_select_with_a_key_sketch_picks_the_pages_select_pages_picks(bits: int, group: int) -> None:
+    """Pages scored by their sketched keys (each page's log-sum-exp of its 16 keys' scores, then the same
+    softmax over pages): the kernel picks what the torch ops pick, over strided views of a table's rows, with
+    a short second sequence; and the sketch ranks pages differently from the bound (it is not ignored)."""
+    g = torch.Generator().manual_seed(bits + group)
+    batch, p = 3, 300
+    cfg = SelectionConfig(token_budget=512, page_size=S, sketch_bits=bits)
+    keys = torch.randn(batch + 2, p, HKV, S, D, generator=g) * 2
+    bounds = key_bounds(keys.flatten(0, 1)).view(batch + 2, p, HKV, 2 * D)
+    codes = key_codes(keys.flatten(0, 1), bounds.flatten(0, 1), bits).view(batch + 2, p, HKV, D * bits // 8, S)
+    summaries = bounds.transpose(1, 2)[1 : batch + 1]  # [B, Hkv, P, 2D], a strided view
+    sketch = codes.transpose(1, 2)[1 : batch + 1]  # [B, Hkv, P, D * bits / 8, S]
+    drawn = torch.zeros(batch, p)
+    npages = torch.tensor([p, 20, p])
+    q = torch.randn(batch, HKV * group, D, generator=g)
+    masks = selection_masks(npages, p, cfg)
+    idx, near, _ = select_pages(q, summaries, masks, cfg, 12, drawn, sketch)
+    k_idx, k_near = paged_kernels.select(q, summaries, drawn, npages, cfg, 12, sketch)
+    for b in (0, 2):
+        assert len(set(k_idx[b].tolist()) ^ set(idx[b].tolist())) <= 2  # float sums in another order: a tie at
+        assert len(set(k_near[b].tolist()) & set(near[b].tolist())) >= 10  # the cut may fall either way
+    assert torch.equal(k_idx[1, :20], torch.arange(20)) and torch.all(k_idx[1, 20:] >= 20)
+    bound_idx, _ = paged_kernels.select(q, summaries, drawn, npages, replace(cfg, sketch_bits=0), 12)
+    assert not torch.equal(bound_idx[0], k_idx[0])
+    with pytest.raises(RuntimeError, match="codes: "):
+        paged_kernels.select(q, summaries, drawn, npages, cfg, 12, sketch[:, :, :, :1])
 
 
 def test_locate_finds_each_pages_slot_and_counts_the_reads_by_tier() -> None:

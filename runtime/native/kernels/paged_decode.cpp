@@ -4,7 +4,10 @@
 //   key box, a softmax over the pages per query head, summed over the heads), plus the mass it drew at the
 //   layer's last step; sinks and the recent window forced, pages a sequence lacks last. Returns the top K
 //   page indices ascending and the next R by score: runtime/attention/selection.py's select_pages, computed
-//   without a [B, Hkv, G, P] tensor per op.
+//   without a [B, Hkv, G, P] tensor per op. With a key sketch (each key quantised to 8 or 4 bits in its
+//   page's box, runtime/attention/summaries.py) a page's per-head logit is the log of the softmax weight
+//   its sketched keys sum to instead of its bound, so the same softmax over pages gives each page's share
+//   of a softmax over every key.
 // locate_pages: where each selected page can be read in place (its slot in the host arena, which holds both
 //   memory tiers), with the open page last, and how many entries hit each tier or missed both.
 // paged_decode: exact softmax attention of one query per sequence over K/V read in place, column by column,
@@ -308,6 +311,67 @@ void quest_bounds(const float* q, const float* summ, int64_t stride, int64_t p0,
 using BoundsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                           float, float*);
 
+// The sketch's page logits: for pages [p0, p1) of one KV head, logit[g * P + p] = log sum_t exp(q_g . k_t *
+// scale) over the page's 16 keys, each key k_t = kmin + code_t * step (kmin = c - r, step = 2r / (2^bits -
+// 1) from the page's summary row). Codes [Dp, 16] per page (``cstride`` bytes apart): byte (j, t) is token
+// t's code of dimension j (8 bits) or of dimensions 2j (low nibble) and 2j + 1 (high nibble) (4 bits), so a
+// load of 16 bytes is one dimension for all 16 tokens: the 16 lanes hold the tokens and each query head
+// keeps one accumulator of its 16 scores. GC: G as a compile-time constant (0: at run time).
+template <int64_t GC, int BITS>
+void sketch_logits(const float* q, const float* summ, int64_t stride, const uint8_t* codes, int64_t cstride,
+                   int64_t p0, int64_t p1, int64_t G_, int64_t D, int64_t P, float scale, float* logit) {
+  const int64_t G = GC ? GC : G_, DC = D / 16;
+  constexpr int64_t NG = GC ? GC : MAX_G;
+  const float unit = 2.0f / static_cast<float>((1 << BITS) - 1);
+  alignas(64) float qs[MAX_G * MAX_D];  // [G, D]: q_g * step * scale of the page at hand
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* cr = summ + p * stride;  // [2D]: center, radius
+    __m512 base[NG];
+    for (int64_t g = 0; g < G; ++g) base[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512 cc = _mm512_loadu_ps(cr + c * 16), rr = _mm512_loadu_ps(cr + D + c * 16);
+      const __m512 lo = _mm512_sub_ps(cc, rr), st = _mm512_mul_ps(rr, _mm512_set1_ps(unit * scale));
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 qq = _mm512_loadu_ps(q + g * D + c * 16);
+        base[g] = _mm512_fmadd_ps(qq, lo, base[g]);
+        _mm512_store_ps(qs + g * D + c * 16, _mm512_mul_ps(qq, st));
+      }
+    }
+    const uint8_t* code = codes + p * cstride;
+    __m512 acc[NG];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_set1_ps(_mm512_reduce_add_ps(base[g]) * scale);
+    if constexpr (BITS == 8) {
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + d * 16))));
+        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d]), kv, acc[g]);
+      }
+    } else {
+      for (int64_t j = 0; j < D / 2; ++j) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j * 16)));
+        const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xF)));
+        const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+        for (int64_t g = 0; g < G; ++g) {
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j]), even, acc[g]);
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j + 1]), odd, acc[g]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float m = _mm512_reduce_max_ps(acc[g]);
+      logit[g * P + p] = m + std::log(_mm512_reduce_add_ps(exp16(_mm512_sub_ps(acc[g], _mm512_set1_ps(m)))));
+    }
+  }
+}
+
+using SketchFn = void (*)(const float*, const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float, float*);
+
+SketchFn pick_sketch(int64_t G, int64_t bits) {
+  if (bits == 8) return G == 7 ? &sketch_logits<7, 8> : G == 4 ? &sketch_logits<4, 8> : &sketch_logits<0, 8>;
+  return G == 7 ? &sketch_logits<7, 4> : G == 4 ? &sketch_logits<4, 4> : &sketch_logits<0, 4>;
+}
+
 BoundsFn pick_bounds(int64_t G, int64_t D) {
   if (G == 3 && D == 64) return &quest_bounds<3, 4>;
   if (G == 4 && D == 256) return &quest_bounds<4, 16>;
@@ -319,11 +383,12 @@ BoundsFn pick_bounds(int64_t G, int64_t D) {
 }  // namespace
 
 // q [B, Hq, D] float32; summaries [B, Hkv, P, 2D] float32 (center, radius; any strides but the last);
-// drawn [B, P] float32 (last stride 1); npages [B] int64 -> selected [B, K] int64 ascending, runners-up
-// [B, min(P, K + R) - K] int64 by score (see select_pages in runtime/attention/selection.py).
+// drawn [B, P] float32 (last stride 1); npages [B] int64; codes (bits 8 or 4) [B, Hkv, P, D * bits / 8, 16]
+// uint8, the last two dims contiguous (bits 0: none, codes ignored) -> selected [B, K] int64 ascending,
+// runners-up [B, min(P, K + R) - K] int64 by score (see select_pages in runtime/attention/selection.py).
 std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries, torch::Tensor drawn,
                                         torch::Tensor npages, int64_t sink, int64_t recent, int64_t k, int64_t runners_up,
-                                        double radius) {
+                                        double radius, torch::Tensor codes, int64_t bits) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q: [B, Hq, D] float32");
   TORCH_CHECK(summaries.dim() == 4 && summaries.scalar_type() == torch::kFloat && summaries.stride(3) == 1,
               "summaries: [B, Hkv, P, 2D] float32");
@@ -339,21 +404,36 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
   auto npc = npages.contiguous();
   const int64_t* np = npc.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(np[b] >= 0 && np[b] <= P, "npages out of 0..P");
-  // [B, Hkv, G, P]: each query head's softmax over the pages' bounds, one unit of work per query head
+  TORCH_CHECK(bits == 0 || bits == 4 || bits == 8, "bits: 0, 4 or 8");
+  TORCH_CHECK(G <= MAX_G, "at most ", MAX_G, " query heads per KV head");
+  if (bits) {
+    TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kByte && codes.size(0) == B &&
+                    codes.size(1) == Hkv && codes.size(2) == P && codes.size(3) == D * bits / 8 &&
+                    codes.size(4) == 16 && codes.stride(4) == 1 && codes.stride(3) == 16,
+                "codes: [B, Hkv, P, D * bits / 8, 16] uint8, the last two dims contiguous");
+  }
+  // [B, Hkv, G, P]: each query head's softmax over the pages' logits (bounds or sketch), one unit per query head
   auto head_mass = torch::empty({B, Hkv, G, P}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* sp = summaries.data_ptr<float>();
   const int64_t s0 = summaries.stride(0), s1 = summaries.stride(1), s2 = summaries.stride(2);
   float* hm = head_mass.data_ptr<float>();
   const auto bounds = pick_bounds(G, D);
-  // the bounds: (sequence, KV head, page range) units, so that one sequence keeps both cores busy
+  const auto sketch = bits ? pick_sketch(G, bits) : nullptr;
+  const uint8_t* cp = bits ? codes.data_ptr<uint8_t>() : nullptr;
+  const int64_t c0 = bits ? codes.stride(0) : 0, c1 = bits ? codes.stride(1) : 0, c2 = bits ? codes.stride(2) : 0;
+  // the logits: (sequence, KV head, page range) units, so that one sequence keeps both cores busy
   const int64_t threads = at::get_num_threads();
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(P / 16, (2 * threads + B * Hkv - 1) / (B * Hkv)));
   at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t c = u % chunks, bh = u / chunks, b = bh / Hkv, h = bh % Hkv, n = np[b];
-      bounds(qp + bh * G * D, sp + b * s0 + h * s1, s2, n * c / chunks, n * (c + 1) / chunks, G, D, P, scale,
-             static_cast<float>(radius), hm + bh * G * P);
+      if (sketch)
+        sketch(qp + bh * G * D, sp + b * s0 + h * s1, s2, cp + b * c0 + h * c1, c2, n * c / chunks,
+               n * (c + 1) / chunks, G, D, P, scale, hm + bh * G * P);
+      else
+        bounds(qp + bh * G * D, sp + b * s0 + h * s1, s2, n * c / chunks, n * (c + 1) / chunks, G, D, P, scale,
+               static_cast<float>(radius), hm + bh * G * P);
     }
   });
   // then each query head's softmax over its sequence's pages
