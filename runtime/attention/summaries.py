@@ -87,6 +87,11 @@ class SummaryTable:
             return (torch.zeros((L, rows, H, pages, D2), dtype=torch.float32, device=self.device),
                     torch.zeros((L, rows, pages), dtype=torch.float32, device=self.device), codes)
 
+    def bytes_per_token(self) -> tuple[int, int]:
+        """(summary bytes, key sketch bytes) a token of one sequence takes in this table, all layers."""
+        L, H, D2 = self.shape
+        return L * H * D2 * 4 // self.page_size, L * H * D2 // 2 * self.sketch_bits // 8
+
     @property
     def rows(self) -> int:
         return self.table.shape[1]

@@ -33,6 +33,7 @@ from kvdrive.runtime.attention import (
     causal_attention,
     decode_attention,
     key_bounds,
+    key_codes,
     select_pages,
     selection_masks,
     spread_to_neighbours,
@@ -43,13 +44,14 @@ from kvdrive.runtime.model.loader import LoadedModel
 PREFILL_CHUNK = 512
 
 # q [1, Hq, D], summaries [1, Hkv, P, 2D], masks, drawn [1, P] float32 (the layer's previous-step mass), cross
-# [1, P] float32 (each page's largest mass over every layer's latest step) -> kept pages [1, K] int64
-Selector = Callable[[torch.Tensor, torch.Tensor, SelectionMasks, torch.Tensor, torch.Tensor, SelectionConfig],
-                    torch.Tensor]
+# [1, P] float32 (each page's largest mass over every layer's latest step), config, keys [P, Hkv, S, D] (the
+# sealed pages' keys, for a rule that keeps a sketch of them) -> kept pages [1, K] int64
+Selector = Callable[[torch.Tensor, torch.Tensor, SelectionMasks, torch.Tensor, torch.Tensor, SelectionConfig,
+                     torch.Tensor], torch.Tensor]
 
 
 def _bounds_only(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
-                 cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
+                 cross: torch.Tensor, cfg: SelectionConfig, keys: torch.Tensor) -> torch.Tensor:
     return select_pages(q, summ, masks, cfg, 0, None)[0]
 
 
@@ -63,15 +65,27 @@ def _engine_rule(radius: float = 1.0, carry: str = "layer") -> Selector:
     neighbours = NEIGHBOUR_SHARE if carry.endswith("+neighbours") else 0.0
 
     def rule(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
-             cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
+             cross: torch.Tensor, cfg: SelectionConfig, keys: torch.Tensor) -> torch.Tensor:
         carried = drawn if carry == "layer" else drawn + spread_to_neighbours(cross, neighbours)
         return select_pages(q, summ, masks, replace(cfg, radius_scale=radius), 0, carried)[0]
 
     return rule
 
 
+def _sketch_rule(bits: int) -> Selector:
+    """The engine's rule under ``--selection-sketch bits``: pages scored by the attention their keys, quantised
+    to ``bits`` in the page's box, predict (plus the layer's own previous-step mass)."""
+
+    def rule(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
+             cross: torch.Tensor, cfg: SelectionConfig, keys: torch.Tensor) -> torch.Tensor:
+        codes = key_codes(keys, summ[0].transpose(0, 1), bits).transpose(0, 1)[None]  # [1, Hkv, P, D*bits/8, S]
+        return select_pages(q, summ, masks, replace(cfg, sketch_bits=bits), 0, drawn, codes)[0]
+
+    return rule
+
+
 def _per_head(q: torch.Tensor, summ: torch.Tensor, masks: SelectionMasks, drawn: torch.Tensor,
-              cross: torch.Tensor, cfg: SelectionConfig) -> torch.Tensor:
+              cross: torch.Tensor, cfg: SelectionConfig, keys: torch.Tensor) -> torch.Tensor:
     """Each query head ranks the pages by its own bound softmax plus the carried mass; the budget is filled
     rank by rank across heads (every head's first choice, then every head's second, ...), so a head whose
     attention is spread thin still gets its best pages instead of losing them to sharper heads."""
@@ -99,6 +113,8 @@ SELECTORS: dict[str, Selector] = {
     "layers-carry": _engine_rule(carry="shared"),
     "layers-carry+neighbours": _engine_rule(carry="shared+neighbours"),
     "half-radius+layers-carry+neighbours": _engine_rule(0.5, "shared+neighbours"),
+    "sketch8+carry": _sketch_rule(8),
+    "sketch4+carry": _sketch_rule(4),
 }
 
 
@@ -178,10 +194,12 @@ class _ProbeBackend:
         tail = probs[:, pages * s:].sum(-1)  # [Hq]
         heaviest = mass.argmax(dim=-1)  # [Hq]
         masks = selection_masks(torch.tensor([pages], device=q.device), pages, self.sel)
+        hkv, _, d = keys.shape
+        paged = keys[:, : pages * s].reshape(hkv, pages, s, d).transpose(0, 1)  # [P, Hkv, S, D]
         for rule in self.rules:
             drawn = self.drawn.get((rule, layer), torch.zeros(0, device=q.device))
             drawn = torch.cat([drawn, torch.zeros(pages - drawn.shape[0], device=q.device)])[None]
-            kept = SELECTORS[rule](q, summ, masks, drawn, self._cross(rule, pages, q.device), self.sel)[0]
+            kept = SELECTORS[rule](q, summ, masks, drawn, self._cross(rule, pages, q.device), self.sel, paged)[0]
             kept = kept[kept < pages]
             cover = tail + mass[:, kept].sum(-1)  # [Hq]
             new = torch.zeros(pages, device=q.device)

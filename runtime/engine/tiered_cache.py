@@ -113,6 +113,10 @@ class TieredKVCache:
         log.info("KV tiers: %s; placement %s, %s attention (token budget %d)",
                  ", ".join(f"{u.tier} {u.capacity_bytes >> 20} MiB ({u.backing})" for u in self.store.usage()),
                  self.policy.name, "sparse" if self.policy.sparse else "full", config.token_budget)
+        if self.summaries.sketch_bits:
+            log.info("selection: pages scored by a %d-bit key sketch; %d bytes a token on the %s beside the "
+                     "summaries' %d, outside the tier budgets", self.summaries.sketch_bits,
+                     self.summaries.bytes_per_token()[1], device, self.summaries.bytes_per_token()[0])
 
     def _store_budgets(self, envelope: int, dram: int, ssd: int) -> TierBudgets:
         """The store's tier budgets: its gpu tier is the envelope's hot part."""

@@ -86,6 +86,7 @@ def test_the_table_keeps_codes_for_prompt_and_decode_pages_and_grows() -> None:
     assert got is not None and got.shape == (1, 2, 4, 8 * 4 // 8, 4)
     assert torch.equal(got[0, :, :3], key_codes(k, key_bounds(k), 4).transpose(0, 1))
     assert torch.equal(got[0, :, 3], key_codes(last[1:], key_bounds(last[1:]), 4)[0])
+    assert table.bytes_per_token() == (2 * 2 * 16 * 4 // 4, 2 * 2 * 8 * 4 // 8)  # layers x heads x (box, codes)
     assert SummaryTable(2, 2, 8, torch.device("cpu")).sketch(0, rows, None, 1) is None
     with pytest.raises(ValueError, match="sketch_bits 3"):
         SummaryTable(2, 2, 8, torch.device("cpu"), sketch_bits=3)
