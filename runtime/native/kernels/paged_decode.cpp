@@ -367,10 +367,18 @@ void sketch_logits(const float* q, const float* summ, int64_t stride, const uint
 using SketchFn = void (*)(const float*, const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
                           int64_t, int64_t, float, float*);
 
-SketchFn pick_sketch(int64_t G, int64_t bits) {
-  if (bits == 8) return G == 7 ? &sketch_logits<7, 8> : G == 4 ? &sketch_logits<4, 8> : &sketch_logits<0, 8>;
-  return G == 7 ? &sketch_logits<7, 4> : G == 4 ? &sketch_logits<4, 4> : &sketch_logits<0, 4>;
+template <int BITS>
+SketchFn pick_sketch_group(int64_t G) {
+  switch (G) {  // the query heads per KV head of the registry's models (Qwen 0.5B / 1.5B, Gemma 3, SmolLM2)
+    case 7: return &sketch_logits<7, BITS>;
+    case 6: return &sketch_logits<6, BITS>;
+    case 4: return &sketch_logits<4, BITS>;
+    case 3: return &sketch_logits<3, BITS>;
+    default: return &sketch_logits<0, BITS>;
+  }
 }
+
+SketchFn pick_sketch(int64_t G, int64_t bits) { return bits == 8 ? pick_sketch_group<8>(G) : pick_sketch_group<4>(G); }
 
 BoundsFn pick_bounds(int64_t G, int64_t D) {
   if (G == 3 && D == 64) return &quest_bounds<3, 4>;
