@@ -47,8 +47,8 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     dc.add_argument("--ssd-dir", required=True, help="SSD tier directory (prompts are prefilled into it once)")
     dc.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
     dc.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    dc.add_argument("--modes", nargs="+", default=None, help="subset of full-gpu sparse-gpu kvdrive lru ondemand fullfetch, and sparse-gpu-k8 "
-                    "kvdrive-k8 sparse-gpu-k4 kvdrive-k4 (pages chosen by the key sketch; not run unless named)")
+    dc.add_argument("--modes", nargs="+", default=None, help="subset of full-gpu sparse-gpu kvdrive lru ondemand fullfetch; also sparse-gpu-kN and "
+                    "kvdrive-kN (N 0, 4, 8: that row under --selection-sketch N; not run unless named)")
     dc.add_argument("--steps", type=int, default=16)
     dc.add_argument("--warmup", type=int, default=8)
     dc.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
@@ -122,6 +122,9 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
                     help="more kvdrive serve flags for the sparse legs, e.g. '--selection-radius 0.5' (needs --tag)")
     ru.add_argument("--report-only", action="store_true",
                     help="write the report of the cells already measured in --work-dir (or --out) and run nothing")
+    ru.add_argument("--selection-sketch", type=int, choices=[0, 4, 8], default=8,
+                    help="the sparse legs' page selection: the key sketch's bits (default 8, the engine's), 0 for "
+                         "the box bound (legs sparse-<budget>, as measured before the sketch)")
     ru.add_argument("--tag", default="", help="names the legs run with --sparse-flags: sparse-<budget>-<tag> (run "
                                               "again on the same --work-dir to add them beside the measured legs)")
     ru.add_argument("--gpu-budget", default="96MiB", help="each server's device envelope (tight: pages move)")
@@ -249,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
         setup = ruler_bench.RulerSetup(args.model, tuple(args.contexts), tuple(args.tasks or ruler_bench.TASKS),
                                        args.limit, tuple(args.budgets), args.threads, args.gpu_budget,
                                        args.dram_budget, args.ssd_budget, weights=args.weights,
-                                       sparse_flags=tuple(shlex.split(args.sparse_flags)), tag=args.tag)
+                                       sparse_flags=tuple(shlex.split(args.sparse_flags)), tag=args.tag,
+                                       sketch=args.selection_sketch)
         command = "kvdrive bench ruler " + " ".join(sys.argv[3:])
         args.out.parent.mkdir(parents=True, exist_ok=True)
 

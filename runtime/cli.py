@@ -63,9 +63,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the previous step's attention a page carries into its selection score: its own layer's; "
                         "also the most it drew at any layer (shared); and half that of the pages beside it "
                         "(shared+neighbours) (docs/attention.md)")
-    p.add_argument("--selection-sketch", type=int, choices=[0, 4, 8], default=0,
+    p.add_argument("--selection-sketch", type=int, choices=[0, 4, 8], default=8,
                    help="keep every key quantised to this many bits inside its page's box and pick pages by the "
-                        "attention those keys predict (0: by the box bound alone; docs/attention.md)")
+                        "attention those keys predict (default 8; 0: by the box bound alone, Quest's rule; "
+                        "docs/attention.md)")
     p.add_argument("--full-attention", action="store_true", help="attend to every page (exact; no selection)")
     p.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive",
                    help="tier policy: kvdrive, or a baseline it is measured against")

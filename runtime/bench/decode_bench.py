@@ -13,8 +13,9 @@ everything (it is write-through). Rows:
 - ``full-gpu``: exact attention over every page, all of them on the device tier (no I/O): full attention;
 - ``sparse-gpu``: kvdrive's selection and hot path with every page already on the device tier (no I/O);
 - ``kvdrive``, ``lru``, ``ondemand``, ``fullfetch``: the tier policies under the budgets above;
-- ``sparse-gpu-k8``, ``kvdrive-k8`` (and ``-k4``): those rows with pages chosen by the key sketch
-  (``--selection-sketch 8`` or ``4``) instead of the box bound, when asked for in ``modes``;
+- ``sparse-gpu-k0``, ``kvdrive-k0`` (and ``-k4``, ``-k8``): those rows under a named selection rule, when asked
+  for in ``modes``: the box bound (``--selection-sketch 0``) or a key sketch of 4 or 8 bits (the plain rows
+  run the engine's default, the 8-bit sketch);
 - ``llama.cpp``: the same GGUF, same threads, all KV in RAM (``llama_cpp.py``), when installed.
 
 Time to first token (``prefill_contexts``): one fresh prompt (nothing of it stored anywhere), cut to each
@@ -52,13 +53,14 @@ from kvdrive.runtime.model.weight_formats import weight_bytes
 log = logging.getLogger(__name__)
 
 MODES = ("full-gpu", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
-SKETCH_MODES = tuple(f"{m}-k{bits}" for m in ("sparse-gpu", "kvdrive") for bits in (8, 4))  # by request
+SKETCH_MODES = tuple(f"{m}-k{bits}" for m in ("sparse-gpu", "kvdrive") for bits in (0, 8, 4))  # by request
 
 
 def split_mode(mode: str) -> tuple[str, int]:
-    """A mode -> (its tier mode, the key sketch's bits or 0): ``kvdrive-k8`` -> (``kvdrive``, 8)."""
+    """A mode -> (its tier mode, the key sketch's bits; 0: the box bound): ``kvdrive-k0`` -> (``kvdrive``, 0);
+    a plain mode runs the engine's default rule."""
     if mode in MODES:
-        return mode, 0
+        return mode, EngineConfig.selection_sketch
     if mode in SKETCH_MODES:
         base, _, bits = mode.rpartition("-k")
         return base, int(bits)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from kvdrive.runtime.bench.decode_bench import PHASES, DecodeBenchResult, ModeResult, PrefillResult
 
-ORDER = ("floor", "llama.cpp", "full-gpu", "sparse-gpu", "sparse-gpu-k8", "sparse-gpu-k4", "kvdrive", "kvdrive-k8",
-         "kvdrive-k4", "lru", "ondemand", "fullfetch")
+SPARSE_ROWS = ("sparse-gpu", "sparse-gpu-k0", "sparse-gpu-k8", "sparse-gpu-k4", "kvdrive", "kvdrive-k0", "kvdrive-k8",
+               "kvdrive-k4")  # the rows that select pages (the -kN: a named rule, decode_bench.split_mode)
+ORDER = ("floor", "llama.cpp", "full-gpu", *SPARSE_ROWS, "lru", "ondemand", "fullfetch")
 
 
 def _by(result: DecodeBenchResult) -> dict[tuple[int, int, str], ModeResult]:
@@ -86,7 +87,7 @@ def breakdown(result: DecodeBenchResult) -> str:
     by = _by(result)
     for ctx, b in _cases(result):
         floor = by.get((ctx, b, "floor"))
-        for mode in ("sparse-gpu", "sparse-gpu-k8", "sparse-gpu-k4", "kvdrive", "kvdrive-k8", "kvdrive-k4"):
+        for mode in SPARSE_ROWS:
             r = by.get((ctx, b, mode))
             if r is None or not r.breakdown_ms:
                 continue

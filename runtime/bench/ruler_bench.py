@@ -52,10 +52,13 @@ class RulerSetup:
     weights: str = "auto"
     sparse_flags: tuple[str, ...] = ()  # more serve flags of the sparse legs (a selection rule under test)
     tag: str = ""  # what names those legs: sparse-<budget>-<tag>
+    sketch: int = 8  # every sparse leg's --selection-sketch (before sparse_flags; the engine's default)
 
     @property
     def legs(self) -> tuple[str, ...]:
-        suffix = f"-{self.tag}" if self.tag else ""
+        """``full`` and a sparse leg per budget: ``sparse-<budget>-k<sketch>`` (``sparse-<budget>`` under the box
+        bound, ``sketch`` 0: the name of the legs measured before the sketch), or ``sparse-<budget>-<tag>``."""
+        suffix = f"-{self.tag}" if self.tag else f"-k{self.sketch}" if self.sketch else ""
         return ("full", *(f"sparse-{b}{suffix}" for b in self.budgets))
 
 
@@ -114,7 +117,7 @@ def serve_args(setup: RulerSetup, leg: str, port: int, ssd_dir: Path) -> list[st
         attention = ["--full-attention"]
     else:
         budget = leg.removeprefix("sparse-").partition("-")[0]
-        attention = ["--token-budget", budget, *setup.sparse_flags]
+        attention = ["--token-budget", budget, "--selection-sketch", str(setup.sketch), *setup.sparse_flags]
     return ["serve", "--model", setup.model, "--port", str(port), "--threads", str(setup.threads),
             "--weights", setup.weights, "--page-size", str(setup.page_size), "--gpu-budget", setup.gpu_budget,
             "--dram-budget", setup.dram_budget, "--ssd-dir", str(ssd_dir), "--ssd-budget", setup.ssd_budget,

@@ -40,7 +40,7 @@ class EngineConfig:
     token_budget: int = 1024  # tokens each decode query attends to (selected pages + the open one)
     selection_radius: float = 1.0  # the box radius' weight in a page's selection score (SelectionConfig)
     selection_carry: str = "layer"  # layer | shared | shared+neighbours: the previous step's mass a page carries
-    selection_sketch: int = 0  # 0, 4 or 8: bits of the per-key sketch that scores pages (SelectionConfig.sketch_bits)
+    selection_sketch: int = 8  # 0, 4 or 8: bits of the per-key sketch that scores pages (0: the box bound)
     page_size: int = 16
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
     max_sequences: int = 16  # the most sequences that may ever run at once (rows and open pages reserved)

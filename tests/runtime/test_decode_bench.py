@@ -46,8 +46,9 @@ def test_the_decode_bench_computes_on_the_gpu_it_is_given(tmp_path: Path) -> Non
 
 
 def test_the_sketch_rows_run_beside_the_bound_rows_and_unknown_modes_are_refused(tmp_path: Path) -> None:
-    """``kvdrive-k4`` is the ``kvdrive`` row with pages chosen by the 4-bit key sketch: both are measured on the
-    same prompts and appear in the report's tables; a mode nobody defined is refused before anything loads."""
+    """``kvdrive-k4`` is the ``kvdrive`` row with pages chosen by the 4-bit key sketch (the plain row: the
+    engine's default rule): both are measured on the same prompts and appear in the report's tables; a mode
+    nobody defined is refused before anything loads."""
     res = run_decode_bench(str(tmp_path / "ssd"), "demo", contexts=(512,), batches=(1,),
                            modes=("kvdrive", "kvdrive-k4"), steps=2, warmup=1, token_budget=128,
                            with_llama_cpp=False)
@@ -55,6 +56,6 @@ def test_the_sketch_rows_run_beside_the_bound_rows_and_unknown_modes_are_refused
     assert all(r.tokens_per_s > 0 for r in res.results)
     report = markdown(res)
     assert report.count("| 512 | 1 | kvdrive-k4 |") == 2  # the throughput table and the step breakdown
-    assert split_mode("sparse-gpu-k8") == ("sparse-gpu", 8) and split_mode("lru") == ("lru", 0)
+    assert split_mode("sparse-gpu-k0") == ("sparse-gpu", 0) and split_mode("lru") == ("lru", 8)
     with pytest.raises(ValueError, match="mode 'lru-k8': expected one of"):
         run_decode_bench(str(tmp_path / "ssd"), "demo", modes=("lru-k8",))

@@ -32,7 +32,7 @@ def _cell(task: str, leg: str, scores: list[float], responses: list[str]) -> Cel
 
 
 def _result() -> RulerResult:
-    setup = RulerSetup("m", (8192,), ("a", "b"), 4, (1024,), 2, "1MiB", "1MiB", "1GiB")
+    setup = RulerSetup("m", (8192,), ("a", "b"), 4, (1024,), 2, "1MiB", "1MiB", "1GiB", sketch=0)
     return RulerResult(setup, {"kvdrive": "0"}, [
         _cell("a", "full", [1, 1, 0, 1], ["p", "q", "r", "s"]),
         _cell("a", "sparse-1024", [1, 0, 0, 1], ["p", "x", "r", "s"]),
@@ -57,13 +57,17 @@ def test_pairs_are_per_sample_with_bootstrap_intervals() -> None:
 
 def test_legs_name_their_server_flags() -> None:
     setup = RulerSetup("m", (8192,), ("a",), 4, (2048, 1024), 2, "1MiB", "1MiB", "1GiB")
-    assert setup.legs == ("full", "sparse-2048", "sparse-1024")
+    assert setup.legs == ("full", "sparse-2048-k8", "sparse-1024-k8")  # the engine's default rule, named
+    bound = RulerSetup("m", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB", sketch=0)
+    assert bound.legs == ("full", "sparse-1024")  # as the legs measured before the sketch are named
     rule = RulerSetup("m", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB",
-                      sparse_flags=("--selection-radius", "0.5"), tag="r0.5")
+                      sparse_flags=("--selection-radius", "0.5"), tag="r0.5", sketch=0)
     assert rule.legs == ("full", "sparse-1024-r0.5")
     assert serve_args(setup, "full", 1, Path("ssd"))[-1] == "--full-attention"
-    assert serve_args(setup, "sparse-1024", 1, Path("ssd"))[-2:] == ["--token-budget", "1024"]
-    assert serve_args(rule, "sparse-1024-r0.5", 1, Path("ssd"))[-4:] == ["--token-budget", "1024",
+    assert serve_args(setup, "sparse-1024-k8", 1, Path("ssd"))[-4:] == ["--token-budget", "1024",
+                                                                         "--selection-sketch", "8"]
+    assert serve_args(rule, "sparse-1024-r0.5", 1, Path("ssd"))[-6:] == ["--token-budget", "1024",
+                                                                          "--selection-sketch", "0",
                                                                           "--selection-radius", "0.5"]
 
 
@@ -77,7 +81,7 @@ def test_a_run_resumes_from_its_result_file(tmp_path: Path) -> None:
     assert restore_cells(out, res.setup, work) == 0  # present cells are left alone
     report = run_ruler_bench(res.setup, work, measure=False)  # what is measured, nothing run
     assert report.cells == res.cells
-    other = RulerSetup("another-model", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB")
+    other = RulerSetup("another-model", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB", sketch=0)
     assert restore_cells(out, other, tmp_path / "elsewhere") == 0
 
 
@@ -91,13 +95,13 @@ def test_a_small_real_run(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     cells = {c["leg"]: c for c in res["cells"]}
-    assert set(cells) == {"full", "sparse-1024"}
+    assert set(cells) == {"full", "sparse-1024-k8"}
     for cell in cells.values():
         assert len(cell["samples"]) == 2 and cell["prompt_tokens"] > 2 * 3500  # the prompts are ~4K tokens
     full = [s["score"] for s in cells["full"]["samples"]]
     assert sum(full) >= 1, cells["full"]["samples"]  # the model finds a single needle at 4K
-    assert cells["full"]["cached_tokens"] < cells["sparse-1024"]["cached_tokens"]
-    assert cells["sparse-1024"]["cached_tokens"] >= 2 * 3000  # the second leg reused the stored prompt pages
+    assert cells["full"]["cached_tokens"] < cells["sparse-1024-k8"]["cached_tokens"]
+    assert cells["sparse-1024-k8"]["cached_tokens"] >= 2 * 3000  # the second leg reused the stored prompt pages
     assert res["paired"][0]["n"] == 2 and out.with_suffix(".png").is_file() and out.with_suffix(".md").is_file()
     # the selection probe's prompts are the very samples lm-eval sent (same seeds, template and tokenization)
     prompts = ruler_prompts("qwen2.5-coder-0.5b", "niah_single_1", 4096, 2)

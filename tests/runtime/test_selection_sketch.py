@@ -93,7 +93,8 @@ def test_the_table_keeps_codes_for_prompt_and_decode_pages_and_grows() -> None:
 
 
 def test_the_flag_reaches_the_engine_and_bad_values_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert engine_config(parse_args(["serve"]), max_sequences=1).selection_sketch == 0
+    assert engine_config(parse_args(["serve"]), max_sequences=1).selection_sketch == 8 == EngineConfig().selection_sketch
+    assert engine_config(parse_args(["serve", "--selection-sketch", "0"]), max_sequences=1).selection_sketch == 0
     assert engine_config(parse_args(["serve", "--selection-sketch", "4"]), max_sequences=1).selection_sketch == 4
     with pytest.raises(SystemExit):
         parse_args(["serve", "--selection-sketch", "2"])
