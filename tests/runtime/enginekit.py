@@ -29,12 +29,14 @@ def with_reserve(layout: KVLayout, hot_bytes: int, config: EngineConfig) -> int:
 
 
 def small_engine(loaded: LoadedModel, ssd: Path, gpu_pages: int, dram_pages: int, token_budget_pages: int,
-                 placement: str = "kvdrive") -> LLMEngine:
+                 placement: str = "kvdrive", selection_sketch: int = EngineConfig.selection_sketch) -> LLMEngine:
     """Two sequences at most, a device tier of ``gpu_pages`` pages (plus their open pages), DRAM of
-    ``dram_pages``, a 64 MiB SSD tier in ``ssd``, under ``placement``."""
+    ``dram_pages``, a 64 MiB SSD tier in ``ssd``, under ``placement``, pages selected under
+    ``selection_sketch``."""
     layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
     page = layout.page_bytes
-    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=token_budget_pages * PAGE, placement=placement)
+    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=token_budget_pages * PAGE, placement=placement,
+                         selection_sketch=selection_sketch)
     gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
         envelope_bytes=with_reserve(layout, gpu_pages * page, shape), dram_bytes=dram_pages * page, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
