@@ -22,9 +22,10 @@ its page's own box: ``code = round((k - kmin) / (kmax - kmin) * (2^bits - 1))`` 
 is ``kmin + code * step`` with ``step = 2r / (2^bits - 1)``, within ``step / 2`` of the truth in each
 dimension. Layout ``[L, rows, Hkv, Pcap, D * bits / 8, S]`` uint8, dimension-major within a page (byte
 ``(j, t)``: token t's code of dimension j, or at 4 bits of dimensions 2j in the low nibble and 2j + 1 in the
-high one), so that one 16-byte load is a dimension of a 16-token page's keys (the native kernel's lanes). It costs ``D * bits / 8`` bytes per token and head beside the box's ``8D / S`` (at S = 16, D = 64:
-32 bytes at 4 bits, as much as the box), and it turns a page's score from a bound into an estimate of the
-attention mass the page really draws (``selection.sketch_scores``).
+high one), so that one 16-byte load is a dimension of a 16-token page's keys (the native kernel's lanes).
+It costs ``D * bits / 8`` bytes per token and head beside the box's ``8D / S`` (at S = 16, D = 64: 32 bytes
+at 4 bits, as much as the box), and it turns a page's score from a bound into an estimate of the attention
+mass the page really draws (``selection.sketch_mass``).
 """
 
 from __future__ import annotations
@@ -137,21 +138,21 @@ class SummaryTable:
         if self.codes is not None:
             self.codes[:, row, :, page] = key_codes(k, bounds, self.sketch_bits)
 
-    def batch(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
-        """[B, Hkv, pages, 2D] of ``rows``: a view when they are consecutive (``first_row`` given)."""
-        t = self.table[layer]
+    @staticmethod
+    def _of_rows(t: torch.Tensor, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
+        """t [rows, Hkv, Pcap, ...] -> [B, Hkv, pages, ...] of ``rows``: a view when they are consecutive
+        (``first_row`` given), else a copy."""
         if first_row is not None:
             return t[first_row : first_row + rows.shape[0], :, :pages]
         return t.index_select(0, rows)[:, :, :pages]
 
+    def batch(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
+        """[B, Hkv, pages, 2D] of ``rows``: a view when they are consecutive (``first_row`` given)."""
+        return self._of_rows(self.table[layer], rows, first_row, pages)
+
     def sketch(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor | None:
         """[B, Hkv, pages, D * bits / 8, S] uint8: the key sketch of ``rows`` (None without one)."""
-        if self.codes is None:
-            return None
-        t = self.codes[layer]
-        if first_row is not None:
-            return t[first_row : first_row + rows.shape[0], :, :pages]
-        return t.index_select(0, rows)[:, :, :pages]
+        return None if self.codes is None else self._of_rows(self.codes[layer], rows, first_row, pages)
 
     def drawn(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
         """[B, pages]: the attention mass each page of ``rows`` drew at ``layer``'s last decode step."""

@@ -99,7 +99,7 @@ class TieredKVCache:
         self.envelope.bind(self.mover, self.transfers.drain)
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device,
                                       page_size=layout.page_size,
-                                      sketch_bits=0 if config.full_attention else sel.sketch_bits)
+                                      sketch_bits=sel.sketch_bits if self.policy.sparse else 0)
         self.prefix = PrefixPages(layout, self.store, self.mover, self.placer, self.summaries, self.keeper)
         self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}
@@ -114,9 +114,9 @@ class TieredKVCache:
                  ", ".join(f"{u.tier} {u.capacity_bytes >> 20} MiB ({u.backing})" for u in self.store.usage()),
                  self.policy.name, "sparse" if self.policy.sparse else "full", config.token_budget)
         if self.summaries.sketch_bits:
+            box, sketch = self.summaries.bytes_per_token()
             log.info("selection: pages scored by a %d-bit key sketch; %d bytes a token on the %s beside the "
-                     "summaries' %d, outside the tier budgets", self.summaries.sketch_bits,
-                     self.summaries.bytes_per_token()[1], device, self.summaries.bytes_per_token()[0])
+                     "summaries' %d, outside the tier budgets", self.summaries.sketch_bits, sketch, device, box)
 
     def _store_budgets(self, envelope: int, dram: int, ssd: int) -> TierBudgets:
         """The store's tier budgets: its gpu tier is the envelope's hot part."""

@@ -1,9 +1,10 @@
-"""Driving an ``LLMEngine`` in the engine tests: a small tiered engine, run until dry, its tokens."""
+"""Driving the engine in tests: a small tiered ``LLMEngine``, run until dry, its tokens; one greedy generation."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvdrive.runtime.engine import (
     EngineConfig,
@@ -41,6 +42,16 @@ def small_engine(loaded: LoadedModel, ssd: Path, gpu_pages: int, dram_pages: int
         envelope_bytes=with_reserve(layout, gpu_pages * page, shape), dram_bytes=dram_pages * page, ssd_dir=str(ssd),
         ssd_bytes=64 << 20)))
     return LLMEngine(gen, SchedulerConfig(max_running=2))
+
+
+def greedy(loaded: LoadedModel, prompt: list[int], max_tokens: int, **config: Any) -> list[int]:
+    """The greedy tokens ``ModelRunner.generate`` gives ``prompt`` on one sequence under ``EngineConfig(**config)``
+    (default tiers), the runner closed after."""
+    gen = ModelRunner(loaded, EngineConfig(tiers=TierConfig(), max_sequences=1, **config))
+    try:
+        return list(gen.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+    finally:
+        gen.close()
 
 
 def plain_engine(loaded: LoadedModel, rows: int) -> LLMEngine:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from enginekit import greedy
 
 from kvdrive.runtime.attention import SelectionConfig, SummaryTable, select_pages, selection_masks
 from kvdrive.runtime.cli import engine_config, parse_args
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import LoadedModel
 
 
@@ -62,12 +62,5 @@ def test_sparse_decoding_runs_under_each_carry(demo: LoadedModel, carry: str) ->
     host has them): tokens come out, and the first two (from the prompt, then from the first decode step, when
     no layer has drawn anything yet) are the default rule's."""
     prompt = demo.tokenizer.encode("word " * 640)[:640]
-    outs = {}
-    for rule in ("layer", carry):
-        gen = ModelRunner(demo, EngineConfig(tiers=TierConfig(), token_budget=256, selection_carry=rule,
-                                             max_sequences=1))
-        try:
-            outs[rule] = list(gen.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
-        finally:
-            gen.close()
+    outs = {rule: greedy(demo, prompt, 8, token_budget=256, selection_carry=rule) for rule in ("layer", carry)}
     assert len(outs[carry]) == 8 and outs[carry][:2] == outs["layer"][:2]

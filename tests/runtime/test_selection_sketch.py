@@ -9,12 +9,13 @@ import math
 
 import pytest
 import torch
+from enginekit import greedy
 
 from kvdrive.runtime.attention import SelectionConfig, SummaryTable, select_pages, selection_masks
 from kvdrive.runtime.attention.selection import sketch_mass
 from kvdrive.runtime.attention.summaries import key_bounds, key_codes, unpack_codes
 from kvdrive.runtime.cli import engine_config, parse_args
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
+from kvdrive.runtime.engine import EngineConfig
 from kvdrive.runtime.model import LoadedModel
 
 
@@ -105,12 +106,5 @@ def test_sparse_decoding_runs_with_the_sketch(demo: LoadedModel) -> None:
     """~40 pages under a 16-page budget, the sketch choosing the pages: tokens come out, the first (from the
     prompt) is the bound's."""
     prompt = demo.tokenizer.encode("word " * 640)[:640]
-    outs = {}
-    for bits in (0, 4):
-        gen = ModelRunner(demo, EngineConfig(tiers=TierConfig(), token_budget=256, selection_sketch=bits,
-                                             max_sequences=1))
-        try:
-            outs[bits] = list(gen.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)))
-        finally:
-            gen.close()
+    outs = {bits: greedy(demo, prompt, 8, token_budget=256, selection_sketch=bits) for bits in (0, 4)}
     assert len(outs[4]) == 8 and outs[4][0] == outs[0][0]
