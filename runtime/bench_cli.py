@@ -130,6 +130,9 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     ru.add_argument("--gpu-budget", default="96MiB", help="each server's device envelope (tight: pages move)")
     ru.add_argument("--dram-budget", default="128MiB")
     ru.add_argument("--ssd-budget", default="16GiB", help="holds every prompt of a task, so later legs reuse them")
+    ru.add_argument("--keep-ssd", action="store_true",
+                    help="keep each task's SSD directory (<work-dir>/ssd/<context>-<task>) once its legs are measured "
+                         "(default: removed, ~4 GiB a task at 8K)")
     add_weights_arg(ru)
     ru.add_argument("--out", type=Path, default=Path("bench/results/ruler.json"))
     sp = bsub.add_parser("selection", help="which pages sparse selection keeps against where full attention puts "
@@ -253,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
                                        args.limit, tuple(args.budgets), args.threads, args.gpu_budget,
                                        args.dram_budget, args.ssd_budget, weights=args.weights,
                                        sparse_flags=tuple(shlex.split(args.sparse_flags)), tag=args.tag,
-                                       sketch=args.selection_sketch)
+                                       sketch=args.selection_sketch, keep_ssd=args.keep_ssd)
         command = "kvdrive bench ruler " + " ".join(sys.argv[3:])
         args.out.parent.mkdir(parents=True, exist_ok=True)
 

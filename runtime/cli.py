@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.threads = args.threads or default_threads()
         torch.set_num_threads(args.threads)
-    verbose = args.verbose or args.command == "serve"
+    verbose = args.verbose or args.command in ("serve", "bench")  # long work says what it did
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -3,10 +3,13 @@
 
 Owns running the cells (their pairing and report: ``ruler_report``). A cell is one (context, task, leg); a leg
 is ``full`` or ``sparse-<token budget>`` (``sparse-<budget>-<tag>`` for legs run with other selection flags).
-For each context and task the legs run one after another, each against its own ``kvdrive serve`` (the attention mode is a server flag) on one SSD directory with tight device and DRAM
+For each context and task the legs run one after another, each against its own ``kvdrive serve`` (the attention
+mode is a server flag) on the task's SSD directory (``<work>/ssd/<context>-<task>``) with tight device and DRAM
 tiers, so the pages really move: the first leg prefills every prompt and writes its pages through to the SSD
 tier, and the later legs' servers recover the stored pages and reuse them (``cached`` in the result counts
-the prompt tokens that came from stored pages instead of being computed).
+the prompt tokens that came from stored pages instead of being computed). Once a task's legs are all measured
+its directory is removed (``keep_ssd`` keeps it): 20 prompts of 8K tokens are ~4 GiB there, and a folder that
+grew by a task at a time filled the disk that the cluster tests need.
 
 lm-eval's ``local-completions`` model sends each prompt, rendered through the model's own chat template
 (an HF tokenizer folder written from the GGUF into the cache), with greedy ``generate_until``. RULER's
@@ -53,6 +56,7 @@ class RulerSetup:
     sparse_flags: tuple[str, ...] = ()  # more serve flags of the sparse legs (a selection rule under test)
     tag: str = ""  # what names those legs: sparse-<budget>-<tag>
     sketch: int = 8  # every sparse leg's --selection-sketch (before sparse_flags; the engine's default)
+    keep_ssd: bool = False  # keep each task's SSD directory once its legs are measured
 
     @property
     def legs(self) -> tuple[str, ...]:
@@ -128,6 +132,19 @@ def _cell_path(work: Path, context: int, task: str, leg: str) -> Path:
     return work / "cells" / str(context) / task / f"{leg}.json"
 
 
+def ssd_dir(work: Path, context: int, task: str) -> Path:
+    """The SSD tier the legs of one (context, task) share: the first leg's prefills, the later legs' reuse."""
+    return work / "ssd" / f"{context}-{task}"
+
+
+def _drop_ssd(path: Path) -> None:
+    if not path.is_dir():
+        return
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    shutil.rmtree(path)
+    log.info("ruler: removed %s (%.1f GiB of stored prompt pages; --keep-ssd keeps them)", path, size / (1 << 30))
+
+
 def load_cell(path: Path) -> Cell:
     raw = json.loads(path.read_text())
     raw["samples"] = tuple(Sample(**{**s, "target": tuple(s["target"])}) for s in raw["samples"])
@@ -195,7 +212,8 @@ def run_cell(setup: RulerSetup, work: Path, context: int, task: str, leg: str, t
     port = free_port()
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    proc = Proc(serve_args(setup, leg, port, work / "ssd"), port, logs / f"serve-{context}-{task}-{leg}.log")
+    proc = Proc(serve_args(setup, leg, port, ssd_dir(work, context, task)), port,
+                logs / f"serve-{context}-{task}-{leg}.log")
     t0 = time.perf_counter()
     proc.start(wait_s=900)
     try:
@@ -267,4 +285,6 @@ def run_ruler_bench(setup: RulerSetup, work: Path,
                 res.cells.append(run_cell(setup, work, context, task, leg, tokenizer))
                 if on_cell is not None:
                     on_cell(res)
+            if measure and not setup.keep_ssd:
+                _drop_ssd(ssd_dir(work, context, task))
     return res

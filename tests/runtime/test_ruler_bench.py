@@ -20,6 +20,7 @@ from kvdrive.runtime.bench.ruler_bench import (
     ruler_prompts,
     run_ruler_bench,
     serve_args,
+    ssd_dir,
 )
 from kvdrive.runtime.bench.ruler_report import as_dict, averages, markdown, paired
 
@@ -103,6 +104,8 @@ def test_a_small_real_run(tmp_path: Path) -> None:
     assert cells["full"]["cached_tokens"] < cells["sparse-1024-k8"]["cached_tokens"]
     assert cells["sparse-1024-k8"]["cached_tokens"] >= 2 * 3000  # the second leg reused the stored prompt pages
     assert res["paired"][0]["n"] == 2 and out.with_suffix(".png").is_file() and out.with_suffix(".md").is_file()
+    assert not ssd_dir(tmp_path / "work", 4096, "niah_single_1").exists()  # the task's stored pages are removed
+    assert "removed" in run.stderr and "GiB of stored prompt pages" in run.stderr
     # the selection probe's prompts are the very samples lm-eval sent (same seeds, template and tokenization)
     prompts = ruler_prompts("qwen2.5-coder-0.5b", "niah_single_1", 4096, 2)
     assert [label for label, _ in prompts] == ["niah_single_1#0", "niah_single_1#1"]
