@@ -8,7 +8,11 @@ every decode step and layer the probe also computes, from the same query, what e
 - **cover**: the share of a query head's attention that falls on the kept pages and the open tail page (what
   sparse attention renormalises over; 1.0 means sparse equals full at this step and layer);
 - **top kept**: whether the head's heaviest page is among the kept ones;
-- the same cover for an **oracle** that keeps the pages with the most exact mass (what no bound can beat).
+- the same cover for an **oracle** that keeps the pages with the most exact mass (what no bound can beat);
+- **budget across layers** (``allocation``): the oracle's cover when the step's pages (layers x budget) are
+  shared out among the layers by their exact masses instead of evenly, with this step's masses (what no
+  per-layer budget can beat) and with the previous step's (what a rule could know when it sets a layer's
+  budget), beside the oracle at twice the budget.
 
 Every rule sees the very same queries, so rules compare without sampling noise; each carries its own
 previous-step mass (what the engine's ``drawn`` holds: the renormalised attention its own selection drew).
@@ -131,6 +135,17 @@ class StepLayer:
     top_kept: float  # share of query heads whose heaviest page was kept
 
 
+@dataclass(frozen=True)
+class CoverCurve:
+    """One (prompt, decode step, layer): the oracle's mean cover by how many pages it keeps besides the forced
+    ones (sinks, recent window; the open tail always), the heaviest first."""
+
+    prompt: int
+    step: int
+    layer: int
+    cover: tuple[float, ...]  # [j]: keeping the j heaviest unforced pages (j = 0 .. 4x the budget's)
+
+
 @dataclass
 class ProbeResult:
     model: str
@@ -139,6 +154,7 @@ class ProbeResult:
     steps: int
     prompts: list[dict[str, Any]] = field(default_factory=list)  # label, tokens, pages, seconds, output
     rows: list[StepLayer] = field(default_factory=list)
+    curves: list[CoverCurve] = field(default_factory=list)
 
 
 class _ProbeBackend:
@@ -162,6 +178,7 @@ class _ProbeBackend:
         self.prompt = 0
         self.step = -1  # -1 while prefilling
         self.rows: list[StepLayer] = []
+        self.curves: list[CoverCurve] = []
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t0, n = self.len[layer], q.shape[0]
@@ -208,6 +225,16 @@ class _ProbeBackend:
             self._row(layer, rule, cover, kept, heaviest, pages)
         oracle = torch.topk(mass.sum(0), k_pages).indices
         self._row(layer, "oracle", tail + mass[:, oracle].sum(-1), oracle, heaviest, pages)
+        self._curve(layer, mass, tail, masks.forced[0])
+
+    def _curve(self, layer: int, mass: torch.Tensor, tail: torch.Tensor, forced: torch.Tensor) -> None:
+        """mass [Hq, P], tail [Hq], forced [P] bool -> the layer's ``CoverCurve`` at this step."""
+        free = self.sel.budget_pages - int(forced.sum())
+        rest = mass.masked_fill(forced[None, :], 0.0)
+        order = torch.argsort(rest.sum(0), descending=True)[: 4 * free]
+        base = tail + mass[:, forced].sum(-1)  # [Hq]
+        cum = torch.cat([base[:, None], base[:, None] + torch.cumsum(rest[:, order], dim=1)], dim=1)
+        self.curves.append(CoverCurve(self.prompt, self.step, layer, tuple(cum.mean(0).tolist())))
 
     def _cross(self, rule: str, pages: int, device: torch.device) -> torch.Tensor:
         """[1, P]: each page's largest mass over the layers' latest steps under ``rule`` (this step's for the
@@ -269,6 +296,7 @@ def run_probe(loaded: LoadedModel, prompts: Sequence[tuple[str, Sequence[int]]],
             if progress is not None:
                 progress(f"{label}: {len(ids)} tokens, {time.perf_counter() - t0:.0f} s")
     res.rows = backend.rows
+    res.curves = backend.curves
     return res
 
 
@@ -300,6 +328,47 @@ def summary(res: ProbeResult) -> list[dict[str, Any]]:
     return out
 
 
+def _share_out(curves: list[tuple[float, ...]], total: int) -> list[int]:
+    """The pages each layer keeps when ``total`` are given to the largest gains in cover (every curve is
+    concave: its pages come heaviest first, so taking the largest gains is optimal)."""
+    gains = sorted(((c[j + 1] - c[j], i) for i, c in enumerate(curves) for j in range(len(c) - 1)), reverse=True)
+    out = [0] * len(curves)
+    for _, i in gains[:total]:
+        out[i] += 1
+    return out
+
+
+def allocation(res: ProbeResult) -> list[dict[str, Any]]:
+    """Per group: the oracle's mean cover over (step, layer) with an even budget, with the step's pages shared
+    out among the layers by this step's exact masses and by the previous step's, and with twice the budget
+    (even). Only steps where every layer needs selecting and that follow such a step count."""
+    sel = SelectionConfig(token_budget=res.token_budget, page_size=res.page_size)
+    wide = SelectionConfig(token_budget=2 * res.token_budget, page_size=res.page_size)
+    free = sel.budget_pages - sel.sink_pages - sel.recent_pages
+    free2 = wide.budget_pages - sel.sink_pages - sel.recent_pages
+    steps: dict[tuple[int, int], dict[int, tuple[float, ...]]] = {}
+    for c in res.curves:
+        steps.setdefault((c.prompt, c.step), {})[c.layer] = c.cover
+    layers = max((len(v) for v in steps.values()), default=0)
+    groups: dict[str, dict[str, list[float]]] = {}
+    previous: dict[int, list[int]] = {}
+    for (prompt, _step), by in sorted(steps.items()):
+        if len(by) < layers:
+            continue
+        curves = [by[i] for i in sorted(by)]
+        share = _share_out(curves, free * len(curves))
+        before, previous[prompt] = previous.get(prompt), share
+        if before is None:
+            continue  # a prompt's first probed step: no previous step to share out by
+        g = groups.setdefault(_label_of(res, prompt), {k: [] for k in ("even", "shared", "shared_prev", "even_2x")})
+        g["even"].append(statistics.fmean(c[min(free, len(c) - 1)] for c in curves))
+        g["shared"].append(statistics.fmean(c[n] for c, n in zip(curves, share, strict=True)))
+        g["shared_prev"].append(statistics.fmean(c[min(n, len(c) - 1)] for c, n in zip(curves, before, strict=True)))
+        g["even_2x"].append(statistics.fmean(c[min(free2, len(c) - 1)] for c in curves))
+    return [{"group": g, "cases": len(v["even"]), **{k: round(statistics.fmean(x), 4) for k, x in v.items()}}
+            for g, v in groups.items()]
+
+
 def markdown(res: ProbeResult, command: str) -> str:
     lines = [f"# Selection probe: {res.model}, budget {res.token_budget} tokens", "", f"`{command}`", "",
              f"{len(res.prompts)} prompts, {res.steps} greedy decode steps each under full attention; every rule "
@@ -309,6 +378,14 @@ def markdown(res: ProbeResult, command: str) -> str:
     for s in summary(res):
         lines.append(f"| {s['group']} | {s['rule']} | {s['cases']} | {s['cover_mean']:.3f} | {s['cover_min_p5']:.3f} | "
                      f"{s['top_kept']:.1%} | {s['worst_layer']} ({s['worst_layer_cover']:.3f}) |")
+    shares = allocation(res)
+    if shares:
+        lines += ["", "Budget across layers (the oracle's mean cover; each (step) shares out layers x budget pages):",
+                  "", "| prompts | steps | even | shared by this step's mass | shared by the previous step's | "
+                  "even, 2x budget |", "|---|---:|---:|---:|---:|---:|"]
+        for a in shares:
+            lines.append(f"| {a['group']} | {a['cases']} | {a['even']:.3f} | {a['shared']:.3f} | {a['shared_prev']:.3f} | "
+                         f"{a['even_2x']:.3f} |")
     lines += ["", "| prompt | tokens | seconds | greedy output (full attention) |", "|---|---:|---:|---|"]
     lines += [f"| {p['label']} | {p['tokens']} | {p['seconds']} | {p['output']!r} |" for p in res.prompts]
     return "\n".join(lines) + "\n"
@@ -355,4 +432,5 @@ def by_layer(res: ProbeResult) -> list[dict[str, Any]]:
 def as_dict(res: ProbeResult) -> dict[str, Any]:
     """The result file: the setup, each prompt, the summary and the per-layer figures (not every row)."""
     return {"model": res.model, "token_budget": res.token_budget, "page_size": res.page_size, "steps": res.steps,
-            "prompts": res.prompts, "summary": summary(res), "by_layer": by_layer(res)}
+            "prompts": res.prompts, "summary": summary(res), "by_layer": by_layer(res),
+            "allocation": allocation(res)}

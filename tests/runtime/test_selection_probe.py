@@ -8,7 +8,15 @@ from collections import Counter
 
 import pytest
 
-from kvdrive.runtime.bench.selection_probe import SELECTORS, by_layer, markdown, run_probe, summary
+from kvdrive.runtime.bench.selection_probe import (
+    SELECTORS,
+    _share_out,
+    allocation,
+    by_layer,
+    markdown,
+    run_probe,
+    summary,
+)
 from kvdrive.runtime.bench.texts import filler_tokens
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import LoadedModel
@@ -37,6 +45,24 @@ def test_probe_decodes_like_full_attention_and_no_rule_beats_the_oracle(demo: Lo
     assert rules == {*SELECTORS, "oracle"} and "| doc | bounds+carry | " in markdown(res, "probe")
     layer_rows = by_layer(res)
     assert len(layer_rows) == layers * (len(SELECTORS) + 1) and all(r["cases"] == 4 for r in layer_rows)
+    # the oracle's cover curves: one per (step, layer), from the forced pages' share up, never past 1
+    assert len(res.curves) == 4 * layers
+    for c in res.curves:
+        steps = zip(c.cover, c.cover[1:], strict=False)
+        assert 0.0 < c.cover[0] and all(a <= b + 1e-6 for a, b in steps) and c.cover[-1] <= 1 + 1e-5
+    (shares,) = allocation(res)
+    assert shares["group"] == "doc" and shares["cases"] == 3  # the steps after the first
+    # sharing the same pages out by this step's masses never covers less than an even split, nor more than an
+    # even split of twice the pages
+    assert shares["even"] <= shares["shared"] + 1e-6 and shares["even"] <= shares["even_2x"] + 1e-6
+    assert shares["shared_prev"] <= shares["shared"] + 1e-6
+    assert "Budget across layers" in markdown(res, "probe")
+
+
+def test_pages_go_to_the_largest_gains_in_cover() -> None:
+    # gains: layer 0 +0.5, +0.1, +0.02; layer 1 +0.3, +0.15, +0.05 -> three pages: 0.5, 0.3, 0.15
+    assert _share_out([(0.0, 0.5, 0.6, 0.62), (0.0, 0.3, 0.45, 0.5)], 3) == [1, 2]
+    assert _share_out([(0.0, 0.5, 0.6, 0.62), (0.0, 0.3, 0.45, 0.5)], 6) == [3, 3]
 
 
 def test_a_budget_that_holds_the_prompt_probes_nothing(demo: LoadedModel) -> None:
