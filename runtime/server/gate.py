@@ -6,8 +6,8 @@ decided before any route code runs or any body is parsed.
   the admin token (``--admin-token-file``).
 - ``/metrics``, ``/openapi.json``, ``/docs`` and ``/redoc`` are open by default, so that Prometheus and
   humans can read them without a credential (``/metrics`` names the SSD tier's path in its ``backing``
-  label); ``--protect-metadata`` puts them behind the API key too. ``/healthz`` and ``/readyz`` are
-  always open: kubelet probes carry no token.
+  label); ``--protect-metadata`` puts them behind the API key too. ``/healthz``, ``/readyz`` and vLLM's
+  ``/health`` are always open: kubelet probes and load generators' checks carry no token.
 - The ``Bearer`` scheme is matched case-insensitively (RFC 7235).
 - A body over the limit is refused with 413, from its ``Content-Length`` before reading it, or while
   reading a chunked one; it is buffered (at most the limit) and replayed to the route.

@@ -214,6 +214,7 @@ def openai_routes(state: ServerState) -> APIRouter:
             return await until_disconnect(request, stream(
                 rid, outputs, chat=False, model=cfg.model_id,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
                 prefix=prefix if body.echo else None, keepalive_s=cfg.sse_keepalive_seconds, render=renders))
         done = await until_disconnect(request, collect(outputs, renders))
         return JSONResponse(s.CompletionResponse(id=rid, model=cfg.model_id, usage=done.usage, choices=[
@@ -243,6 +244,7 @@ def openai_routes(state: ServerState) -> APIRouter:
             return await until_disconnect(request, stream(
                 rid, outputs, chat=True, model=cfg.model_id,
                 include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
                 keepalive_s=cfg.sse_keepalive_seconds, render=render,
                 tool_stream=(lambda: ToolStream(names)) if tools else None))
         done = await until_disconnect(request, collect(outputs, render))

@@ -1,5 +1,6 @@
 """The operations routes: liveness and readiness, Prometheus metrics, and the live tier budgets
-(``/admin/tiers``, which the operator's tuner drives)."""
+(``/admin/tiers``, which the operator's tuner drives). ``/health`` is vLLM's liveness route (200 and an empty
+body), which load generators such as guidellm check before they start."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ def ops_routes(state: ServerState) -> APIRouter:
         if not state.engine.alive:
             raise ApiError(503, "engine thread is not running", "server_error")
         return {"status": "ok"}
+
+    @router.get("/health", responses={200: {"description": "the engine runs (vLLM's liveness route)"},
+                                       503: GENERATION_ERRORS[503]})
+    async def health() -> Response:
+        if not state.engine.alive:
+            raise ApiError(503, "engine thread is not running", "server_error")
+        return Response(status_code=200)
 
     @router.get("/readyz", responses={503: GENERATION_ERRORS[503]})
     async def readyz() -> a.Readiness:

@@ -98,6 +98,8 @@ class _SamplingFields(BaseModel):
 class StreamOptions(BaseModel):
     model_config = REQUEST
     include_usage: Bool = False
+    # vLLM's extension: with include_usage, every chunk that carries tokens also carries the usage so far
+    continuous_usage_stats: Bool = False
 
 
 MAX_PROMPTS = 32  # prompts in one completions request

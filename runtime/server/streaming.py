@@ -88,18 +88,22 @@ async def collect(outputs: Fanout, render: Render | None = None) -> Collected:
 
 async def stream(rid: str, outputs: Fanout, chat: bool, model: str, include_usage: bool,
                  prefix: Callable[[int], str] | None = None, keepalive_s: float = 5.0,
-                 render: Render | None = None, tool_stream: Callable[[], ToolStream] | None = None) -> StreamingResponse:
+                 render: Render | None = None, tool_stream: Callable[[], ToolStream] | None = None,
+                 continuous_usage: bool = False) -> StreamingResponse:
     """Wait until the engine accepted the request (its first output: errors before that are HTTP errors),
     then answer with SSE: each choice's chunks carry its index (and its tokens' log-probabilities when
     ``render`` is given). ``prefix``: a completion's echoed prompt per choice; sent at once, or with the first
     token when the prompt's log-probabilities come with it. ``tool_stream``: a chat answer's text is read for
-    tool calls (``tools.py``), sent as call deltas; such an answer ends with finish_reason "tool_calls"."""
+    tool calls (``tools.py``), sent as call deltas; such an answer ends with finish_reason "tool_calls".
+    ``continuous_usage`` (vLLM's ``continuous_usage_stats``, with ``include_usage``): every chunk after the
+    engine's first output carries the usage so far, as vLLM's do (load generators count tokens by it)."""
     it = outputs.__aiter__()
     first = await anext(it, None)
     renders = {i: render(i) for i in range(outputs.n)} if render is not None else {}
     echo_lps = prefix is not None and render is not None  # the echo waits for its log-probabilities
 
     parsers = {i: tool_stream() for i in range(outputs.n)} if tool_stream is not None else {}
+    seen: dict[int, RequestOutput] = {}
 
     def chunk(index: int, text: str | None, reason: str | None, role: bool = False,
               lps: tuple[TokenLogprob, ...] = (), prompt: tuple[TokenLogprob, ...] | None = None,
@@ -115,10 +119,11 @@ async def stream(rid: str, outputs: Fanout, chat: bool, model: str, include_usag
             cl = r.completion_body(lps, prompt) if r is not None and (lps or prompt is not None) else None
             body = s.CompletionResponse(id=rid, model=model, choices=[s.CompletionChoice(
                 index=index, text=text or "", finish_reason=reason, logprobs=cl)]).model_dump(exclude={"usage"})
+        if continuous_usage and include_usage and seen:
+            body["usage"] = _usage(seen, outputs.per_prompt).model_dump()
         return f"data: {json.dumps(body)}\n\n"
 
     async def events() -> AsyncIterator[str]:
-        seen: dict[int, RequestOutput] = {}
         prompts: dict[int, tuple[TokenLogprob, ...]] = {}  # prompt -> its log-probabilities (echo)
         echoed: set[int] = set()
         for i in range(outputs.n):

@@ -147,6 +147,8 @@ async def test_metadata_is_open_by_default_and_protected_on_request(tiny_state: 
                 assert (await c.get(path)).status_code == status, (protect, path)
             assert (await c.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
             assert (await c.get("/healthz")).status_code == 200  # probes carry no token
+            health = await c.get("/health")  # vLLM's, which load generators check first
+            assert health.status_code == 200 and health.content == b""
 
 
 async def test_a_body_over_the_limit_is_413_with_or_without_content_length(client: httpx.AsyncClient) -> None:

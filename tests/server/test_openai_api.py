@@ -34,6 +34,19 @@ def test_streamed_chat_equals_non_streamed(client: openai.OpenAI) -> None:
     assert text == "The capital of France is Paris."
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
+    assert all(c.usage is None for c in chunks[:-1])  # usage once, at the end, unless asked for every chunk
+
+
+def test_continuous_usage_counts_tokens_as_they_stream(client: openai.OpenAI) -> None:
+    # vLLM's stream_options.continuous_usage_stats, which guidellm sends: the usage so far in every chunk
+    stream = client.chat.completions.create(model="demo", messages=QUESTION, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True,
+                                                                         "continuous_usage_stats": True})
+    chunks = list(stream)
+    counted = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+    assert counted and counted == sorted(counted) and counted[-1] == 7  # grows with the answer
+    assert all(c.usage.prompt_tokens == 37 for c in chunks if c.usage is not None)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 7
 
 
 def test_completion_length_limit_and_stop(client: openai.OpenAI) -> None:
