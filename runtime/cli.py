@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     verbose = args.verbose or args.command in ("serve", "bench")  # long work says what it did
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request the benchmarks make says nothing
     try:
         if hasattr(args, "device"):  # auto -> cuda or cpu, once, before any model is loaded
             from kvdrive.runtime.model.device import resolve_device

@@ -178,3 +178,10 @@ lora_name  # unused variable (BlockStored)
 ts  # unused variable (EventBatch)
 data_parallel_rank  # unused variable (EventBatch)
 _.replay_address  # unused attribute (KVEventPublisher: where a bound wildcard replay port landed; tests connect)
+
+# runtime/bench/serving_bench.py: Cell figures, read by name (serving_report.FIGURES) and written to the result
+ttft_ms_p99  # unused variable (Cell)
+itl_ms_p99  # unused variable (Cell)
+peak_rss_mib  # unused variable (Cell)
+preemptions  # unused variable (Cell)
+start_seconds  # unused variable (Cell)

@@ -28,20 +28,25 @@ def _kvdrive() -> str:
 GPU_BUDGET, DRAM_BUDGET = "56MiB", "64MiB"  # every replica: a small device envelope and DRAM tier
 
 class Proc:
-    def __init__(self, args: list[str], port: int, log: Path) -> None:
+    """A server process on a local port: ``kvdrive <args>`` unless ``program`` names another (a peer server),
+    ready once ``ready_path`` answers 200."""
+
+    def __init__(self, args: list[str], port: int, log: Path, program: list[str] | None = None,
+                 ready_path: str = "/readyz", env: dict[str, str] | None = None) -> None:
         self.args, self.port, self.log = args, port, log
+        self.program, self.ready_path, self.env = program or [_kvdrive()], ready_path, env
         self.url = f"http://127.0.0.1:{port}"
         self.p: subprocess.Popen[bytes] | None = None
 
     def start(self, wait_s: float = 300) -> None:
         with self.log.open("a") as out:
-            self.p = subprocess.Popen([_kvdrive(), *self.args], stdout=out, stderr=subprocess.STDOUT)
+            self.p = subprocess.Popen([*self.program, *self.args], stdout=out, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.p.poll() is not None:
                 raise RuntimeError(f"{self.args[0]} exited: {self.log.read_text()[-1500:]}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
