@@ -180,6 +180,8 @@ data_parallel_rank  # unused variable (EventBatch)
 _.replay_address  # unused attribute (KVEventPublisher: where a bound wildcard replay port landed; tests connect)
 
 # runtime/bench/serving_bench.py: Cell figures, read by name (serving_report.FIGURES) and written to the result
+prompt_tps  # unused variable (Cell)
+request_ps  # unused variable (Cell)
 ttft_ms_p99  # unused variable (Cell)
 itl_ms_p99  # unused variable (Cell)
 peak_rss_mib  # unused variable (Cell)
