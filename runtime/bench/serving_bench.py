@@ -4,7 +4,7 @@ instead, driven by a maintained load generator.
 Owns running the cells; their table and plot are ``serving_report``. A cell is one (workload, concurrency,
 leg, round). Each cell gets a fresh server process (no cell reuses another's cached prefixes), then
 `guidellm <https://github.com/vllm-project/guidellm>`_ (vLLM's load generator: synthetic prompts of a set
-token length from the model's own tokenizer, the same seed for every server, streamed chat completions,
+token length from the model's own tokenizer, the same seed for every server, streamed text completions,
 TTFT / inter-token latency percentiles from the client side) drives it and writes its JSON report, which
 the cell keeps the figures of. The server's resident memory (its process tree's, sampled) and its own
 preemption counter come beside them.
@@ -113,13 +113,15 @@ class ServingResult:
 
 
 def scenario(w: Workload, concurrency: int) -> dict[str, Any]:
-    """guidellm's scenario for one cell: streamed chat completions of synthetic prompts, a fixed count."""
+    """guidellm's scenario for one cell: streamed text completions of synthetic prompts, a fixed count. Text,
+    not chat: every server then gets the very same prompt tokens (no chat template of its own in between), and
+    llama.cpp's server cannot render guidellm's chat messages (content parts) through Qwen's template."""
     data: dict[str, Any] = {"kind": "synthetic_text", "prompt_tokens": w.prompt_tokens, "output_tokens": w.output_tokens}
     if w.turns > 1:
         data["turns"] = w.turns
     if w.prefix_tokens:
         data |= {"prefix_tokens": w.prefix_tokens, "prefix_count": 1}
-    return {"spec": {"backend": {"kind": "openai_http", "request_format": "/v1/chat/completions"},
+    return {"spec": {"backend": {"kind": "openai_http", "request_format": "/v1/completions"},
                      "profile": {"kind": "concurrent", "streams": concurrency},
                      "data": [data],
                      "constraints": [{"kind": "max_requests", "count": concurrency * w.requests_per_stream}]}}
@@ -246,12 +248,14 @@ def parse_report(path: Path) -> dict[str, float]:
 
 
 def guidellm(target: str, model_id: str, tokenizer: Path, scen: dict[str, Any], out: Path, seed: int,
-             timeout_s: float) -> Path:
-    """Run guidellm once against ``target``; its JSON report at ``out``."""
+             timeout_s: float, validate: bool = True) -> Path:
+    """Run guidellm once against ``target``; its JSON report at ``out``. ``validate``: guidellm first checks the
+    server's ``/health`` (vLLM's route; llama.cpp's server has none)."""
     scen_file = out.with_suffix(".scenario.json")
     scen_file.write_text(json.dumps(scen, indent=1))
     exe = Path(sys.executable).with_name("guidellm")
-    cmd = [str(exe), "run", "-c", str(scen_file), "--backend", f"kind=openai_http,target={target},model={model_id}",
+    backend = f"kind=openai_http,target={target},model={model_id}" + ("" if validate else ",validate_backend=false")
+    cmd = [str(exe), "run", "-c", str(scen_file), "--backend", backend,
            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--seed", f"kind=static,value={seed}",
            "--output", f"kind=json,path={out}", "--disable-console"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False,
@@ -278,7 +282,8 @@ def run_cell(setup: ServingSetup, w: Workload, concurrency: int, leg: str, rnd: 
     rss = _RssPeak(proc.p.pid)
     try:
         report = guidellm(proc.url, MODEL_ALIASES.get(setup.model, setup.model), tokenizer, scenario(w, concurrency),
-                          cell_dir / f"round{rnd}.guidellm.json", setup.seed, timeout_s=6 * 3600)
+                          cell_dir / f"round{rnd}.guidellm.json", setup.seed, timeout_s=6 * 3600,
+                          validate=proc.ready_path == "/health" or leg.startswith("kvdrive"))
         pre = _preemptions(proc.url)
     finally:
         peak = rss.stop()

@@ -46,7 +46,7 @@ def summary(res: ServingResult) -> list[dict[str, Any]]:
 def markdown(res: ServingResult, command: str) -> str:
     s = res.setup
     lines = [f"# Serving benchmark: {s.model}", "", f"`{command}`", "",
-             f"guidellm {res.versions.get('guidellm', '?')} drives each server (streamed chat completions, synthetic "
+             f"guidellm {res.versions.get('guidellm', '?')} drives each server (streamed text completions, synthetic "
              f"prompts from the model's tokenizer, seed {s.seed}); a fresh server per cell; {s.rounds} rounds, legs "
              f"alternating. Equal KV memory: {s.kv_memory / (1 << 20):.0f} MiB (vLLM's KV pool = kvdrive's device "
              f"{s.gpu_share:.0%} + DRAM tiers; kvdrive's SSD tier {s.ssd_budget / (1 << 30):.1f} GiB beside); "
