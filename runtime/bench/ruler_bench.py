@@ -8,8 +8,8 @@ mode is a server flag) on the task's SSD directory (``<work>/ssd/<context>-<task
 tiers, so the pages really move: the first leg prefills every prompt and writes its pages through to the SSD
 tier, and the later legs' servers recover the stored pages and reuse them (``cached`` in the result counts
 the prompt tokens that came from stored pages instead of being computed). Once a task's legs are all measured
-its directory is removed (``keep_ssd`` keeps it): 20 prompts of 8K tokens are ~4 GiB there, and a folder that
-grew by a task at a time filled the disk that the cluster tests need.
+its directory is removed (``keep_ssd`` keeps it): the tier allocates its whole budget on disk, and one folder
+for every task of a run filled the disk that the cluster tests need.
 
 lm-eval's ``local-completions`` model sends each prompt, rendered through the model's own chat template
 (an HF tokenizer folder written from the GGUF into the cache), with greedy ``generate_until``. RULER's
