@@ -9,9 +9,11 @@ from kvdrive.runtime.attention.selection import (
     page_scores,
     select_pages,
     selection_masks,
+    sketch_logits,
 )
 from kvdrive.runtime.attention.sparse import decode_attention
 from kvdrive.runtime.attention.summaries import SummaryTable, key_bounds, key_codes, spread_to_neighbours
 
 __all__ = ["NEIGHBOUR_SHARE", "SELECTION_CARRIES", "SelectionConfig", "SelectionMasks", "SummaryTable", "causal_attention", "decode_attention",
-           "key_bounds", "key_codes", "page_scores", "select_pages", "selection_masks", "spread_to_neighbours"]
+           "key_bounds", "key_codes", "page_scores", "select_pages", "selection_masks", "sketch_logits",
+           "spread_to_neighbours"]

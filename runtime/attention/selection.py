@@ -62,22 +62,28 @@ def selection_masks(npages: torch.Tensor, pmax: int, cfg: SelectionConfig) -> Se
     return SelectionMasks(invalid if bool(invalid.any()) else None, forced)
 
 
-def sketch_mass(qg: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bits: int,
-                invalid: torch.Tensor | None) -> torch.Tensor:
+def sketch_logits(qg: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
     """qg [B, Hkv, G, D] (scaled queries); summaries [B, Hkv, P, 2D]; codes [B, Hkv, P, D * bits / 8, S] (the
-    key sketch); invalid [B, P] or None -> [B, Hkv, G, P]: each page's share of a softmax over every sketched
-    key (a key is ``kmin + code * step``, so q.k = q.kmin + (q * step).code)."""
+    key sketch) -> [B, Hkv, G, P]: each page's log-sum-exp of its sketched keys' scores, the log of the
+    unnormalised attention weight the sketch predicts for it (a key is ``kmin + code * step``, so
+    q.k = q.kmin + (q * step).code)."""
     d = qg.shape[-1]
     c, r = summaries[..., :d], summaries[..., d:]  # [B, Hkv, P, D]
     step = r * (2.0 / ((1 << bits) - 1))
     base = torch.matmul(qg, (c - r).transpose(-1, -2))  # [B, Hkv, G, P]: q . kmin
     qs = qg[:, :, None] * step[:, :, :, None]  # [B, Hkv, P, G, D]
     tok = torch.matmul(qs, unpack_codes(codes, bits))  # [B, Hkv, P, G, S]
-    score = tok.permute(0, 1, 3, 2, 4) + base[..., None]  # [B, Hkv, G, P, S]
+    return torch.logsumexp(tok, dim=-1).transpose(2, 3) + base  # [B, Hkv, G, P]
+
+
+def sketch_mass(qg: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bits: int,
+                invalid: torch.Tensor | None) -> torch.Tensor:
+    """As ``sketch_logits``, with invalid [B, P] or None -> [B, Hkv, G, P]: each page's share of a softmax over
+    every sketched key (the softmax over pages of their log-sum-exps)."""
+    lse = sketch_logits(qg, summaries, codes, bits)
     if invalid is not None:
-        score.masked_fill_(invalid[:, None, None, :, None], float("-inf"))
-    b, h, g, p, s = score.shape
-    return torch.softmax(score.reshape(b, h, g, p * s), dim=-1).view(b, h, g, p, s).sum(dim=-1)
+        lse.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    return torch.softmax(lse, dim=-1)
 
 
 def page_scores(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks,

@@ -12,7 +12,11 @@ every decode step and layer the probe also computes, from the same query, what e
 - **budget across layers** (``allocation``): the oracle's cover when the step's pages (layers x budget) are
   shared out among the layers by their exact masses instead of evenly, with this step's masses (what no
   per-layer budget can beat) and with the previous step's (what a rule could know when it sets a layer's
-  budget), beside the oracle at twice the budget.
+  budget), beside the oracle at twice the budget;
+- **output error** (``OutputError``, for the first sketch rule scored): how far the attention output over the
+  kept pages is from full attention's (relative L2), renormalised over the kept pages as sparse decode does,
+  and completed with the pages left out, each as its mean value weighed by its mass: the exact mass (what the
+  completion could reach) and the mass the key sketch predicts (what it can know without reading the page).
 
 Every rule sees the very same queries, so rules compare without sampling noise; each carries its own
 previous-step mass (what the engine's ``drawn`` holds: the renormalised attention its own selection drew).
@@ -40,6 +44,7 @@ from kvdrive.runtime.attention import (
     key_codes,
     select_pages,
     selection_masks,
+    sketch_logits,
     spread_to_neighbours,
 )
 from kvdrive.runtime.model.config import ModelConfig
@@ -146,6 +151,20 @@ class CoverCurve:
     cover: tuple[float, ...]  # [j]: keeping the j heaviest unforced pages (j = 0 .. 4x the budget's)
 
 
+@dataclass(frozen=True)
+class OutputError:
+    """One (prompt, decode step, layer): the relative L2 distance of an estimated attention output from full
+    attention's, mean over query heads, for one selection."""
+
+    prompt: int
+    step: int
+    layer: int
+    rule: str  # whose kept pages
+    renormalised: float  # sparse decode: the kept pages and the tail, renormalised
+    completed_exact: float  # + each page left out as its mean value weighed by its exact mass
+    completed_sketch: float  # + the same, weighed by the mass the key sketch predicts for it
+
+
 @dataclass
 class ProbeResult:
     model: str
@@ -155,6 +174,7 @@ class ProbeResult:
     prompts: list[dict[str, Any]] = field(default_factory=list)  # label, tokens, pages, seconds, output
     rows: list[StepLayer] = field(default_factory=list)
     curves: list[CoverCurve] = field(default_factory=list)
+    errors: list[OutputError] = field(default_factory=list)
 
 
 class _ProbeBackend:
@@ -179,6 +199,8 @@ class _ProbeBackend:
         self.step = -1  # -1 while prefilling
         self.rows: list[StepLayer] = []
         self.curves: list[CoverCurve] = []
+        self.errors: list[OutputError] = []
+        self.error_rule = next((r for r in self.rules if r.startswith("sketch")), None)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t0, n = self.len[layer], q.shape[0]
@@ -223,9 +245,46 @@ class _ProbeBackend:
             new[kept] = (mass[:, kept] / cover[:, None]).sum(0)  # what sparse attention's probabilities draw
             self.drawn[(rule, layer)] = new
             self._row(layer, rule, cover, kept, heaviest, pages)
+            if rule == self.error_rule:
+                self._output_error(layer, rule, q, keys, probs, kept, summ, paged)
         oracle = torch.topk(mass.sum(0), k_pages).indices
         self._row(layer, "oracle", tail + mass[:, oracle].sum(-1), oracle, heaviest, pages)
         self._curve(layer, mass, tail, masks.forced[0])
+
+    def _output_error(self, layer: int, rule: str, q: torch.Tensor, keys: torch.Tensor, probs: torch.Tensor,
+                      kept: torch.Tensor, summ: torch.Tensor, paged: torch.Tensor) -> None:
+        """q [1, Hq, D]; keys [Hkv, T, D]; probs [Hq, T]; kept [K] page indices; summ [1, Hkv, P, 2D]; paged
+        [P, Hkv, S, D] -> an ``OutputError`` row."""
+        s = self.sel.page_size
+        hkv, t, d = keys.shape
+        pages = paged.shape[0]
+        hq = probs.shape[0]
+        g = hq // hkv
+        vals = self.v[layer, :, :t].float()  # [Hkv, T, D]
+        pv = probs.view(hkv, g, t)
+        full = torch.einsum("hgt,htd->hgd", pv, vals)
+        page_in = torch.zeros(pages, dtype=torch.bool, device=q.device)
+        page_in[kept] = True
+        tok_in = torch.cat([page_in.repeat_interleave(s), torch.ones(t - pages * s, dtype=torch.bool, device=q.device)])
+        part = torch.einsum("hgt,htd->hgd", pv * tok_in, vals)  # the kept tokens' share of the output
+        cover = (pv * tok_in).sum(-1, keepdim=True)  # [Hkv, G, 1]
+        vbar = vals[:, : pages * s].reshape(hkv, pages, s, d).mean(2)  # [Hkv, P, D]
+        out = (~page_in).float()
+        mass = pv[..., : pages * s].reshape(hkv, g, pages, s).sum(-1) * out  # [Hkv, G, P] exact, left-out pages
+        exact = part + torch.einsum("hgp,hpd->hgd", mass, vbar)
+        # the sketch's unnormalised page weights, on full attention's scale: exp(lse_p - log Z)
+        qg = q.float().view(1, hkv, g, d) * (1.0 / math.sqrt(d))
+        logits = torch.einsum("hgd,htd->hgt", qg[0], keys.float())
+        log_z = torch.logsumexp(logits, dim=-1, keepdim=True)  # [Hkv, G, 1]
+        codes = key_codes(paged, summ[0].transpose(0, 1), 8).transpose(0, 1)[None]
+        est = torch.exp(sketch_logits(qg, summ, codes, 8)[0] - log_z) * out  # [Hkv, G, P]
+        sketched = (part + torch.einsum("hgp,hpd->hgd", est, vbar)) / (cover + est.sum(-1, keepdim=True))
+        norm = full.norm(dim=-1).clamp_min(1e-12)
+
+        def err(x: torch.Tensor) -> float:
+            return float(((x - full).norm(dim=-1) / norm).mean())
+
+        self.errors.append(OutputError(self.prompt, self.step, layer, rule, err(part / cover), err(exact), err(sketched)))
 
     def _curve(self, layer: int, mass: torch.Tensor, tail: torch.Tensor, forced: torch.Tensor) -> None:
         """mass [Hq, P], tail [Hq], forced [P] bool -> the layer's ``CoverCurve`` at this step."""
@@ -297,6 +356,7 @@ def run_probe(loaded: LoadedModel, prompts: Sequence[tuple[str, Sequence[int]]],
                 progress(f"{label}: {len(ids)} tokens, {time.perf_counter() - t0:.0f} s")
     res.rows = backend.rows
     res.curves = backend.curves
+    res.errors = backend.errors
     return res
 
 
@@ -369,6 +429,25 @@ def allocation(res: ProbeResult) -> list[dict[str, Any]]:
             for g, v in groups.items()]
 
 
+def output_errors(res: ProbeResult) -> list[dict[str, Any]]:
+    """Per group: the mean relative output error of each estimate and the layer where renormalising errs most."""
+    groups: dict[str, list[OutputError]] = {}
+    for e in res.errors:
+        groups.setdefault(_label_of(res, e.prompt), []).append(e)
+    out = []
+    for g, rows in groups.items():
+        layers: dict[int, list[float]] = {}
+        for e in rows:
+            layers.setdefault(e.layer, []).append(e.renormalised)
+        worst = max(layers, key=lambda x: statistics.fmean(layers[x]))
+        out.append({"group": g, "rule": rows[0].rule, "cases": len(rows),
+                    "renormalised": round(statistics.fmean(e.renormalised for e in rows), 4),
+                    "completed_exact": round(statistics.fmean(e.completed_exact for e in rows), 4),
+                    "completed_sketch": round(statistics.fmean(e.completed_sketch for e in rows), 4),
+                    "worst_layer": worst, "worst_layer_renormalised": round(statistics.fmean(layers[worst]), 4)})
+    return out
+
+
 def markdown(res: ProbeResult, command: str) -> str:
     lines = [f"# Selection probe: {res.model}, budget {res.token_budget} tokens", "", f"`{command}`", "",
              f"{len(res.prompts)} prompts, {res.steps} greedy decode steps each under full attention; every rule "
@@ -386,6 +465,16 @@ def markdown(res: ProbeResult, command: str) -> str:
         for a in shares:
             lines.append(f"| {a['group']} | {a['cases']} | {a['even']:.3f} | {a['shared']:.3f} | {a['shared_prev']:.3f} | "
                          f"{a['even_2x']:.3f} |")
+    errors = output_errors(res)
+    if errors:
+        lines += ["", "Attention output against full attention's (relative L2 error, mean over heads, steps and layers):",
+                  "", "| prompts | kept pages of | cases | renormalised (sparse decode) | + left-out pages at exact "
+                  "mass | + left-out pages at the sketch's mass | worst layer (renormalised) |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for e in errors:
+            lines.append(f"| {e['group']} | {e['rule']} | {e['cases']} | {e['renormalised']:.4f} | "
+                         f"{e['completed_exact']:.4f} | {e['completed_sketch']:.4f} | {e['worst_layer']} "
+                         f"({e['worst_layer_renormalised']:.4f}) |")
     lines += ["", "| prompt | tokens | seconds | greedy output (full attention) |", "|---|---:|---:|---|"]
     lines += [f"| {p['label']} | {p['tokens']} | {p['seconds']} | {p['output']!r} |" for p in res.prompts]
     return "\n".join(lines) + "\n"
@@ -433,4 +522,4 @@ def as_dict(res: ProbeResult) -> dict[str, Any]:
     """The result file: the setup, each prompt, the summary and the per-layer figures (not every row)."""
     return {"model": res.model, "token_budget": res.token_budget, "page_size": res.page_size, "steps": res.steps,
             "prompts": res.prompts, "summary": summary(res), "by_layer": by_layer(res),
-            "allocation": allocation(res)}
+            "allocation": allocation(res), "output_error": output_errors(res)}

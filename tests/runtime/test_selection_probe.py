@@ -14,6 +14,7 @@ from kvdrive.runtime.bench.selection_probe import (
     allocation,
     by_layer,
     markdown,
+    output_errors,
     run_probe,
     summary,
 )
@@ -57,6 +58,12 @@ def test_probe_decodes_like_full_attention_and_no_rule_beats_the_oracle(demo: Lo
     assert shares["even"] <= shares["shared"] + 1e-6 and shares["even"] <= shares["even_2x"] + 1e-6
     assert shares["shared_prev"] <= shares["shared"] + 1e-6
     assert "Budget across layers" in markdown(res, "probe")
+    # the output error of the first sketch rule's selection, at every probed step and layer
+    assert len(res.errors) == 4 * layers and {e.rule for e in res.errors} == {"sketch8+carry"}
+    for e in res.errors:
+        assert 0.0 < e.renormalised < 1.0 and 0.0 <= e.completed_exact < 1.0 and 0.0 <= e.completed_sketch < 1.0
+    (errs,) = output_errors(res)
+    assert errs["cases"] == 4 * layers and "+ left-out pages at exact mass" in markdown(res, "probe")
 
 
 def test_pages_go_to_the_largest_gains_in_cover() -> None:
