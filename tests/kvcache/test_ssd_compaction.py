@@ -13,6 +13,7 @@ import torch
 from kvstore_helpers import BB, blocks_for, make_keys
 
 from kvdrive.runtime.kvcache.tiers import SsdTier, ssd_index
+from kvdrive.runtime.kvcache.tiers.ssd import MIN_JOURNAL_CAP, journal_cap_for
 from kvdrive.runtime.kvcache.tiers.ssd_index import IndexEntry, SsdIndex
 
 GEOMETRY: dict[str, object] = {"block_bytes": BB, "codec": "none", "slot_bytes": BB, "slab_slots": 64}
@@ -167,3 +168,30 @@ def test_a_read_does_not_wait_for_another_writes_journal_append(tmp_path: Path) 
     again = SsdTier(str(tmp_path), BB, 4 << 20)
     assert dict(again.recovered()) == dict(zip(slots, keys, strict=True))
     again.close()
+
+
+def test_the_journal_is_sized_to_the_tier_so_a_pending_snapshot_never_fills_it(tmp_path: Path) -> None:
+    # a compaction writes a record per live slot: the journal holds half a snapshot, so what arrives while
+    # one is written fits (a fixed 256 KiB filled on a 16 GiB tier under prefill: "journal full")
+    big = SsdTier(str(tmp_path / "big"), BB, 256 << 20)  # ~21K slots of 12 KiB
+    slots = big.allocator.capacity
+    assert big.journal_cap == big.index.journal_cap >= slots * ssd_index.REC_BYTES // 2 - ssd_index.REC_BYTES
+    assert big.journal_cap > MIN_JOURNAL_CAP and big.journal_cap % ssd_index.REC_BYTES == 0
+    small = SsdTier(str(tmp_path / "small"), BB, 2 << 20)
+    assert small.journal_cap == MIN_JOURNAL_CAP  # a small tier keeps the floor
+    assert SsdTier(str(tmp_path / "given"), BB, 64 << 20, journal_cap=4 << 10).index.journal_cap == 4 << 10
+    # a 16 GiB tier of 16 KiB blocks: ~1M slots; its journal takes > 40 prompts of 8K tokens over 24 layers
+    assert journal_cap_for(1 << 20) // ssd_index.REC_BYTES > 40 * 512 * 24
+    # a tier of 32K slots: with its snapshot never written, the next journal still takes a quarter of the
+    # slots in records after the first one's half (the floor's journals would refuse them past ~11K)
+    never: list[object] = []
+    (tmp_path / "pending").mkdir()
+    cap = journal_cap_for(1 << 15)
+    assert cap // ssd_index.REC_BYTES == 1 << 14
+    index = SsdIndex(str(tmp_path / "pending"), GEOMETRY, journal_cap=cap, background=never.append)
+    keys = make_keys((1 << 14) + (1 << 13))
+    assert all(index.put([(slot, IndexEntry(key, slot))]) for slot, key in enumerate(keys))
+    assert never and len(_journals(tmp_path / "pending")) == 2  # switched; the snapshot is still pending
+    index.close()
+    for tier in (big, small):
+        tier.close()

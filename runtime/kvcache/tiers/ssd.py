@@ -39,18 +39,30 @@ __all__ = ["PosixIO", "SsdTier"]
 SAMPLE_PER_SLAB = 64  # indexed blocks of each slab read back at startup before the slab is trusted
 
 
+MIN_JOURNAL_CAP = 256 << 10
+
+
+def journal_cap_for(slots: int) -> int:
+    """The index journal's cap for a tier of ``slots``: half a snapshot's records, at least 256 KiB. A
+    compaction writes a record for every live slot, so a journal of a fixed size made a large tier compact
+    ever more often; and while a snapshot is being written the next journal must take what arrives meanwhile:
+    a 16 GiB tier's snapshot is ~1M records, and a fixed 256 KiB (~5K records, less than one 8K-token
+    prompt's pages over 24 layers) filled before it was done ("journal full"), leaving pages unpersisted."""
+    return max(MIN_JOURNAL_CAP, slots * REC_BYTES // 2 // REC_BYTES * REC_BYTES)
+
+
 class SsdTier:
     name: TierName = "ssd"
 
     def __init__(self, directory: str, block_bytes: int, budget_bytes: int, codec: BlockCodec | None = None,
                  io_threads: int = 4, slab_bytes: int = 64 << 20, max_io_bytes: int = 1 << 20,
-                 io: PosixIO | None = None, durable: bool = False, journal_cap: int = 256 << 10) -> None:
+                 io: PosixIO | None = None, durable: bool = False, journal_cap: int | None = None) -> None:
         self.dir = directory
         self.block_bytes = block_bytes
         self.codec: BlockCodec = codec or IdentityCodec(block_bytes)
         self.io = io or PosixIO()
         self.durable = durable
-        self.journal_cap = journal_cap
+        self.journal_cap = journal_cap or MIN_JOURNAL_CAP  # sized to the budget below, unless given
         self.page_reads = self.page_writes = self.bytes_read = self.bytes_written = 0
         self.errors = self.corrupt = 0
         self.forgotten_at_start = 0  # index entries the startup check did not trust
@@ -72,10 +84,12 @@ class SsdTier:
         try:
             os.makedirs(directory, exist_ok=True)
             self.slabs.configure(self.codec.payload_bytes, slab_bytes)
+            if journal_cap is None:
+                self.journal_cap = self.slabs.journal_cap = journal_cap_for(budget_bytes // self.slot_bytes)
             self.max_io_slots = max(1, min(IOV_MAX, max_io_bytes // self.slot_bytes))
             geometry = {"block_bytes": block_bytes, "codec": self.codec.name, "slot_bytes": self.slot_bytes,
                         "slab_slots": self.slab_slots}
-            self.index = SsdIndex(directory, geometry, journal_cap=journal_cap, durable=durable,
+            self.index = SsdIndex(directory, geometry, journal_cap=self.journal_cap, durable=durable,
                                   on_fault=self._fault, background=self._compactor.submit)
             self.available = True
             self.resize(self.slots_for_budget(budget_bytes))
