@@ -69,7 +69,7 @@ class SsdTier:
         self.fault_log = FaultLog(log, "ssd")  # counts by kind (errno name, "crc"), rate-limited log lines
         self.allocator = SlotAllocator(0)
         self.available = False
-        self.slabs = SlabFiles(directory, self.io, journal_cap, self.codec.payload_bytes)
+        self.slabs = SlabFiles(directory, self.io, self.journal_cap, self.codec.payload_bytes)
         self.max_io_slots = 1
         self._crc: dict[int, int] = {}  # slot -> CRC32 of the slot's bytes, set when its write completed
         self._lock = threading.Lock()  # the CRCs, the counters and the slab files (a read takes it briefly)
