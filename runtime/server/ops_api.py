@@ -21,17 +21,19 @@ log = logging.getLogger(__name__)
 def ops_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/healthz", responses={503: GENERATION_ERRORS[503]})
-    async def healthz() -> dict[str, str]:
+    def check_alive() -> None:
         if not state.engine.alive:
             raise ApiError(503, "engine thread is not running", "server_error")
+
+    @router.get("/healthz", responses={503: GENERATION_ERRORS[503]})
+    async def healthz() -> dict[str, str]:
+        check_alive()
         return {"status": "ok"}
 
     @router.get("/health", responses={200: {"description": "the engine runs (vLLM's liveness route)"},
                                        503: GENERATION_ERRORS[503]})
     async def health() -> Response:
-        if not state.engine.alive:
-            raise ApiError(503, "engine thread is not running", "server_error")
+        check_alive()
         return Response(status_code=200)
 
     @router.get("/readyz", responses={503: GENERATION_ERRORS[503]})
