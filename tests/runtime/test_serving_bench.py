@@ -57,6 +57,7 @@ def test_guidellm_drives_kvdrive_serve(tmp_path: Path) -> None:
     assert cell.output_tps > 0 and cell.prompt_tps > cell.output_tps  # 192-token prompts, 16-token answers
     assert 0 < cell.ttft_ms_p50 <= cell.ttft_ms_p99 and 0 < cell.itl_ms_p50 <= cell.itl_ms_p99
     assert cell.peak_rss_mib > 100 and cell.preemptions >= 0 and cell.start_seconds > 0
+    assert not (tmp_path / "ssd").exists()  # the cell's SSD tier is gone once it is measured
     report = tmp_path / "cells" / "smoke-c2" / "kvdrive" / "round0.guidellm.json"
     assert parse_report(report)["requests"] == 4
     raw = json.loads(report.read_text())["benchmarks"][0]["requests"]["successful"]
