@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "selection":
         from tqdm import tqdm
 
-        from kvdrive.runtime.bench import ruler_bench, selection_probe
+        from kvdrive.runtime.bench import ruler_bench, selection_probe, selection_report
         from kvdrive.runtime.model.loader import load_model
 
         unknown = sorted(set(args.rules or ()) - set(selection_probe.SELECTORS))
@@ -260,8 +260,8 @@ def run(args: argparse.Namespace) -> int:
                                          tuple(args.rules or selection_probe.SELECTORS), progress=advance)
         bar.close()
         command = "kvdrive bench selection " + " ".join(sys.argv[3:])
-        return _report(args.out, selection_probe.as_dict(sres), selection_probe.markdown(sres, command),
-                       lambda png: selection_probe.plot(sres, png))
+        return _report(args.out, selection_report.as_dict(sres), selection_report.markdown(sres, command),
+                       lambda png: selection_report.plot(sres, png))
     if args.bench == "serving":
         from kvdrive.runtime.bench import ruler_bench, serving_bench, serving_report
 

@@ -8,14 +8,13 @@ from collections import Counter
 
 import pytest
 
-from kvdrive.runtime.bench.selection_probe import (
-    SELECTORS,
+from kvdrive.runtime.bench.selection_probe import SELECTORS, run_probe
+from kvdrive.runtime.bench.selection_report import (
     _share_out,
     allocation,
     by_layer,
     markdown,
     output_errors,
-    run_probe,
     summary,
 )
 from kvdrive.runtime.bench.texts import filler_tokens
