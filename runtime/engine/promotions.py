@@ -8,9 +8,12 @@ are queued with the bytes already read, and at the end of the step placement dec
 one batch (``plan``: one sort, one admission per tier, with the attention mass this step gave them); the
 next step's load phase (``TieredKVCache.prepare_step``) has the Mover admit each destination's blocks in
 one call (``run``). A block is read by one layer only, so nothing in the same step misses it again for want
-of the copy. The queue holds at most ``max_bytes`` of read blocks; past that it is decided and made at
-once. A step that fails leaves its undecided reads to be dropped: the copies are an optimisation, never
-needed for correctness.
+of the copy. The queue holds at most ``max_bytes`` of read blocks; reads past that earn no copy this step.
+Nothing is ever admitted mid-step: an admission evicts, and a decode layer's in-place attention reads the
+slots its pages held when they were located (``PageReader.locate``), so a copy made between locating and
+attending would overwrite pages the layer is about to read (it did: tiered full attention at 16K answered
+wrong while every page on the device answered right). A step that fails leaves its undecided reads to be
+dropped: the copies are an optimisation, never needed for correctness.
 """
 
 from __future__ import annotations
@@ -49,17 +52,15 @@ class PromotionQueue:
         self._planned: list[Promotion] = []  # decided at the end of a step, made in the next step's load phase
 
     def add(self, keys: list[BlockKey], pids: list[int], served: list[TierName | None], raw: torch.Tensor) -> None:
-        """Blocks just read (raw [n, block_bytes], row i holding keys[i], read from served[i])."""
-        if not self.placer.policy.promote_on_read or not keys:
+        """Blocks just read (raw [n, block_bytes], row i holding keys[i], read from served[i]); once the queue
+        holds ``max_bytes``, further reads of the step are not queued (they earn no copy)."""
+        if not self.placer.policy.promote_on_read or not keys or self._bytes >= self.max_bytes:
             return
         self._keys += keys
         self._pids += pids
         self._served += served
         self._raw.append(raw)
         self._bytes += raw.numel()
-        if self._bytes > self.max_bytes:  # past the cap: decided and made at once
-            self.plan()
-            self.run()
 
     def plan(self) -> None:
         """The end of a step: placement decides the queued copies, in one batch (made by ``run``)."""
