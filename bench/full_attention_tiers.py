@@ -1,7 +1,8 @@
 """Reproduces the tiered full-attention bug found at 16K (docs/attention.md, RULER 16K): the same RULER prompt
 decoded greedily with --full-attention, once with every page in the device tier and once under the RULER
 legs' tiers (device 96 MiB, DRAM 128 MiB, the rest on SSD). The answers must be equal; on 2026-12-06 they were
-' 5077461.' (device, as llama.cpp answers) and ' 507.' (tight tiers).
+' 5077461.' (device, as llama.cpp answers) and ' 507.' (tight tiers): a promotion made mid-step evicted pages
+a layer was about to attend to in place (fixed the same day; both legs now answer ' 5077461.').
 
     .venv/bin/python bench/full_attention_tiers.py [--context 16384] [--sample 0]   # ~4 min per leg, 2 cores
 """
