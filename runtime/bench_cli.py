@@ -106,7 +106,8 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     pb.add_argument("--chats", type=int, default=20, help="chat prompts (the accuracy benchmark's)")
     pb.add_argument("--max-tokens", type=int, default=64)
     pb.add_argument("--legs", nargs="+", default=None,
-                    help="(full|sparse)-(weights) legs, e.g. full-fp32 full-auto sparse-auto (the default)")
+                    help="(full|sparse)-(weights)[-(gemm)] legs, prompt GEMMs in fp32 unless named (default: full-fp32 "
+                         "full-auto full-auto-bf16 sparse-auto sparse-auto-bf16)")
     pb.add_argument("--out", type=Path, default=Path("bench/results/parity.json"))
     ru = bsub.add_parser("ruler", help="RULER (lm-eval) against kvdrive serve: full attention and sparse budgets "
                                        "on the same samples, paired")
@@ -358,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = model_bench.run_model_bench(
         args.model, tuple(args.prefill), tuple(args.decode_context), args.decode_tokens, device=args.device,
-        dtype=dtype_of(args.dtype), weights=args.weights,
+        dtype=dtype_of(args.dtype), weights=args.weights, gemm=args.gemm,
     )
     text = json.dumps(model_bench.as_dict(result), indent=2)
     print(model_bench.table(result), file=sys.stderr)

@@ -12,8 +12,9 @@ import os
 from kvdrive.runtime.sizes import parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# weight_formats.WEIGHT_CHOICES, spelled out: building the parser must not import torch (kvdrive route)
+# weight_formats.WEIGHT_CHOICES and GEMM_CHOICES, spelled out: building the parser must not import torch (kvdrive route)
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
+GEMM_CHOICES = ("auto", "fp32", "bf16")
 
 
 def dtype_of(name: str):  # type: ignore[no-untyped-def]
@@ -62,3 +63,7 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
                    help="how the projection, embedding and LM-head weights are kept: auto (the GGUF file's own "
                         "blocks, computed in float32: int4 for Q4 tensors, int8 for Q5/Q6/Q8; bf16 for BF16, "
                         "fp32 otherwise), fp32, bf16, int8 or int4 (docs/weights.md)")
+    p.add_argument("--gemm", choices=GEMM_CHOICES, default="auto",
+                   help="the dtype of the int8/int4 layers' GEMMs over more than 16 rows (prompt chunks, large "
+                        "decode batches) on a CPU: auto (bf16 where the CPU has AVX512-BF16 or AMX, ~4x float32's "
+                        "speed; fp32 elsewhere), fp32 (exact) or bf16 (docs/weights.md)")

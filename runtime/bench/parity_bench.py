@@ -22,12 +22,13 @@ from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, Ti
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.model.loader import resolve_model_path
 
-LEGS = ("full-fp32", "full-auto", "sparse-auto")  # (attention)-(weights); sparse at the default budget
+# (attention)-(weights)[-(gemm)]: the prompt GEMMs fp32 unless named; sparse at the default budget
+LEGS = ("full-fp32", "full-auto", "full-auto-bf16", "sparse-auto", "sparse-auto-bf16")
 
 
 @dataclass(frozen=True)
 class LegResult:
-    leg: str  # (full | sparse)-(weights)
+    leg: str  # (full | sparse)-(weights)[-(gemm)]
     identical: int  # prompts whose greedy tokens equal the reference's
     first_divergence: tuple[int | None, ...]  # per prompt: first differing position (None: identical)
     texts: tuple[str, ...]
@@ -104,12 +105,13 @@ def run_parity_bench(model: str, chats: int = 20, max_tokens: int = 64, legs: Se
     res.reference = tuple(texts)
     loaded: LoadedModel | None = None
     for leg in legs:  # the legs of one weight format share its loaded model (loaded when the format changes)
-        attention, weights = leg.split("-", 1)
+        attention, weights, *rest = leg.split("-")
+        gemm = rest[0] if rest else "fp32"
         t0 = time.perf_counter()
-        if loaded is None or loaded.weights.requested != weights:
+        if loaded is None or (loaded.weights.requested, loaded.weights.gemm) != (weights, gemm):
             loaded = None
             gc.collect()
-            loaded = load_model(model, progress=False, weights=weights)
+            loaded = load_model(model, progress=False, weights=weights, gemm=gemm)
         ours, answers = our_answers(loaded, prompts, max_tokens, attention == "full", leg)
         div = tuple(_first_divergence(r, o) for r, o in zip(reference, ours, strict=True))
         res.legs.append(LegResult(leg, sum(d is None for d in div), div, tuple(answers),

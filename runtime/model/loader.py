@@ -28,7 +28,7 @@ from kvdrive.runtime.model.interfaces import CausalLM
 from kvdrive.runtime.model.llama import LlamaModel
 from kvdrive.runtime.model.quantize import WeightPlan, apply_weights
 from kvdrive.runtime.model.registry import MODEL_ALIASES, named_model
-from kvdrive.runtime.model.weight_formats import WEIGHT_CHOICES, weight_bytes
+from kvdrive.runtime.model.weight_formats import GEMM_CHOICES, WEIGHT_CHOICES, resolve_gemm, weight_bytes
 from kvdrive.runtime.prompt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,16 @@ def load_model(
     progress: bool = True,
     model_id: str | None = None,
     weights: str = "auto",
+    gemm: str = "fp32",
 ) -> LoadedModel:
-    """Load weights and tokenizer; ``weights`` is the projections' format (``WEIGHT_CHOICES``). Raises
-    ModelLoadError with a one-line reason on user errors."""
+    """Load weights and tokenizer; ``weights`` is the projections' format (``WEIGHT_CHOICES``), ``gemm`` the
+    dtype of their many-row GEMMs (``GEMM_CHOICES``). Raises ModelLoadError with a one-line reason on user
+    errors."""
     started = time.perf_counter()
     if weights not in WEIGHT_CHOICES:
         raise ModelLoadError(f"--weights {weights!r}: expected one of {', '.join(WEIGHT_CHOICES)}")
+    if gemm not in GEMM_CHOICES:
+        raise ModelLoadError(f"--gemm {gemm!r}: expected one of {', '.join(GEMM_CHOICES)}")
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     path = resolve_model_path(source)
@@ -127,15 +131,17 @@ def load_model(
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     del tensors
-    plan = WeightPlan("fp32", {}) if direct else apply_weights(model, weights, sources, device, dtype)
+    plan = WeightPlan("fp32", {}) if direct else \
+        apply_weights(model, weights, sources, device, dtype, resolve_gemm(gemm, device))
     if not direct:
         model = model.to(device=device, dtype=dtype)
     model.eval()
     seconds = time.perf_counter() - started
     served_id = model_id or MODEL_ALIASES.get(source) or (path.stem if path.is_file() else path.name)
     held = weight_bytes(model)
-    log.info("loaded %s (%s, %d layers, %s) in %.1fs; weights %s (%s): %d MiB", served_id, cfg.architecture,
-             cfg.num_layers, dtype, seconds, weights, plan.summary(), sum(held.values()) >> 20)
+    log.info("loaded %s (%s, %d layers, %s) in %.1fs; weights %s (%s%s): %d MiB", served_id, cfg.architecture,
+             cfg.num_layers, dtype, seconds, weights, plan.summary(),
+             f"; prompt GEMMs {plan.gemm}" if plan.blocked() and device.type == "cpu" else "", sum(held.values()) >> 20)
     return LoadedModel(model, tokenizer, cfg, served_id, fingerprint + plan.fingerprint(), path, seconds,
                        device, dtype, plan)
 

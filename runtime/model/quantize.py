@@ -34,6 +34,7 @@ class WeightPlan:
 
     requested: str
     formats: Mapping[str, str]
+    gemm: str = "fp32"  # the dtype of the CPU block layers' many-row GEMMs (``--gemm``, resolved)
 
     def summary(self) -> str:
         """``int4 x 90, int8 x 31`` (formats by count), or ``fp32`` when nothing was converted."""
@@ -42,9 +43,17 @@ class WeightPlan:
             counts[fmt] = counts.get(fmt, 0) + 1
         return ", ".join(f"{f} x {n}" for f, n in sorted(counts.items())) or "fp32"
 
+    def blocked(self) -> bool:
+        """Whether any module keeps block weights (int8/int4): the ones the GEMM dtype applies to on a CPU."""
+        return bool(set(self.formats.values()) & {"int8", "int4"})
+
     def fingerprint(self) -> str:
-        """What the format adds to the model's page fingerprint: KV computed with other weights differs."""
-        return "" if set(self.formats.values()) <= {"fp32"} else f"|weights={self.requested}:{self.summary()}"
+        """What the format adds to the model's page fingerprint: KV computed with other weights differs, and
+        so does a prompt's KV computed with bf16 GEMMs: such pages are never matched against pages a
+        float32-GEMM server stored, nor the other way."""
+        if set(self.formats.values()) <= {"fp32"}:
+            return ""
+        return f"|weights={self.requested}:{self.summary()}" + (f"|gemm={self.gemm}" if self.gemm != "fp32" else "")
 
 
 def _types(sources: Mapping[str, TensorSource], names: tuple[str, ...]) -> list[str]:
@@ -68,15 +77,17 @@ def _exact(sources: Mapping[str, TensorSource], names: tuple[str, ...]) -> Block
 
 
 def _convert(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device,
-             sources: Mapping[str, TensorSource], names: tuple[str, ...], keep_rows: bool = False) -> QuantLinear:
+             sources: Mapping[str, TensorSource], names: tuple[str, ...], gemm: str,
+             keep_rows: bool = False) -> QuantLinear:
     blocks = _exact(sources, names) if fmt in ("int8", "int4") else None  # only the block formats read them
-    return QuantLinear(weight, bias, fmt, device, blocks, keep_rows)
+    return QuantLinear(weight, bias, fmt, device, blocks, keep_rows, gemm)
 
 
 def apply_weights(model: nn.Module, requested: str, sources: Mapping[str, TensorSource], device: torch.device,
-                  dtype: torch.dtype) -> WeightPlan:
+                  dtype: torch.dtype, gemm: str = "fp32") -> WeightPlan:
     """Convert ``model`` (loaded in float32) in place; ``sources``: Hugging Face name -> how the
-    checkpoint stored the tensor (``Q4_1`` with its blocks, ``BF16``...)."""
+    checkpoint stored the tensor (``Q4_1`` with its blocks, ``BF16``...); ``gemm``: the block layers'
+    many-row GEMM dtype (``resolve_gemm``'s)."""
     sources = {k.removeprefix("model."): v for k, v in sources.items()}
     formats: dict[str, str] = {}
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined, arg-type]
@@ -85,7 +96,7 @@ def apply_weights(model: nn.Module, requested: str, sources: Mapping[str, Tensor
             full = tuple(f"layers.{i}.{n}" for n in names)
             fmt = _format(requested, _types(sources, full), linear.weight.shape, device)
             if fmt != "fp32" or device.type != "cpu" or dtype != torch.float32:
-                setattr(layer, attr, _convert(linear.weight, linear.bias, fmt, device, sources, full))
+                setattr(layer, attr, _convert(linear.weight, linear.bias, fmt, device, sources, full, gemm))
                 formats[f"layers.{i}.{attr}"] = fmt
     embed: nn.Embedding = model.embed_tokens  # type: ignore[assignment]
     head: nn.Linear | None = model.lm_head  # type: ignore[assignment]
@@ -94,11 +105,11 @@ def apply_weights(model: nn.Module, requested: str, sources: Mapping[str, Tensor
         head_names = ("lm_head.weight",) if "lm_head.weight" in sources else table_names
         head_fmt = _format(requested, _types(sources, head_names), head.weight.shape, device)
         if head_fmt != "fp32":
-            model.lm_head = _convert(head.weight, None, head_fmt, device, sources, head_names)  # type: ignore[assignment]
+            model.lm_head = _convert(head.weight, None, head_fmt, device, sources, head_names, gemm)  # type: ignore[assignment]
             formats["lm_head"] = head_fmt
     embed_fmt = _format(requested, _types(sources, table_names), embed.weight.shape, device)
     if embed_fmt != "fp32":  # when tied, this one matrix is the LM head too
-        table = _convert(embed.weight, None, embed_fmt, device, sources, table_names, keep_rows=True)
+        table = _convert(embed.weight, None, embed_fmt, device, sources, table_names, gemm, keep_rows=True)
         model.embed_tokens = QuantEmbedding(table, dtype)  # type: ignore[assignment]
         formats["embed_tokens" if head is not None else "embed_tokens (tied LM head)"] = embed_fmt
-    return WeightPlan(requested, formats)
+    return WeightPlan(requested, formats, gemm)

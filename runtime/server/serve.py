@@ -38,6 +38,7 @@ class ServeOptions:
     device: str = "cpu"
     dtype: object = None  # torch.dtype | None
     weights: str = "auto"  # the projections' format (--weights)
+    gemm: str = "fp32"  # their many-row GEMMs' dtype (--gemm; the CLI's default is auto)
     engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_name: str | None = None
     api_keys: tuple[ApiKey, ...] = ()
@@ -78,7 +79,8 @@ def kv_events_of(cache: TieredKVCache, config: KVEventsConfig | None, model_id: 
 
 def build_state(opts: ServeOptions) -> ServerState:
     loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, progress=opts.progress,  # type: ignore[arg-type]
-                        model_id=opts.served_model_name, weights=opts.weights)
+                        model_id=opts.served_model_name, weights=opts.weights,
+                        gemm=opts.gemm)
     gen = ModelRunner(loaded, opts.engine)
     engine = LLMEngine(gen, opts.scheduler)
     aliases = (opts.model,) if opts.model in MODEL_ALIASES else ()

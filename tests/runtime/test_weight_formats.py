@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -23,10 +24,20 @@ from gguf_builder import decoded_logits, written_reference
 from kvdrive.runtime import native
 from kvdrive.runtime.engine import EngineConfig, ModelRunner
 from kvdrive.runtime.model import block_kernels, load_model
+from kvdrive.runtime.model.errors import ModelLoadError
 from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, read_blocks
 from kvdrive.runtime.model.gguf_loader import _dequantize
+from kvdrive.runtime.model.quantize import WeightPlan
 from kvdrive.runtime.model.registry import demo_model_path
-from kvdrive.runtime.model.weight_formats import QuantLinear, auto_format, requantize, weight_bytes
+from kvdrive.runtime.model.weight_formats import (
+    SMALL_BATCH,
+    QuantLinear,
+    auto_format,
+    host_has_bf16_units,
+    requantize,
+    resolve_gemm,
+    weight_bytes,
+)
 
 CPU = torch.device("cpu")
 
@@ -235,3 +246,27 @@ def test_the_weights_bench_shows_what_a_16_bit_cache_costs() -> None:
     (fp32,) = res.formats
     assert res.kv_dtype == "bfloat16" and "KV cache bfloat16" in table(res)
     assert 0.0 < fp32.document_kl_max < 0.05
+
+
+@pytest.mark.skipif(bool(native.unavailable_reason()), reason="the block kernels are not built on this host")
+def test_a_bf16_gemm_serves_many_rows_and_leaves_decode_rows_exact() -> None:
+    """``--gemm bf16``: a block layer's GEMM over more than SMALL_BATCH rows runs in bfloat16 (close to the
+    float32 one, not equal); a decode step's rows still take the float32 block kernel, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(96, 128, generator=g)
+    exact, fast = QuantLinear(w, None, "int8", CPU), QuantLinear(w, None, "int8", CPU, gemm="bf16")
+    many, few = torch.randn(SMALL_BATCH + 8, 128, generator=g), torch.randn(SMALL_BATCH, 128, generator=g)
+    a, b = exact(many), fast(many)
+    assert b.dtype == torch.float32 and not torch.equal(a, b)
+    assert _relative(b, a) < 1e-2
+    assert torch.equal(exact(few), fast(few))
+
+
+def test_the_gemm_dtype_is_checked_and_named_in_the_page_fingerprint() -> None:
+    with pytest.raises(ModelLoadError, match="--gemm 'fp16'"):
+        load_model("demo", progress=False, gemm="fp16")
+    assert resolve_gemm("fp32", CPU) == "fp32" and resolve_gemm("bf16", CPU) == "bf16"
+    assert resolve_gemm("auto", CPU) == ("bf16" if host_has_bf16_units() else "fp32")
+    plan = WeightPlan("auto", {"layers.0.down_proj": "int4"})
+    assert plan.fingerprint() != replace(plan, gemm="bf16").fingerprint()
+    assert "gemm" not in plan.fingerprint()  # pages stored before --gemm existed still match a float32 server
