@@ -153,6 +153,8 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     sv.add_argument("--gpu-share", type=float, default=0.25, help="kvdrive's device tier's part of --kv-memory")
     sv.add_argument("--ssd-budget", type=size_arg, default=8 << 30, help="kvdrive's SSD tier, beside the equal memory")
     sv.add_argument("--rounds", type=int, default=2, help="rounds of every cell, legs in alternating order")
+    sv.add_argument("--concurrency", type=int, nargs="+", default=[],
+                    help="run only these of each workload's concurrencies (default: all; a: 1 4 8, a2: 4 8)")
     sv.add_argument("--work-dir", type=Path, required=True, help="each cell's guidellm report and server log; a run "
                                                                   "resumes here")
     sv.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
@@ -273,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         vsetup = serving_bench.ServingSetup(args.model, tuple(args.workloads), tuple(args.legs), args.kv_memory,
-                                            args.ssd_budget, args.threads, args.rounds, args.gpu_share)
+                                            args.ssd_budget, args.threads, args.rounds, args.gpu_share,
+                                            concurrency=tuple(args.concurrency))
         command = "kvdrive bench serving " + " ".join(sys.argv[3:])
         args.out.parent.mkdir(parents=True, exist_ok=True)
 

@@ -82,6 +82,7 @@ class ServingSetup:
     rounds: int = 2
     gpu_share: float = 0.25  # the part of kv_memory that is kvdrive's device tier (the rest its DRAM tier)
     seed: int = 42
+    concurrency: tuple[int, ...] = ()  # only these of each workload's concurrencies (empty: all of them)
 
 
 @dataclass(frozen=True)
@@ -322,7 +323,7 @@ def run_serving_bench(setup: ServingSetup, work: Path, tokenizer: Path,
     res = ServingResult(setup, versions(setup.legs))
     for name in setup.workloads:
         w = WORKLOADS[name]
-        for concurrency in w.concurrency:
+        for concurrency in (c for c in w.concurrency if not setup.concurrency or c in setup.concurrency):
             for rnd in range(setup.rounds):
                 legs = setup.legs if rnd % 2 == 0 else tuple(reversed(setup.legs))
                 for leg in legs:
