@@ -116,7 +116,11 @@ class ServingResult:
 def scenario(w: Workload, concurrency: int) -> dict[str, Any]:
     """guidellm's scenario for one cell: streamed text completions of synthetic prompts, a fixed count. Text,
     not chat: every server then gets the very same prompt tokens (no chat template of its own in between), and
-    llama.cpp's server cannot render guidellm's chat messages (content parts) through Qwen's template."""
+    llama.cpp's server cannot render guidellm's chat messages (content parts) through Qwen's template.
+    guidellm's data worker prepares ``prefetch_factor`` requests ahead, 4096 by default: with synthetic 8K-token
+    prompts it kept one of this host's two cores busy for a whole cell (the servers measured on the other one:
+    kvdrive's 512-token prompt chunks took 6-10 s instead of 2-4), so it prepares exactly the cell's requests."""
+    requests = concurrency * w.requests_per_stream
     data: dict[str, Any] = {"kind": "synthetic_text", "prompt_tokens": w.prompt_tokens, "output_tokens": w.output_tokens}
     if w.turns > 1:
         data["turns"] = w.turns
@@ -125,7 +129,8 @@ def scenario(w: Workload, concurrency: int) -> dict[str, Any]:
     return {"spec": {"backend": {"kind": "openai_http", "request_format": "/v1/completions"},
                      "profile": {"kind": "concurrent", "streams": concurrency},
                      "data": [data],
-                     "constraints": [{"kind": "max_requests", "count": concurrency * w.requests_per_stream}]}}
+                     "data_loader": {"kind": "pytorch", "prefetch_factor": max(2, requests)},
+                     "constraints": [{"kind": "max_requests", "count": requests}]}}
 
 
 def _peer_home() -> Path:
