@@ -43,7 +43,9 @@ from kvdrive.runtime.model.registry import MODEL_ALIASES, cache_dir
 
 log = logging.getLogger(__name__)
 
-LEGS = ("kvdrive", "kvdrive-full", "vllm-cpu", "llama-cpp")
+# kvdrive's legs: the flags each adds to ``kvdrive serve`` (bf16kv: a bfloat16 KV cache, vLLM's KV dtype)
+KVDRIVE_LEGS = {"kvdrive": (), "kvdrive-full": ("--full-attention",), "kvdrive-bf16kv": ("--kv-dtype", "bfloat16")}
+LEGS = (*KVDRIVE_LEGS, "vllm-cpu", "llama-cpp")
 
 
 @dataclass(frozen=True)
@@ -151,14 +153,14 @@ def server(setup: ServingSetup, leg: str, w: Workload, port: int, work: Path, lo
     """The leg's server for workload ``w`` (not started)."""
     model_id = MODEL_ALIASES.get(setup.model, setup.model)
     ctx = _context(w)
-    if leg in ("kvdrive", "kvdrive-full"):
+    if leg in KVDRIVE_LEGS:
         gpu = int(setup.kv_memory * setup.gpu_share)
         ssd = _ssd_dir(work)
         shutil.rmtree(ssd, ignore_errors=True)  # a cold tier: no cell reuses another's (even a killed run's) pages
         args = ["serve", "--model", setup.model, "--port", str(port), "--threads", str(setup.threads),
                 "--gpu-budget", str(gpu), "--dram-budget", str(setup.kv_memory - gpu), "--ssd-dir", str(ssd),
                 "--ssd-budget", str(setup.ssd_budget), "--max-running", str(max(w.concurrency))]
-        return Proc(args + (["--full-attention"] if leg == "kvdrive-full" else []), port, log_file)
+        return Proc(args + list(KVDRIVE_LEGS[leg]), port, log_file)
     if leg == "vllm-cpu":
         home = _peer_home()
         py, model_dir = home / "venv" / "bin" / "python", home / "models" / setup.model

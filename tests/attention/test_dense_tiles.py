@@ -24,8 +24,8 @@ def test_tiled_chunk_attention_equals_the_explicit_softmax() -> None:
     pos = torch.arange(700, 1000)  # a chunk continuing a 700-token sequence
     ref = _reference(q, k, v, pos)
     kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # head-major, as the cache holds them
-    one_pass = causal_attention(q, kh, vh, pos)
-    tiled = causal_attention(q, kh, vh, pos, tile_bytes=6 * 1000 * 4 * 7)  # 7 query rows per tile
+    one_pass = causal_attention(q, kh, vh, pos, fused=False)
+    tiled = causal_attention(q, kh, vh, pos, tile_bytes=6 * 1000 * 4 * 7, fused=False)  # 7 query rows per tile
     assert torch.allclose(one_pass, ref, atol=1e-5)
     assert torch.allclose(tiled, ref, atol=1e-5)
 
@@ -34,7 +34,7 @@ def test_a_single_row_tile_still_sees_exactly_its_own_prefix() -> None:
     torch.manual_seed(1)
     q, k, v = torch.randn(5, 4, 16), torch.randn(12, 4, 16), torch.randn(12, 4, 16)
     pos = torch.arange(7, 12)
-    out = causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), pos, tile_bytes=1)
+    out = causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), pos, tile_bytes=1, fused=False)
     assert torch.allclose(out, _reference(q, k, v, pos), atol=1e-5)
 
 
@@ -50,6 +50,17 @@ def test_the_fused_lower_right_path_equals_the_explicit_mask() -> None:
     gaps = torch.arange(0, 128, 2)  # not one run ending at T-1: only the explicit mask is right
     assert torch.allclose(causal_attention(q, kh[:, :127], vh[:, :127], gaps, fused=True),
                           _reference(q, k[:127], v[:127], gaps), atol=1e-5)
+
+
+@pytest.mark.parametrize("n,t", [(2, 3), (64, 400), (512, 4096), (300, 300)])
+def test_on_the_cpu_a_continuing_chunk_is_prefix_plus_causal_chunk_merged(n: int, t: int) -> None:
+    """The CPU's own path for a chunk ending its sequence: the earlier keys without a mask and the chunk's
+    own keys causally, merged by log-sum-exp; equal to the explicit softmax (Qwen's 14 query heads over 2)."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(n, 14, 64), torch.randn(t, 2, 64), torch.randn(t, 2, 64)
+    pos = torch.arange(t - n, t)
+    out = causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), pos)
+    torch.testing.assert_close(out, _reference(q, k, v, pos), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -30,6 +30,7 @@ def test_scenarios_say_what_each_workload_sends() -> None:
     assert a["profile"] == {"kind": "concurrent", "streams": 4}
     assert a["data"] == [{"kind": "synthetic_text", "prompt_tokens": 8192, "output_tokens": 64}]
     assert a["constraints"] == [{"kind": "max_requests", "count": 8}]
+    assert a["data_loader"] == {"kind": "pytorch", "prefetch_factor": 8}  # not guidellm's 4096 ahead: a busy core
     b = scenario(WORKLOADS["b"], 4)["spec"]["data"][0]
     assert b["turns"] == 4 and b["prefix_tokens"] == 4096 and b["prefix_count"] == 1
 
