@@ -141,7 +141,7 @@ def load_model(
     held = weight_bytes(model)
     log.info("loaded %s (%s, %d layers, %s) in %.1fs; weights %s (%s%s): %d MiB", served_id, cfg.architecture,
              cfg.num_layers, dtype, seconds, weights, plan.summary(),
-             f"; prompt GEMMs {plan.gemm}" if plan.blocked() and device.type == "cpu" else "", sum(held.values()) >> 20)
+             f"; prompt GEMMs {plan.gemm}" if plan.blocked() else "", sum(held.values()) >> 20)
     return LoadedModel(model, tokenizer, cfg, served_id, fingerprint + plan.fingerprint(), path, seconds,
                        device, dtype, plan)
 

@@ -53,7 +53,8 @@ class WeightPlan:
         float32-GEMM server stored, nor the other way."""
         if set(self.formats.values()) <= {"fp32"}:
             return ""
-        return f"|weights={self.requested}:{self.summary()}" + (f"|gemm={self.gemm}" if self.gemm != "fp32" else "")
+        bf16_gemm = self.blocked() and self.gemm != "fp32"  # the GEMM dtype touches the block layers only
+        return f"|weights={self.requested}:{self.summary()}" + (f"|gemm={self.gemm}" if bf16_gemm else "")
 
 
 def _types(sources: Mapping[str, TensorSource], names: tuple[str, ...]) -> list[str]:

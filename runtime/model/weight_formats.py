@@ -76,13 +76,14 @@ def host_has_bf16_units() -> bool:
 
 
 def resolve_gemm(requested: str, device: torch.device) -> str:
-    """``--gemm`` (one of ``GEMM_CHOICES``) with ``auto`` resolved: bf16 on a CPU with bf16 units, else fp32
-    (CUDA block layers have their own kernels and never take this path)."""
-    if requested not in GEMM_CHOICES:
-        raise ValueError(f"--gemm {requested!r}: expected one of {', '.join(GEMM_CHOICES)}")
+    """The GEMM dtype in effect for ``--gemm`` (one of ``GEMM_CHOICES``, checked by the loader): fp32 off the
+    CPU (CUDA block layers have their own kernels and never take this path), ``auto`` bf16 on a CPU with bf16
+    units, else what was asked."""
+    if device.type != "cpu":
+        return "fp32"
     if requested != "auto":
         return requested
-    return "bf16" if device.type == "cpu" and host_has_bf16_units() else "fp32"
+    return "bf16" if host_has_bf16_units() else "fp32"
 
 
 def requantize(w: torch.Tensor, fmt: str) -> Blocks:

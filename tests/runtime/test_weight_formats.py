@@ -270,3 +270,6 @@ def test_the_gemm_dtype_is_checked_and_named_in_the_page_fingerprint() -> None:
     plan = WeightPlan("auto", {"layers.0.down_proj": "int4"})
     assert plan.fingerprint() != replace(plan, gemm="bf16").fingerprint()
     assert "gemm" not in plan.fingerprint()  # pages stored before --gemm existed still match a float32 server
+    floats = WeightPlan("auto", {"layers.0.down_proj": "bf16"})  # no block layer: the GEMM dtype changes nothing
+    assert floats.fingerprint() == replace(floats, gemm="bf16").fingerprint()
+    assert resolve_gemm("bf16", torch.device("meta")) == "fp32"  # off the CPU the path does not exist
