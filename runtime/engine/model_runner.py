@@ -118,7 +118,8 @@ class ModelRunner:
         steps = [self.cache.begin(seq_id, list(tokens), seq_id in decoding) for seq_id, tokens in batch]
         self.cache.prepare_step()
         ids = [t for _, tokens in batch for t in tokens]
-        backend = TieredAttentionBackend(self.cache, steps, self.timings if decoding else None)
+        backend = TieredAttentionBackend(self.cache, steps, self.timings if decoding else None,
+                                         self.loaded.weights.prompt_products())
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.loaded.model(input_ids, torch.cat([s.positions for s in steps]), backend)
         backend.finish()

@@ -107,8 +107,11 @@ class _DecodeBatch:
 class TieredAttentionBackend:
     """Implements ``kvdrive.runtime.model.AttentionBackend`` over a ``TieredKVCache``."""
 
-    def __init__(self, cache: TieredKVCache, steps: list[StepSeq], timings: dict[str, float] | None = None) -> None:
+    def __init__(self, cache: TieredKVCache, steps: list[StepSeq], timings: dict[str, float] | None = None,
+                 products: str = "fp32") -> None:
+        """``products``: the dtype of the prompt chunks' products with earlier keys (``causal_attention``)."""
         self.cache = cache
+        self.products = products
         self.steps = steps
         self.sealed: list[BlockKey] = []  # blocks stored this step (for write-through)
         self.timings = timings
@@ -157,7 +160,7 @@ class TieredAttentionBackend:
             ak, av = torch.cat([ek[0], ck], dim=1), torch.cat([ev[0], cv], dim=1)
         else:
             ak, av = ck, cv
-        out = causal_attention(q, ak, av, st.positions)
+        out = causal_attention(q, ak, av, st.positions, products=self.products)
         full = len(st.new_digests)
         if full:
             hkv, d = lay.num_kv_heads, lay.head_dim

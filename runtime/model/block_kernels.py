@@ -66,11 +66,14 @@ def gemv(x: torch.Tensor, w: PackedBlocks) -> torch.Tensor:  # [M, K] -> [M, N] 
     return module.block_gemv(x, w.q, w.scale, w.offset, w.nib)
 
 
-def dequantize(w: PackedBlocks) -> torch.Tensor:  # -> [N, K] float32, equal to the file's values
+def dequantize(w: PackedBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """-> [N, K] in ``dtype``: float32 equal to the file's values, or those rounded to bfloat16 (one pass)."""
     module = native.kernels()
     if module is None:
-        return w.blocks().dequantize()
-    return module.block_dequant(w.q, w.scale, w.offset, w.nib)
+        return w.blocks().dequantize().to(dtype)
+    if dtype not in (torch.float32, torch.bfloat16):
+        return module.block_dequant(w.q, w.scale, w.offset, w.nib, False).to(dtype)
+    return module.block_dequant(w.q, w.scale, w.offset, w.nib, dtype == torch.bfloat16)
 
 
 def rows(w: PackedBlocks, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, K] float32

@@ -47,14 +47,19 @@ class WeightPlan:
         """Whether any module keeps block weights (int8/int4): the ones the GEMM dtype applies to on a CPU."""
         return bool(set(self.formats.values()) & {"int8", "int4"})
 
+    def prompt_products(self) -> str:
+        """The dtype of a prompt's products on a CPU: ``bf16`` when the block layers' GEMMs are bf16, which
+        then also covers the prompt's attention to earlier keys (``attention/dense.py``), else ``fp32``."""
+        return "bf16" if self.blocked() and self.gemm == "bf16" else "fp32"
+
     def fingerprint(self) -> str:
         """What the format adds to the model's page fingerprint: KV computed with other weights differs, and
         so does a prompt's KV computed with bf16 GEMMs: such pages are never matched against pages a
         float32-GEMM server stored, nor the other way."""
         if set(self.formats.values()) <= {"fp32"}:
             return ""
-        bf16_gemm = self.blocked() and self.gemm != "fp32"  # the GEMM dtype touches the block layers only
-        return f"|weights={self.requested}:{self.summary()}" + (f"|gemm={self.gemm}" if bf16_gemm else "")
+        bf16 = self.prompt_products() == "bf16"  # the GEMM dtype touches the block layers only
+        return f"|weights={self.requested}:{self.summary()}" + (f"|gemm={self.gemm}" if bf16 else "")
 
 
 def _types(sources: Mapping[str, TensorSource], names: tuple[str, ...]) -> list[str]:

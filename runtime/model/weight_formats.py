@@ -166,7 +166,7 @@ class QuantLinear(nn.Module):
             if x.shape[0] <= SMALL_BATCH:
                 return block_kernels.gemv(x, self.packed)
             dt = self.gemm_dtype
-            return F.linear(x.to(dt), block_kernels.dequantize(self.packed).to(dt))
+            return F.linear(x.to(dt), block_kernels.dequantize(self.packed, dt))
         xb = x.to(torch.bfloat16)
         if self.blocks is not None:  # CUDA int8
             return F.linear(xb, self.blocks.dequantize(torch.bfloat16))

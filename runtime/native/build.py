@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = tuple(KERNELS / name for name in
-                ("block_gemm.cpp", "paged_decode.cpp", "rope.cpp", "norm.cpp", "module.cpp"))
+                ("block_gemm.cpp", "paged_decode.cpp", "prefix_attention.cpp", "rope.cpp", "norm.cpp",
+                 "module.cpp"))
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-ffp-contract=off", "-fopenmp")
 NAME = "kvdrive_cpu_kernels"
 PREBUILT_ENV = "KVDRIVE_KERNELS"  # a folder made by prebuild()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvdrive.runtime.attention import causal_attention
+from kvdrive.runtime.attention.dense import bf16_prefix_available
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -61,6 +62,27 @@ def test_on_the_cpu_a_continuing_chunk_is_prefix_plus_causal_chunk_merged(n: int
     pos = torch.arange(t - n, t)
     out = causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), pos)
     torch.testing.assert_close(out, _reference(q, k, v, pos), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not bf16_prefix_available(), reason="needs the CPU kernels on a CPU with AVX512-BF16")
+@pytest.mark.parametrize("n,t,hq,hkv,d", [(512, 4096, 14, 2, 64), (3, 5, 14, 2, 64), (37, 167, 4, 4, 32),
+                                          (64, 1000, 8, 2, 128)])
+def test_bf16_products_stay_within_bfloat16_rounding_of_the_exact_softmax(n: int, t: int, hq: int, hkv: int,
+                                                                          d: int) -> None:
+    """``products="bf16"``: the prefix's q.k and p.v through the bf16-product kernel. Key counts that are
+    not a multiple of its 64-key blocks (the padded keys must weigh nothing), query rows that are not a
+    multiple of its tiles, grouped and plain heads, every head size it takes: the output stays within
+    bf16's rounding of the float64 softmax, while float32 products are exact (so the test can fail)."""
+    torch.manual_seed(5)
+    q, k, v = torch.randn(n, hq, d), 2 * torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    pos = torch.arange(t - n, t)
+    want = _reference(q.double(), k.double(), v.double(), pos)
+    got = causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), pos, products="bf16").double()
+    exact = causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), pos).double()
+    assert (exact - want).abs().max() < 1e-4
+    err = (got - want).abs().max()
+    assert 1e-4 < err < 4e-2  # bf16 has an 8-bit mantissa: the products are rounded, not wrong
+    assert (got - want).abs().mean() < 4e-3
 
 
 @pytest.mark.gpu

@@ -54,7 +54,7 @@ def test_a_prebuilt_folder_is_loaded_when_it_matches_and_refused_when_stale(tmp_
     levels = torch.randint(-8, 8, (40, 64), dtype=torch.int8)
     b = Blocks(levels, torch.rand(40, 2) + 0.1, None, 32)
     packed = block_kernels.pack(b, False)
-    assert torch.equal(module.block_dequant(packed.q, packed.scale, packed.offset, packed.nib), b.dequantize())
+    assert torch.equal(module.block_dequant(packed.q, packed.scale, packed.offset, packed.nib, False), b.dequantize())
     assert hasattr(module, "paged_decode") and hasattr(module, "select_pages")
 
     (folder / native.STAMP).write_text("0" * 64 + "\n")
@@ -293,3 +293,22 @@ def test_block_gemv_gives_each_row_the_same_sum_whether_rows_are_walked_singly_o
         together = block_kernels.gemv(x, packed)
         for i in range(4):
             assert torch.equal(block_kernels.gemv(x[i : i + 1], packed), together[i : i + 1])
+
+
+@pytest.mark.parametrize("nib", [True, False])
+def test_dequantizing_to_bfloat16_rounds_exactly_as_torch_casts_the_float32_weights(nib: bool) -> None:
+    """A prompt chunk's bf16 GEMM takes its weights from one pass (``dequantize(.., torch.bfloat16)``): the
+    same values as the float32 dequantization cast by torch, bit for bit, ties to even included."""
+    g = torch.Generator().manual_seed(11)
+    levels = torch.randint(0, 16, (53, 256), dtype=torch.int8, generator=g) if nib else \
+        torch.randint(-127, 128, (53, 256), dtype=torch.int8, generator=g)
+    b = Blocks(levels, torch.randn(53, 8, generator=g) * 0.05, torch.randn(53, 8, generator=g) if nib else None, 32)
+    packed = block_kernels.pack(b, nib)
+    exact = block_kernels.dequantize(packed)
+    halves = block_kernels.dequantize(packed, torch.bfloat16)
+    assert halves.dtype == torch.bfloat16 and torch.equal(halves, exact.to(torch.bfloat16))
+    assert not torch.equal(halves.float(), exact)  # the rounding really happened
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8)])  # halfway: to the even neighbour
+    b = Blocks(torch.ones(3, 32, dtype=torch.int8), ties[:, None].clone(), None, 32)
+    assert torch.equal(block_kernels.dequantize(block_kernels.pack(b, False), torch.bfloat16)[:, 0],
+                       ties.to(torch.bfloat16))

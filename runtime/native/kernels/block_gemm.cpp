@@ -12,7 +12,8 @@
 //
 // block_dequant multiplies then adds, rounding once as gguf's own dequantization does (built with
 // -ffp-contract=off), so its float32 weights equal the loader's bit for bit.
-// block_gemv: y [M, N] = x [M, K] @ W.T for a few rows (decode); block_dequant: W as float32 (prefill).
+// block_gemv: y [M, N] = x [M, K] @ W.T for a few rows (decode); block_dequant: W as float32 or bfloat16
+// (prefill).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -175,15 +176,28 @@ torch::Tensor block_gemv(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
 }
 
 // -> W [N, K] float32
-torch::Tensor block_dequant(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> offset, bool nib) {
+// 16 finite floats as bfloat16, rounded to nearest even: what torch's float32 -> bfloat16 conversion gives
+// (AVX-512F only, so any host with the kernels can take it).
+inline void store_bf16(uint16_t* dst, __m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+}
+
+// W [N, K] as float32, or (bf16) those same values rounded to bfloat16 in the same pass: a prompt chunk's
+// bf16 GEMM then reads and writes a quarter of the bytes that a float32 W and a separate cast move.
+torch::Tensor block_dequant(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> offset, bool nib,
+                            bool bf16) {
   const int64_t N = scale.size(0), K = nib ? q.size(1) * 2 : q.size(1);
   check(q, scale, offset, K, nib);
   const int64_t B = K / scale.size(1), G = K / B;
-  auto w = torch::empty({N, K}, scale.options());
+  auto w = torch::empty({N, K}, scale.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
   const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
   const float* sp = scale.data_ptr<float>();
   const float* op = offset ? offset->data_ptr<float>() : nullptr;
-  float* wp = w.data_ptr<float>();
+  float* wp = bf16 ? nullptr : w.data_ptr<float>();
+  uint16_t* hp = bf16 ? reinterpret_cast<uint16_t*>(w.data_ptr()) : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t g = 0; g < K / 32; ++g) {
@@ -192,8 +206,15 @@ torch::Tensor block_dequant(torch::Tensor q, torch::Tensor scale, c10::optional<
         else levels<false>(qp + n * K, g, lo, hi);
         const int64_t b0 = (g * 32) / B, b1 = (g * 32 + 16) / B;
         const __m512 o0 = _mm512_set1_ps(op ? op[n * G + b0] : 0.f), o1 = _mm512_set1_ps(op ? op[n * G + b1] : 0.f);
-        _mm512_storeu_ps(wp + n * K + g * 32, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_set1_ps(sp[n * G + b0])), o0));
-        _mm512_storeu_ps(wp + n * K + g * 32 + 16, _mm512_add_ps(_mm512_mul_ps(hi, _mm512_set1_ps(sp[n * G + b1])), o1));
+        const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(lo, _mm512_set1_ps(sp[n * G + b0])), o0);
+        const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(hi, _mm512_set1_ps(sp[n * G + b1])), o1);
+        if (bf16) {
+          store_bf16(hp + n * K + g * 32, w0);
+          store_bf16(hp + n * K + g * 32 + 16, w1);
+        } else {
+          _mm512_storeu_ps(wp + n * K + g * 32, w0);
+          _mm512_storeu_ps(wp + n * K + g * 32 + 16, w1);
+        }
       }
     }
   });
@@ -202,5 +223,5 @@ torch::Tensor block_dequant(torch::Tensor q, torch::Tensor scale, c10::optional<
 
 void register_block_gemm(pybind11::module_& m) {
   m.def("block_gemv", &block_gemv, "y = x @ W.T, W in blocks (levels, float32 scales and offsets)");
-  m.def("block_dequant", &block_dequant, "W in blocks -> float32");
+  m.def("block_dequant", &block_dequant, "W in blocks -> float32 (bf16: rounded to bfloat16)");
 }
