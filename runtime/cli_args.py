@@ -65,5 +65,6 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
                         "fp32 otherwise), fp32, bf16, int8 or int4 (docs/weights.md)")
     p.add_argument("--gemm", choices=GEMM_CHOICES, default="auto",
                    help="the dtype of the int8/int4 layers' GEMMs over more than 16 rows (prompt chunks, large "
-                        "decode batches) on a CPU: auto (bf16 where the CPU has AVX512-BF16 or AMX, ~4x float32's "
-                        "speed; fp32 elsewhere), fp32 (exact) or bf16 (docs/weights.md)")
+                        "decode batches) on a CPU, and of a prompt chunk's attention products with earlier keys "
+                        "(with the kernels, on AVX512-BF16): auto (bf16 where the CPU has AVX512-BF16 or AMX, "
+                        "~4x float32's speed; fp32 elsewhere), fp32 (exact) or bf16 (docs/weights.md)")

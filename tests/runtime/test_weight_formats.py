@@ -272,4 +272,7 @@ def test_the_gemm_dtype_is_checked_and_named_in_the_page_fingerprint() -> None:
     assert "gemm" not in plan.fingerprint()  # pages stored before --gemm existed still match a float32 server
     floats = WeightPlan("auto", {"layers.0.down_proj": "bf16"})  # no block layer: the GEMM dtype changes nothing
     assert floats.fingerprint() == replace(floats, gemm="bf16").fingerprint()
+    # the prompt's attention products follow the block layers' GEMM dtype, so the same fingerprint covers them
+    assert replace(plan, gemm="bf16").prompt_products() == "bf16"
+    assert plan.prompt_products() == "fp32" and replace(floats, gemm="bf16").prompt_products() == "fp32"
     assert resolve_gemm("bf16", torch.device("meta")) == "fp32"  # off the CPU the path does not exist
