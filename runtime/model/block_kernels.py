@@ -71,9 +71,8 @@ def dequantize(w: PackedBlocks, dtype: torch.dtype = torch.float32) -> torch.Ten
     module = native.kernels()
     if module is None:
         return w.blocks().dequantize().to(dtype)
-    if dtype not in (torch.float32, torch.bfloat16):
-        return module.block_dequant(w.q, w.scale, w.offset, w.nib, False).to(dtype)
-    return module.block_dequant(w.q, w.scale, w.offset, w.nib, dtype == torch.bfloat16)
+    # the kernel writes float32 or bfloat16 itself; .to is a no-op for those two
+    return module.block_dequant(w.q, w.scale, w.offset, w.nib, dtype == torch.bfloat16).to(dtype)
 
 
 def rows(w: PackedBlocks, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, K] float32
