@@ -61,8 +61,8 @@ import torch
 ok = torch.cuda.is_available()
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "| available", ok, "|", torch.cuda.get_device_name(0) if ok else "no device")
-from kvdrive.runtime.kvcache.tiers.checksum import CRC32_IMPL
-from kvdrive.runtime.kvcache.tiers.kvikio_backend import kvikio_unusable_reason
+from kvdrive.runtime.kvcache.store.tiers.checksum import CRC32_IMPL
+from kvdrive.runtime.kvcache.store.tiers.kvikio_backend import kvikio_unusable_reason
 print("kvikio installed:", importlib.util.find_spec("kvikio") is not None, "| unusable:", kvikio_unusable_reason(),
       "| crc32:", CRC32_IMPL)
 if not ok and os.environ["ALLOW_CPU"] != "1":
@@ -92,7 +92,7 @@ run_tiers() {
   "$PY" - "$OUT/tiers-gpu.json" "$SSD_DIR/tiers" "$OUT/tiers-gpu-kvikio.json" <<'EOF'
 import json, sys
 from kvdrive.runtime.bench.tier_bench import run_tier_bench
-from kvdrive.runtime.kvcache.tiers.kvikio_backend import KvikioSsdTier, kvikio_unusable_reason
+from kvdrive.runtime.kvcache.store.tiers.kvikio_backend import KvikioSsdTier, kvikio_unusable_reason
 
 def show(path):
     r = json.load(open(path))
@@ -171,7 +171,7 @@ import cProfile, io, pstats, shutil, sys, time
 import torch
 from kvdrive.runtime.bench.texts import filler_tokens
 from kvdrive.runtime.engine import ModelRunner
-from kvdrive.runtime.engine.kv_state import EngineConfig, TierConfig
+from kvdrive.runtime.kvcache.config import EngineConfig, TierConfig
 from kvdrive.runtime.model import load_model
 
 model, device, ctx, root = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from kvdrive.runtime.engine.grammar import GrammarMasks
-from kvdrive.runtime.engine.kv_state import EngineConfig, TierConfig
+from kvdrive.runtime.kvcache.config import EngineConfig, TierConfig
 from kvdrive.runtime.server.app import create_app
 from kvdrive.runtime.server.serve import ServeOptions, build_state
 

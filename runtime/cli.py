@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
         return 0
     from kvdrive.runtime.engine import PromptTooLongError
-    from kvdrive.runtime.kvcache import CacheFullError
+    from kvdrive.runtime.kvcache.store import CacheFullError
     from kvdrive.runtime.model import ModelLoadError
     from kvdrive.runtime.prompt.tokenizer import TokenizerError
 

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from kvdrive.runtime.bench.texts import filler_tokens, passkey_prompt
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
-from kvdrive.runtime.kvcache import KVLayout
+from kvdrive.runtime.kvcache.store import KVLayout
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.prompt import ChatMessage
 

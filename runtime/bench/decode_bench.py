@@ -45,8 +45,8 @@ from kvdrive.runtime.bench import llama_cpp
 from kvdrive.runtime.bench.floor import floor_step_times
 from kvdrive.runtime.bench.texts import filler_tokens
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, TierConfig
-from kvdrive.runtime.engine.envelope import reserve_bytes
-from kvdrive.runtime.kvcache import KVLayout
+from kvdrive.runtime.kvcache.envelope import reserve_bytes
+from kvdrive.runtime.kvcache.store import KVLayout
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.model.weight_formats import weight_bytes
 
@@ -192,7 +192,7 @@ def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[
 
 def _snapshot(gen: ModelRunner) -> dict[str, object]:
     c = gen.cache
-    return {"reads": c.page_reads(), "moved": dict(c.store.transfer_bytes), "prefetch": c.placer.ledger.counts()}
+    return {"reads": c.page_reads(), "moved": c.store.counters().transfer_bytes, "prefetch": c.placer.ledger.counts()}
 
 
 def _delta(before: dict[str, object], after: dict[str, object], key: str) -> dict[object, float]:

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from kvdrive.runtime.bench.model_bench import rss_bytes
-from kvdrive.runtime.kvcache import KVLayout
-from kvdrive.runtime.kvcache.tiers import DeviceTier, DramTier, SsdTier
-from kvdrive.runtime.kvcache.tiers.aligned import AlignedBuffer
-from kvdrive.runtime.kvcache.tiers.checksum import CRC32_IMPL, slot_crcs
-from kvdrive.runtime.kvcache.tiers.memory import MemoryPoolTier
-from kvdrive.runtime.kvcache.tiers.ssd_io import Piece, PieceRunner, plan
+from kvdrive.runtime.kvcache.store import KVLayout
+from kvdrive.runtime.kvcache.store.tiers import DeviceTier, DramTier, SsdTier
+from kvdrive.runtime.kvcache.store.tiers.aligned import AlignedBuffer
+from kvdrive.runtime.kvcache.store.tiers.checksum import CRC32_IMPL, slot_crcs
+from kvdrive.runtime.kvcache.store.tiers.memory import MemoryPoolTier
+from kvdrive.runtime.kvcache.store.tiers.ssd_io import Piece, PieceRunner, plan
 
 log = logging.getLogger(__name__)
 

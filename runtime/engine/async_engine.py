@@ -19,7 +19,7 @@ from typing import Any
 
 from kvdrive.runtime.engine.llm_engine import LLMEngine
 from kvdrive.runtime.engine.request import Request, RequestOutput
-from kvdrive.runtime.kvcache.faults import FaultLog
+from kvdrive.runtime.kvcache.store.faults import FaultLog
 
 log = logging.getLogger(__name__)
 

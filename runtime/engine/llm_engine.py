@@ -23,9 +23,9 @@ from kvdrive.runtime.engine.prompt_logprobs import chunk_logprobs
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
 from kvdrive.runtime.engine.sampling import TokenLogprob, make_rng, sample, token_logprob
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from kvdrive.runtime.engine.tiered_cache import PageLostError
-from kvdrive.runtime.kvcache import CacheFullError
-from kvdrive.runtime.kvcache.faults import FaultLog
+from kvdrive.runtime.kvcache.cache import PageLostError
+from kvdrive.runtime.kvcache.store import CacheFullError
+from kvdrive.runtime.kvcache.store.faults import FaultLog
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A single-process generation loop over the tiered KV cache: chunked prefill, then decode.
 
-``ModelRunner`` owns one model, one ``TieredKVCache`` and the sequences in it. It is the piece the CLI and
+``ModelRunner`` owns one model, one ``KVCache`` and the sequences in it. It is the piece the CLI and
 benchmarks drive directly; the serving scheduler (continuous batching) builds on ``forward_tokens`` for
 batches of sequences.
 """
@@ -13,15 +13,15 @@ from dataclasses import replace
 
 import torch
 
-from kvdrive.runtime.engine.envelope import default_envelope_bytes
 from kvdrive.runtime.engine.heap import HeapTrimmer
-from kvdrive.runtime.engine.kv_state import EngineConfig
 from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls, prompt_vocab
 from kvdrive.runtime.engine.sampling import SamplingParams, make_rng, sample
-from kvdrive.runtime.engine.sliding import SlidingWindows
-from kvdrive.runtime.engine.tiered_backend import TieredAttentionBackend
-from kvdrive.runtime.engine.tiered_cache import TieredKVCache
-from kvdrive.runtime.kvcache import CacheFullError, KVLayout
+from kvdrive.runtime.kvcache.backend import TieredAttentionBackend
+from kvdrive.runtime.kvcache.cache import KVCache
+from kvdrive.runtime.kvcache.config import EngineConfig
+from kvdrive.runtime.kvcache.envelope import default_envelope_bytes
+from kvdrive.runtime.kvcache.store import CacheFullError, KVLayout
+from kvdrive.runtime.kvcache.windows.ring import SlidingWindows
 from kvdrive.runtime.model import LoadedModel
 
 MAX_UNDONE_STEPS = 3  # steps in a row the tiers could not take before generate() gives up
@@ -51,7 +51,7 @@ class ModelRunner:
             window_bytes = windows.bytes_per_sequence() if windows is not None else 0
             gpu = default_envelope_bytes(layout, c, cfg.context_length, window_bytes, self.device)
             c = self.config = replace(c, tiers=replace(c.tiers, envelope_bytes=gpu))
-        self.cache = TieredKVCache(layout, c, self.device, fingerprint, windows, cfg.global_layers)
+        self.cache = KVCache(layout, c, self.device, fingerprint, windows, cfg.global_layers)
         self._ids = itertools.count()
         self.heap = HeapTrimmer()
         self.timings: dict[str, float] | None = None  # per-phase decode seconds, when a benchmark asks
@@ -101,7 +101,7 @@ class ModelRunner:
 
     def load_prefix(self, seq_id: int) -> bool:
         """Read the stored prefix ``open_sequence(..., load=False)`` matched; False when it came short (the
-        sequence then holds fewer tokens than it was opened with: see ``TieredKVCache.load_prefix``)."""
+        sequence then holds fewer tokens than it was opened with: see ``KVCache.load_prefix``)."""
         return self.cache.load_prefix(seq_id)
 
     def release(self, seq_id: int) -> None:

@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvdrive.runtime.engine import EngineStats
-from kvdrive.runtime.engine.kv_state import EnvelopeSplit
+from kvdrive.runtime.kvcache.config import EnvelopeSplit
 from kvdrive.runtime.server.admin_schemas import TierUsageBody
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field, replace
 import uvicorn
 
 from kvdrive.runtime.engine import AsyncEngine, EngineConfig, LLMEngine, ModelRunner, SchedulerConfig
-from kvdrive.runtime.engine.tiered_cache import TieredKVCache
-from kvdrive.runtime.kvcache import BudgetError
-from kvdrive.runtime.kvcache.page_events import PageEvents
+from kvdrive.runtime.kvcache.cache import KVCache
+from kvdrive.runtime.kvcache.store import BudgetError
+from kvdrive.runtime.kvcache.store.page_events import PageEvents
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.registry import DEMO_ALIAS, MODEL_ALIASES
 from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
@@ -62,7 +62,7 @@ def _tcp_port(endpoint: str | None) -> int | None:
         return None
 
 
-def kv_events_of(cache: TieredKVCache, config: KVEventsConfig | None, model_id: str) -> tuple[
+def kv_events_of(cache: KVCache, config: KVEventsConfig | None, model_id: str) -> tuple[
         KVEventPublisher | None, KVEventsInfo | None]:
     """The publisher of KV events (not started) and what a router is told of it; (None, None) when off.
     ``{model}`` in the topic (e.g. llm-d's kv@POD@{model}) becomes the model as served."""

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
-from kvdrive.runtime.kvcache import DIGEST_BYTES, BlockKey, KVLayout, TieredKVStore, TierName
-from kvdrive.runtime.pipeline import Mover
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.store import DIGEST_BYTES, BlockKey, BlockStore, KVLayout, TierName
 
 # 2 layers, page of 16 tokens, 3 KV heads of 64 dims, fp16: one block (layer page) = 12 KiB
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=64, page_size=16, dtype=torch.float16)
@@ -36,21 +36,21 @@ def read(mover: Mover, keys: list[BlockKey]) -> tuple[torch.Tensor, list[bool]]:
     return out, [t is not None for t in served]
 
 
-def tiers_of(store: TieredKVStore, key: BlockKey) -> list[TierName]:
+def tiers_of(store: BlockStore, key: BlockKey) -> list[TierName]:
     """The tiers holding a readable copy of ``key``, fastest first."""
-    b = store._blocks.get(key)
+    b = store.table.blocks.get(key)
     return [t for t in ("gpu", "dram", "ssd") if b is not None and t in b.copies and b.copies[t].ready]
 
 
 @contextmanager
-def pinned(store: TieredKVStore, keys: list[BlockKey]) -> Iterator[None]:
+def pinned(store: BlockStore, keys: list[BlockKey]) -> Iterator[None]:
     """Hold ``keys`` pinned, as an in-flight read does."""
-    with store._lock:
+    with store.table.lock:
         for k in keys:
-            store._pin(store._blocks[k])
+            store.table.pin(store.table.blocks[k])
     try:
         yield
     finally:
-        with store._lock:
+        with store.table.lock:
             for k in keys:
-                store._unpin(store._blocks[k])
+                store.table.unpin(store.table.blocks[k])

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvdrive.runtime.kvcache.block_index import BlockIndex
+from kvdrive.runtime.kvcache.store.block_index import BlockIndex
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

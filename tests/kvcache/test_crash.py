@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from kvstore_helpers import BB, blocks_for
 
-from kvdrive.runtime.kvcache.tiers import SsdTier
+from kvdrive.runtime.kvcache.store.tiers import SsdTier
 
 HERE = Path(__file__).parent
 
@@ -24,7 +24,7 @@ import random, sys
 sys.path.insert(0, {str(HERE)!r})
 import torch
 from kvstore_helpers import BB, blocks_for, make_keys
-from kvdrive.runtime.kvcache.tiers import SsdTier
+from kvdrive.runtime.kvcache.store.tiers import SsdTier
 tier = SsdTier(sys.argv[1], BB, 2 << 20, journal_cap=8 << 10)  # tiny journal: frequent compactions
 rng = random.Random(int(sys.argv[2]))
 used = [s for s, _ in tier.recovered()]

@@ -13,10 +13,11 @@ import pytest
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 from test_faults_and_backings import FailingIO
 
-from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
-from kvdrive.runtime.kvcache.faults import FaultLog
-from kvdrive.runtime.kvcache.tiers import SsdTier
-from kvdrive.runtime.pipeline import Mover
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.placement import TierEviction
+from kvdrive.runtime.kvcache.store import BlockStore, TierBudgets
+from kvdrive.runtime.kvcache.store.faults import FaultLog
+from kvdrive.runtime.kvcache.store.tiers import SsdTier
 
 
 class Clock:
@@ -58,7 +59,7 @@ def test_degraded_while_a_fault_is_recent() -> None:
 def test_a_failing_disk_logs_once_and_the_store_reports_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     io = FailingIO()
     ssd = SsdTier(str(tmp_path / "ssd"), BB, 2 << 20, io=io)
-    s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), ssd_tier=ssd)
+    s = BlockStore.build(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), TierEviction(), ssd_tier=ssd)
     m = Mover(s)
     keys = make_keys(40)
     m.put(keys, blocks_for(keys), tier="ssd", needed=False)

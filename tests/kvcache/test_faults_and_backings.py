@@ -16,10 +16,11 @@ import pytest
 import torch
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 
-from kvdrive.runtime.kvcache import Int8Codec, TierBudgets, TieredKVStore, measure_error
-from kvdrive.runtime.kvcache.faults import FaultPolicy
-from kvdrive.runtime.kvcache.tiers import DramTier, PosixIO, SsdTier
-from kvdrive.runtime.pipeline import Mover
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.placement import TierEviction
+from kvdrive.runtime.kvcache.store import BlockStore, Int8Codec, TierBudgets, measure_error
+from kvdrive.runtime.kvcache.store.faults import FaultPolicy
+from kvdrive.runtime.kvcache.store.tiers import DramTier, PosixIO, SsdTier
 
 
 class FailingIO(PosixIO):
@@ -41,7 +42,7 @@ def test_eio_is_counted_and_the_store_keeps_serving(tmp_path: Path, caplog: pyte
     io = FailingIO()
     ssd = SsdTier(str(tmp_path / "ssd"), BB, 2 << 20, io=io)
     ssd.fault_log.policy = FaultPolicy(interval=10.0, window=0.5)  # a fault keeps the tier failing 0.5 s
-    s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), ssd_tier=ssd)
+    s = BlockStore.build(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), TierEviction(), ssd_tier=ssd)
     m = Mover(s)
     on_ssd = make_keys(2)
     m.put(on_ssd, blocks_for(on_ssd), tier="ssd", needed=False)
@@ -87,7 +88,7 @@ def test_enospc_on_a_full_filesystem_limits_the_tier(tmp_path: Path) -> None:
         tier = SsdTier(str(d), BB, 8 << 20)  # asks for ~7 MiB of slabs on a 1 MiB filesystem
         assert tier.faults.get("ENOSPC", 0) >= 1
         assert 0 < tier.allocator.capacity * tier.slot_bytes < 1 << 20
-        s = TieredKVStore(LAYOUT, TierBudgets(BB, BB, 8 << 20), ssd_tier=tier)
+        s = BlockStore.build(LAYOUT, TierBudgets(BB, BB, 8 << 20), TierEviction(), ssd_tier=tier)
         m = Mover(s)
         keys = make_keys(tier.allocator.capacity + 2)
         m.put(keys, blocks_for(keys))
@@ -98,7 +99,7 @@ def test_enospc_on_a_full_filesystem_limits_the_tier(tmp_path: Path) -> None:
 
 def test_read_only_directory_leaves_gpu_and_dram_serving(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "ro", "ro,size=1m") as d:
-        s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 1 << 20), ssd_dir=str(d / "kv"))
+        s = BlockStore.build(LAYOUT, TierBudgets(2 * BB, 2 * BB, 1 << 20), TierEviction(), ssd_dir=str(d / "kv"))
         m = Mover(s)
         ssd = s.tiers["ssd"]
         assert isinstance(ssd, SsdTier) and not ssd.available and ssd.faults.get("EROFS") == 1
@@ -161,7 +162,7 @@ def test_a_dram_budget_fills_a_hugetlbfs_mount_of_its_size(pod_hugepages: Path) 
     anonymous memory, because the pool's zero row pushed it one huge page past the budget; and on a
     CPU pod the device tier was put in the same hugetlbfs mapping, which the pod never reserved."""
     budget = 4 << 20
-    s = TieredKVStore(LAYOUT, TierBudgets(64 * BB, budget, 0), hugetlbfs_dir=str(pod_hugepages))
+    s = BlockStore.build(LAYOUT, TierBudgets(64 * BB, budget, 0), TierEviction(), hugetlbfs_dir=str(pod_hugepages))
     m = Mover(s)
     usage = {u.tier: u for u in s.usage()}
     assert usage["dram"].backing == f"hugetlbfs:{pod_hugepages}"
@@ -247,7 +248,7 @@ def test_journal_append_failures_are_counted_and_logged_once(tmp_path: Path, cap
     """A full disk fails every journal append: each is counted as a fault, the log says it once."""
     with tmpfs(tmp_path / "small", "size=4m") as d:
         tier = SsdTier(str(d), BB, 2 << 20)
-        s = TieredKVStore(LAYOUT, TierBudgets(BB, BB, 2 << 20), ssd_tier=tier)
+        s = BlockStore.build(LAYOUT, TierBudgets(BB, BB, 2 << 20), TierEviction(), ssd_tier=tier)
         m = Mover(s)
         fd = os.open(d / "filler", os.O_CREAT | os.O_WRONLY)  # the filesystem fills up behind the tier's back
         with contextlib.suppress(OSError):
@@ -269,7 +270,7 @@ def test_a_key_asked_twice_whose_only_copy_fails_is_a_miss_for_both(tmp_path: Pa
     KeyError that ended the whole engine step, found by bench/fault_scenarios.py under EIO)."""
     io = FailingIO()
     ssd = SsdTier(str(tmp_path / "ssd"), BB, 2 << 20, io=io)
-    s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), ssd_tier=ssd)
+    s = BlockStore.build(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), TierEviction(), ssd_tier=ssd)
     m = Mover(s)
     (key, other) = make_keys(2)
     m.put([key, other], blocks_for([key, other]), tier="ssd", needed=False)

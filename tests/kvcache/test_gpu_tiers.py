@@ -14,9 +14,10 @@ import pytest
 import torch
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 
-from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
-from kvdrive.runtime.kvcache.tiers import DeviceTier, DramTier, SsdTier
-from kvdrive.runtime.pipeline import Mover
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.placement import TierEviction
+from kvdrive.runtime.kvcache.store import BlockStore, TierBudgets
+from kvdrive.runtime.kvcache.store.tiers import DeviceTier, DramTier, SsdTier
 
 CUDA = torch.cuda.is_available()
 KVIKIO = CUDA and importlib.util.find_spec("kvikio") is not None
@@ -82,7 +83,7 @@ def test_posix_ssd_tier_reads_into_device_memory(tmp_path: Path) -> None:
 def test_kvikio_backend_round_trip_restart_and_corruption(tmp_path: Path) -> None:
     """Written and read back through KvikIO; after a restart every block is recovered; a byte flipped on
     disk is caught by its CRC at the next read, and the next restart's check forgets that block."""
-    from kvdrive.runtime.kvcache.tiers.kvikio_backend import KvikioSsdTier, kvikio_unusable_reason
+    from kvdrive.runtime.kvcache.store.tiers.kvikio_backend import KvikioSsdTier, kvikio_unusable_reason
 
     assert kvikio_unusable_reason() is None
     tier = KvikioSsdTier(str(tmp_path), BB, 4 << 20)
@@ -110,17 +111,17 @@ def test_kvikio_backend_round_trip_restart_and_corruption(tmp_path: Path) -> Non
 
 @needs_kvikio
 def test_the_store_uses_kvikio_only_when_asked(tmp_path: Path) -> None:
-    s = TieredKVStore(LAYOUT, TierBudgets(4 * BB, 4 * BB, 4 << 20), ssd_dir=str(tmp_path / "posix"))
+    s = BlockStore.build(LAYOUT, TierBudgets(4 * BB, 4 * BB, 4 << 20), TierEviction(), ssd_dir=str(tmp_path / "posix"))
     assert s.tiers["ssd"].backing.startswith("posix")
     s.close()
-    s = TieredKVStore(LAYOUT, TierBudgets(4 * BB, 4 * BB, 4 << 20), ssd_dir=str(tmp_path / "kv"),
+    s = BlockStore.build(LAYOUT, TierBudgets(4 * BB, 4 * BB, 4 << 20), TierEviction(), ssd_dir=str(tmp_path / "kv"),
                       ssd_backend="kvikio")
     assert s.tiers["ssd"].backing.startswith("kvikio:")
     s.close()
 
 
 def test_store_on_cuda_moves_pages_through_all_tiers(tmp_path: Path) -> None:
-    s = TieredKVStore(LAYOUT, TierBudgets(4 * BB, 4 * BB, 4 << 20), ssd_dir=str(tmp_path / "kv"))
+    s = BlockStore.build(LAYOUT, TierBudgets(4 * BB, 4 * BB, 4 << 20), TierEviction(), ssd_dir=str(tmp_path / "kv"))
     m = Mover(s)
     assert s.device.type == "cuda"
     keys = make_keys(20)  # 4 fit on the gpu, 4 in dram, the rest demoted to the ssd

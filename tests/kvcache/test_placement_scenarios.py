@@ -11,24 +11,42 @@ from pathlib import Path
 import torch
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, tiers_of
 
-from kvdrive.runtime.kvcache import BlockKey, TierBudgets, TieredKVStore
-from kvdrive.runtime.pipeline import Mover
-from kvdrive.runtime.placement import Placer, PrefetchLedger, PrefetchThrottle, policy_for
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.placement import (
+    Placer,
+    PrefetchLedger,
+    PrefetchThrottle,
+    TierEviction,
+    policy_for,
+)
+from kvdrive.runtime.kvcache.store import (
+    BlockIndex,
+    BlockKey,
+    BlockStore,
+    TierBudgets,
+    build_tiers,
+    device_tier,
+)
+
+BUDGETS = TierBudgets(3 * BB, 3 * BB, 2 << 20)
 
 
-def _store(tmp_path: Path) -> TieredKVStore:
-    return TieredKVStore(LAYOUT, TierBudgets(3 * BB, 3 * BB, 2 << 20), ssd_dir=str(tmp_path / "ssd"))
+def _store(tmp_path: Path) -> BlockStore:
+    return BlockStore.build(LAYOUT, BUDGETS, TierEviction(), ssd_dir=str(tmp_path / "ssd"))
 
 
-def _placed(tmp_path: Path) -> tuple[TieredKVStore, Mover, Placer]:
-    s = _store(tmp_path)
-    placer = Placer(policy_for("kvdrive"), s)
-    return s, Mover(s, placer.victim_rules), placer
+def _placed(tmp_path: Path) -> tuple[BlockStore, Mover, Placer]:
+    """A store evicting in the placer's order, composed as ``KVCache`` composes it."""
+    tiers = build_tiers(LAYOUT, BUDGETS, ssd_dir=str(tmp_path / "ssd"))
+    index = BlockIndex(LAYOUT.num_layers, device_tier(tiers).device)
+    placer = Placer(policy_for("kvdrive"), index, tiers)
+    s = BlockStore(LAYOUT, BUDGETS, tiers, placer.eviction, index)
+    return s, Mover(s), placer
 
 
-def _attend(placer: Placer, store: TieredKVStore, keys: list[BlockKey], masses: list[float]) -> None:
+def _attend(placer: Placer, store: BlockStore, keys: list[BlockKey], masses: list[float]) -> None:
     """One decode step in which ``keys`` (layer 0) received ``masses`` of attention."""
-    placer.begin_step()
+    placer.begin_step(store.drain_freed())
     pids = torch.tensor([store.index.find(k.digest) for k in keys])
     placer.record(pids[None, :], torch.tensor(masses)[None, :])  # layer 0 (the layout's only one)
     placer.end_decode_step()
@@ -77,7 +95,7 @@ def test_a_hot_block_read_from_the_ssd_is_admitted_over_a_cold_resident(tmp_path
     hot, cold = make_keys(2)
     m.put([hot, cold], blocks_for([hot, cold]), tier="ssd")
     _attend(placer, s, [hot], [2.0])
-    placer.begin_step()
+    placer.begin_step(s.drain_freed())
     pids = [s.index.find(k.digest) for k in (hot, cold)]
     assert placer.promotion([hot, cold], pids, ["ssd", "ssd"]) == {"gpu": [0], "dram": [1]}
 

@@ -16,22 +16,23 @@ from pathlib import Path
 
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys
 
-from kvdrive.runtime.kvcache import CacheFullError, TierBudgets, TieredKVStore
-from kvdrive.runtime.pipeline import Mover
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.placement import TierEviction
+from kvdrive.runtime.kvcache.store import BlockStore, CacheFullError, TierBudgets
 
 
 def test_a_needed_block_fits_while_needed_blocks_are_fewer_than_the_slots(tmp_path: Path) -> None:
     rng = random.Random(1)
     for trial in range(60):
         gpu, dram, ssd = rng.randrange(8, 40), rng.randrange(4, 30), rng.randrange(20, 120)
-        store = TieredKVStore(LAYOUT, TierBudgets(gpu * BB, dram * BB, ssd * BB), ssd_dir=str(tmp_path / f"s{trial}"))
+        store = BlockStore.build(LAYOUT, TierBudgets(gpu * BB, dram * BB, ssd * BB), TierEviction(), ssd_dir=str(tmp_path / f"s{trial}"))
         mover = Mover(store)
         try:
             total = store.capacity_blocks
             sealed = []
             for _ in range(total - 2):  # sealed pages, half written through, some released
                 keys = make_keys(1)
-                needed = sum(b.needed for b in store._blocks.values())
+                needed = sum(b.needed for b in store.table.blocks.values())
                 try:
                     mover.put(keys, blocks_for(keys), "gpu", needed=True, persistent=True)
                 except CacheFullError as exc:

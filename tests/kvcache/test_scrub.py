@@ -14,18 +14,19 @@ from pathlib import Path
 import torch
 from kvstore_helpers import LAYOUT, blocks_for, make_keys, read, tiers_of
 
-from kvdrive.runtime.kvcache import TieredKVStore
-from kvdrive.runtime.kvcache.budgets import TierBudgets
-from kvdrive.runtime.pipeline import Mover
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.placement import TierEviction
+from kvdrive.runtime.kvcache.store import BlockStore
+from kvdrive.runtime.kvcache.store.budgets import TierBudgets
 
 
 def test_a_checksum_failure_scrubs_the_tier_and_drops_every_corrupt_copy(tmp_path: Path) -> None:
-    store = TieredKVStore(LAYOUT, TierBudgets(0, 0, 4 << 20), ssd_dir=str(tmp_path / "kv"), device=torch.device("cpu"))
+    store = BlockStore.build(LAYOUT, TierBudgets(0, 0, 4 << 20), TierEviction(), ssd_dir=str(tmp_path / "kv"), device=torch.device("cpu"))
     mover = Mover(store)
     keys = make_keys(64)
     mover.put(keys, blocks_for(keys), "ssd", needed=False, persistent=True)
     tier = store.tiers["ssd"]
-    slot = {k: store._blocks[k].copies["ssd"].slot for k in keys}
+    slot = {k: store.table.blocks[k].copies["ssd"].slot for k in keys}
     bad = set(keys[::2])
     fd = os.open(tmp_path / "kv" / "slab-00000.kv", os.O_RDWR)
     for k in bad:
@@ -35,8 +36,8 @@ def test_a_checksum_failure_scrubs_the_tier_and_drops_every_corrupt_copy(tmp_pat
 
     out, found = read(mover, [keys[0]])  # the first corrupt block met by a read: a miss, and a scrub
     assert found == [False]
-    mover.wait_for_scrub(30)
-    assert store.scrubbed == len(bad) - 1  # all the others, in one pass
+    mover.reader.wait_for_scrub(30)
+    assert store.counters().scrubbed == len(bad) - 1  # all the others, in one pass
     assert all(tiers_of(store, k) == [] for k in bad)
     out, found = read(mover, keys)
     assert found == [k not in bad for k in keys]

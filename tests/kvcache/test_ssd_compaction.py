@@ -12,9 +12,9 @@ import pytest
 import torch
 from kvstore_helpers import BB, blocks_for, make_keys
 
-from kvdrive.runtime.kvcache.tiers import SsdTier, ssd_index
-from kvdrive.runtime.kvcache.tiers.ssd import MIN_JOURNAL_CAP, journal_cap_for
-from kvdrive.runtime.kvcache.tiers.ssd_index import IndexEntry, SsdIndex
+from kvdrive.runtime.kvcache.store.tiers import SsdTier, ssd_index
+from kvdrive.runtime.kvcache.store.tiers.ssd import MIN_JOURNAL_CAP, journal_cap_for
+from kvdrive.runtime.kvcache.store.tiers.ssd_index import IndexEntry, SsdIndex
 
 GEOMETRY: dict[str, object] = {"block_bytes": BB, "codec": "none", "slot_bytes": BB, "slab_slots": 64}
 

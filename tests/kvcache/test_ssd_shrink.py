@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from kvstore_helpers import LAYOUT, blocks_for, make_keys, read
 
-from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
-from kvdrive.runtime.pipeline import Mover
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.placement import TierEviction
+from kvdrive.runtime.kvcache.store import BlockStore, TierBudgets
 
 
 def test_ssd_shrink_beside_reads_and_writes(tmp_path: Path) -> None:
-    s = TieredKVStore(LAYOUT, TierBudgets(0, 0, 2000 * 12288 + (8 << 20)), ssd_dir=str(tmp_path / "kv"))
+    s = BlockStore.build(LAYOUT, TierBudgets(0, 0, 2000 * 12288 + (8 << 20)), TierEviction(), ssd_dir=str(tmp_path / "kv"))
     m = Mover(s)
     ssd = s.tiers["ssd"]
     full = ssd.allocator.capacity
@@ -69,7 +70,7 @@ def test_ssd_shrink_beside_reads_and_writes(tmp_path: Path) -> None:
     assert seen["writes"] > 0 and seen["reads"] > 0 and seen["wrong"] == 0
     assert s.budgets.ssd_bytes == small and ssd.allocator.capacity == n
     assert ssd.allocator.used <= n and not ssd.allocator.used_at_or_above(n)
-    left = [k for k in s._blocks if "ssd" in s._blocks[k].copies]
+    left = [k for k in s.table.blocks if "ssd" in s.table.blocks[k].copies]
     out, hit = read(m, left)
     assert all(hit) and torch.equal(out, blocks_for(left))
     s.close()

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from kvstore_helpers import BB, blocks_for, make_keys
 
-from kvdrive.runtime.kvcache import BlockKey
-from kvdrive.runtime.kvcache.tiers import SsdTier
-from kvdrive.runtime.kvcache.tiers.aligned import AlignedBuffer
-from kvdrive.runtime.kvcache.tiers.checksum import CRC32_IMPL, slot_crcs
-from kvdrive.runtime.kvcache.tiers.ssd_io import iovecs, plan
+from kvdrive.runtime.kvcache.store import BlockKey
+from kvdrive.runtime.kvcache.store.tiers import SsdTier
+from kvdrive.runtime.kvcache.store.tiers.aligned import AlignedBuffer
+from kvdrive.runtime.kvcache.store.tiers.checksum import CRC32_IMPL, slot_crcs
+from kvdrive.runtime.kvcache.store.tiers.ssd_io import iovecs, plan
 
 
 def _fill(tier: SsdTier, n: int, persist: bool = True) -> tuple[list[int], list[BlockKey]]:

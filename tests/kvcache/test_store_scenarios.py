@@ -10,23 +10,24 @@ import pytest
 import torch
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, pinned, read, tiers_of
 
-from kvdrive.runtime.kvcache import (
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.placement import TierEviction
+from kvdrive.runtime.kvcache.store import (
     BlockKey,
+    BlockStore,
     BudgetError,
     CacheFullError,
     TierBudgets,
-    TieredKVStore,
 )
-from kvdrive.runtime.kvcache.tiers import PosixIO, SsdTier
-from kvdrive.runtime.pipeline import Mover
+from kvdrive.runtime.kvcache.store.tiers import PosixIO, SsdTier
 from kvdrive.runtime.prompt.digests import chain_digest, root_digest
 
 
-def store(tmp_path: Path, gpu: int, dram: int, ssd_bytes: int = 2 << 20, **kw: object) -> TieredKVStore:
-    return TieredKVStore(LAYOUT, TierBudgets(gpu * BB, dram * BB, ssd_bytes), ssd_dir=str(tmp_path / "ssd"), **kw)
+def store(tmp_path: Path, gpu: int, dram: int, ssd_bytes: int = 2 << 20, **kw: object) -> BlockStore:
+    return BlockStore.build(LAYOUT, TierBudgets(gpu * BB, dram * BB, ssd_bytes), TierEviction(), ssd_dir=str(tmp_path / "ssd"), **kw)
 
 
-def assert_within_budgets(s: TieredKVStore) -> None:
+def assert_within_budgets(s: BlockStore) -> None:
     for u in s.usage():
         assert u.used_bytes <= u.capacity_bytes <= max(u.budget_bytes, 0)
 
@@ -47,7 +48,7 @@ def test_blocks_flow_down_in_lru_order(tmp_path: Path) -> None:
     assert s.where(keys[8]) == "gpu" and s.where(keys[9]) == "dram"
     out, hit = read(m, keys)
     assert all(hit) and torch.equal(out, blocks_for(keys))
-    assert s.transfer_bytes[("gpu", "dram")] >= 5 * BB and s.transfer_bytes[("dram", "ssd")] >= 5 * BB
+    assert s.counters().transfer_bytes[("gpu", "dram")] >= 5 * BB and s.counters().transfer_bytes[("dram", "ssd")] >= 5 * BB
     reads = {u.tier: u.page_reads for u in s.usage()}
     assert reads == {"gpu": 3 + 1, "dram": 4, "ssd": 5}  # keys[4] went on to the ssd with the last put
 
@@ -87,13 +88,13 @@ def test_impossible_shrink_is_refused_and_changes_nothing(tmp_path: Path) -> Non
 
 def test_bottom_tier_drops_only_recomputable_blocks(tmp_path: Path) -> None:
     """With no ssd, a full store drops blocks nobody needs; needed blocks make the put fail instead."""
-    s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 0))
+    s = BlockStore.build(LAYOUT, TierBudgets(2 * BB, 2 * BB, 0), TierEviction())
     m = Mover(s)
     old = make_keys(4)
     m.put(old, blocks_for(old), needed=False)
     new = make_keys(2)
     m.put(new, blocks_for(new))
-    assert sum(s.where(k) is None for k in old) == 2 and s.dropped == 2
+    assert sum(s.where(k) is None for k in old) == 2 and s.counters().dropped == 2
     more = make_keys(3)
     with pytest.raises(CacheFullError):
         m.put(more, blocks_for(more))  # 2 recomputable go, the 3rd needed page has nowhere to go
@@ -140,7 +141,7 @@ class GatedIO(PosixIO):
 def test_a_block_being_written_is_not_readable(tmp_path: Path) -> None:
     io = GatedIO()
     ssd = SsdTier(str(tmp_path / "ssd"), BB, 2 << 20, io=io)
-    s = TieredKVStore(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), ssd_tier=ssd)
+    s = BlockStore.build(LAYOUT, TierBudgets(2 * BB, 2 * BB, 2 << 20), TierEviction(), ssd_tier=ssd)
     m = Mover(s)
     key = make_keys(1)
     io.write_gate.clear()
@@ -157,7 +158,7 @@ def test_a_block_being_written_is_not_readable(tmp_path: Path) -> None:
 def test_a_block_being_read_is_pinned_against_eviction(tmp_path: Path) -> None:
     io = GatedIO()
     ssd = SsdTier(str(tmp_path / "ssd"), BB, 2 << 20, io=io)
-    s = TieredKVStore(LAYOUT, TierBudgets(0, 0, 2 << 20), ssd_tier=ssd)
+    s = BlockStore.build(LAYOUT, TierBudgets(0, 0, 2 << 20), TierEviction(), ssd_tier=ssd)
     m = Mover(s)
     cap = ssd.allocator.capacity
     key = make_keys(1)
@@ -171,7 +172,7 @@ def test_a_block_being_read_is_pinned_against_eviction(tmp_path: Path) -> None:
     m.put(others, blocks_for(others), tier="ssd", needed=False)  # the tier is now full
     extra = make_keys(1)  # pressure: the ssd must drop a recomputable block, never the pinned one
     m.put(extra, blocks_for(extra), tier="ssd")
-    assert s.where(key[0]) == "ssd" and s.dropped == 1
+    assert s.where(key[0]) == "ssd" and s.counters().dropped == 1
     with pytest.raises(BudgetError):
         m.set_budgets(ssd_bytes=0)
     io.read_gate.set()
@@ -189,16 +190,16 @@ def test_corrupt_ssd_copy_is_a_miss_and_a_dram_copy_is_used(tmp_path: Path) -> N
     ssd = s.tiers["ssd"]
     assert isinstance(ssd, SsdTier)
     for k in keys:  # corrupt both ssd copies on disk
-        slot = next(sl for (t, sl), kk in s._owner.items() if t == "ssd" and kk == k)
+        slot = next(sl for (t, sl), kk in s.table.owner.items() if t == "ssd" and kk == k)
         with open(tmp_path / "ssd" / "slab-00000.kv", "r+b") as f:
             f.seek(slot * ssd.slot_bytes + 100)
             f.write(b"\xff\x00\xff")
     out, hit = read(m, keys)
     assert hit == [False, True] and s.where(keys[0]) is None
     assert torch.equal(out[1], blocks_for(keys[1:])[0])  # dram copy served first
-    m.wait_for_scrub()  # the checksum failure started a scrub: it finds keys[1]'s corrupt ssd copy too
-    assert ssd.corrupt == 2 and tiers_of(s, keys[1]) == ["dram"] and s.scrubbed == 1
-    s._drop(s._blocks[keys[1]], "dram")
+    m.reader.wait_for_scrub()  # the checksum failure started a scrub: it finds keys[1]'s corrupt ssd copy too
+    assert ssd.corrupt == 2 and tiers_of(s, keys[1]) == ["dram"] and s.counters().scrubbed == 1
+    s.table.drop(s.table.blocks[keys[1]], "dram")
     assert read(m, keys[1:])[1] == [False] and ssd.corrupt == 2  # a miss: nothing corrupt is read again
 
 

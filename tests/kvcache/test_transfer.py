@@ -10,11 +10,12 @@ import pytest
 import torch
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, read
 
-from kvdrive.runtime.kvcache import TierBudgets, TieredKVStore
-from kvdrive.runtime.pipeline import Mover, Priority, TransferEngine
+from kvdrive.runtime.kvcache.mover import Mover, Priority, TransferQueue
+from kvdrive.runtime.kvcache.placement import TierEviction
+from kvdrive.runtime.kvcache.store import BlockStore, TierBudgets
 
 
-def busy(eng: TransferEngine, gate: threading.Event) -> None:
+def busy(eng: TransferQueue, gate: threading.Event) -> None:
     """Occupy the engine's only worker until ``gate`` is set."""
     started = threading.Event()
     eng.submit(lambda: (started.set(), gate.wait(10)), Priority.PREFETCH)
@@ -23,11 +24,11 @@ def busy(eng: TransferEngine, gate: threading.Event) -> None:
 
 @pytest.fixture
 def mover(tmp_path: Path) -> Mover:
-    return Mover(TieredKVStore(LAYOUT, TierBudgets(8 * BB, 8 * BB, 2 << 20), ssd_dir=str(tmp_path / "ssd")))
+    return Mover(BlockStore.build(LAYOUT, TierBudgets(8 * BB, 8 * BB, 2 << 20), TierEviction(), ssd_dir=str(tmp_path / "ssd")))
 
 
 def test_prefetch_before_writeback_fifo_within_each(mover: Mover) -> None:
-    eng = TransferEngine(mover, workers=1)
+    eng = TransferQueue(mover, workers=1)
     gate, order = threading.Event(), []
     busy(eng, gate)
     jobs = [(Priority.WRITEBACK, "w1"), (Priority.PREFETCH, "p1"), (Priority.WRITEBACK, "w2"), (Priority.PREFETCH, "p2")]
@@ -41,7 +42,7 @@ def test_prefetch_before_writeback_fifo_within_each(mover: Mover) -> None:
 
 
 def test_a_queued_job_submitted_again_is_merged_into_it(mover: Mover) -> None:
-    eng = TransferEngine(mover, workers=1)
+    eng = TransferQueue(mover, workers=1)
     gate, order = threading.Event(), []
     busy(eng, gate)
     wb = eng.submit(lambda: order.append("queued"), Priority.WRITEBACK, dedupe=("job", 1))
@@ -58,7 +59,7 @@ def test_a_queued_job_submitted_again_is_merged_into_it(mover: Mover) -> None:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_failed_jobs_complete_with_the_error_and_workers_survive(mover: Mover) -> None:
-    eng = TransferEngine(mover, workers=1)
+    eng = TransferQueue(mover, workers=1)
 
     def boom() -> None:
         raise OSError(5, "simulated EIO")
@@ -81,7 +82,7 @@ def test_prepared_promotions_run_on_a_worker_and_write_backs_skip_clean_copies(m
     """The engine thread prepares (slots reserved, sources pinned); a worker copies and publishes."""
     keys = make_keys(6)
     mover.put(keys, blocks_for(keys), tier="ssd", persistent=True, needed=False)
-    eng = TransferEngine(mover, workers=2)
+    eng = TransferQueue(mover, workers=2)
     moves = mover.prepare_promote(keys[:3], "dram")
     assert [mover.store.where(k) for k in keys[:3]] == ["ssd"] * 3  # reserved, not yet readable there
     assert eng.run(moves).wait(10) == 3
@@ -89,6 +90,6 @@ def test_prepared_promotions_run_on_a_worker_and_write_backs_skip_clean_copies(m
     assert all(hit) and torch.equal(out, blocks_for(keys))
     assert [mover.store.where(k) for k in keys] == ["dram"] * 3 + ["ssd"] * 3
     assert eng.replicate(keys[:3], "ssd").wait(10) == 0  # they already have a clean ssd copy
-    assert mover.store.transfer_bytes[("ssd", "dram")] == 3 * BB
+    assert mover.store.counters().transfer_bytes[("ssd", "dram")] == 3 * BB
     assert eng.drain(10) and eng.completed["WRITEBACK"] == 1
     eng.close()

@@ -16,8 +16,8 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
-from kvdrive.runtime.engine.envelope import reserve_bytes
-from kvdrive.runtime.kvcache import KVLayout
+from kvdrive.runtime.kvcache.envelope import reserve_bytes
+from kvdrive.runtime.kvcache.store import KVLayout
 from kvdrive.runtime.model import LoadedModel
 
 PAGE = 4  # tokens a page: small, so that short prompts span many pages

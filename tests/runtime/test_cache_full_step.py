@@ -17,7 +17,7 @@ from enginekit import run_dry, small_engine, submit, tokens
 
 from kvdrive.runtime.engine import Request, SamplingParams
 from kvdrive.runtime.engine.llm_engine import MAX_CACHE_FULL_STEPS
-from kvdrive.runtime.kvcache import CacheFullError
+from kvdrive.runtime.kvcache.store import CacheFullError
 from kvdrive.runtime.model import LoadedModel, load_model
 
 

@@ -46,7 +46,7 @@ def test_the_kvikio_ssd_backend_is_refused_with_its_reason_where_it_cannot_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """KvikIO is asked for by name (the POSIX backend is the default); where it cannot run, that is an error
     with the reason, not a silent fall back."""
-    from kvdrive.runtime.kvcache.tiers.kvikio_backend import kvikio_unusable_reason
+    from kvdrive.runtime.kvcache.store.tiers.kvikio_backend import kvikio_unusable_reason
 
     reason = kvikio_unusable_reason()
     if reason is None:

@@ -20,7 +20,7 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
-from kvdrive.runtime.engine.envelope import reserve_bytes
+from kvdrive.runtime.kvcache.envelope import reserve_bytes
 from kvdrive.runtime.model import load_model
 
 

@@ -23,7 +23,7 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
-from kvdrive.runtime.kvcache import BudgetError
+from kvdrive.runtime.kvcache.store import BudgetError
 from kvdrive.runtime.model import LoadedModel, load_model
 
 PAGE = 4

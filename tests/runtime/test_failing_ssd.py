@@ -16,7 +16,7 @@ import torch
 from enginekit import run_dry, small_engine, submit, tokens
 
 from kvdrive.runtime.engine import Request, SamplingParams
-from kvdrive.runtime.kvcache.tiers import PosixIO
+from kvdrive.runtime.kvcache.store.tiers import PosixIO
 from kvdrive.runtime.model import LoadedModel, load_model
 
 

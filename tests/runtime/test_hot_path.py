@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
-from kvdrive.runtime.engine.envelope import reserve_bytes
-from kvdrive.runtime.kvcache import TieredKVStore
-from kvdrive.runtime.kvcache.tiers import ssd_index
+from kvdrive.runtime.kvcache.envelope import reserve_bytes
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.store import BlockStore
+from kvdrive.runtime.kvcache.store.tiers import ssd_index
 from kvdrive.runtime.model import LoadedModel, load_model
-from kvdrive.runtime.pipeline import Mover
 
 PAGE = 4
 STORE_LOOKUPS = ("where", "where_many", "key_of", "set_needed", "ref_page", "plan_reads", "rows_to_write",
@@ -55,7 +55,7 @@ def _opened(gen: ModelRunner, n: int) -> tuple[int, int]:
     return seq, last
 
 
-def _count_calls(store: TieredKVStore, mover: Mover) -> dict[str, int]:
+def _count_calls(store: BlockStore, mover: Mover) -> dict[str, int]:
     calls = dict.fromkeys(STORE_LOOKUPS + MOVER_CALLS, 0)
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -129,7 +129,7 @@ def test_host_work_of_a_decode_step_does_not_grow_with_the_context(tiny: LoadedM
 TIER_IO = ("read", "write", "discard", "resize", "size_files")
 
 
-def _guard_tiers(store: TieredKVStore) -> tuple[list[str], dict[str, int]]:
+def _guard_tiers(store: BlockStore) -> tuple[list[str], dict[str, int]]:
     """Wrap every tier method that does I/O (read, write, discard, resize, and the SSD tier's slab sizing, index
     journal appends and fallocate) in a double that records a call made with the store lock held; returns
     (violations, calls per tier and per "tier.method")."""
@@ -138,7 +138,7 @@ def _guard_tiers(store: TieredKVStore) -> tuple[list[str], dict[str, int]]:
 
     def guard(name: str, op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def checked(*a: Any, **kw: Any) -> Any:
-            if store._lock._is_owned():  # type: ignore[attr-defined]
+            if store.table.lock._is_owned():  # type: ignore[attr-defined]
                 violations.append(f"{name}.{op}")
             io[name] += 1
             io[f"{name}.{op}"] = io.get(f"{name}.{op}", 0) + 1
@@ -220,10 +220,10 @@ def test_an_ssd_tier_that_must_evict_frees_its_slots_without_journal_writes_unde
         reopened.close()
 
 
-def _walked(store: TieredKVStore) -> dict[str, tuple[int, int]]:
+def _walked(store: BlockStore) -> dict[str, tuple[int, int]]:
     """(blocks with a copy, of them not needed) per tier, counted by walking the block table."""
     out = {t: (0, 0) for t in store.tiers}
-    for b in store._blocks.values():
+    for b in store.table.blocks.values():
         for t in b.copies:
             held, cached = out[t]
             out[t] = (held + 1, cached + (not b.needed))
@@ -242,9 +242,9 @@ def test_usage_comes_from_counters_that_agree_with_the_block_table(tiny: LoadedM
 
     def check(gen: ModelRunner) -> None:
         store = gen.cache.store
-        with store._lock:  # the transfer workers change blocks meanwhile: one consistent instant
+        with store.table.lock:  # the transfer workers change blocks meanwhile: one consistent instant
             walked, usage = _walked(store), store.usage()
-            counted = dict(store._copies_in)
+            counted = dict(store.table.copies_in)
         for u in usage:
             held, cached = walked[u.tier]
             assert (counted.get(u.tier, 0), u.cached_bytes) == (held, cached * store.tiers[u.tier].slot_bytes)

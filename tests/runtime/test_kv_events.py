@@ -31,7 +31,7 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
-from kvdrive.runtime.kvcache.page_events import PageEvents
+from kvdrive.runtime.kvcache.store.page_events import PageEvents
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.prompt import page_digests
 from kvdrive.runtime.server.kv_events import KVEventPublisher, KVEventsConfig, to_events
@@ -124,9 +124,9 @@ def _held(batches: list[EventBatch]) -> dict[int | bytes, set[str]]:
 def _truth(engine: LLMEngine) -> dict[int | bytes, set[str]]:
     """What the tiers hold: page (named as on the wire: its digest's low 64 bits) -> media."""
     store = engine.runner.cache.store
-    with store._lock:
+    with store.table.lock:
         return {fold(k.digest): {MEDIUM[t] for t, c in b.copies.items() if c.ready}
-                for k, b in store._blocks.items() if k.layer == 0 and any(c.ready for c in b.copies.values())}
+                for k, b in store.table.blocks.items() if k.layer == 0 and any(c.ready for c in b.copies.values())}
 
 
 def test_a_subscriber_hears_pages_stored_within_100ms_and_removed_from_their_last_tier(tiny: LoadedModel) -> None:

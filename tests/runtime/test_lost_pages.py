@@ -25,8 +25,8 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
-from kvdrive.runtime.engine.envelope import reserve_bytes
 from kvdrive.runtime.engine.llm_engine import MAX_LOST_PAGE_RESTARTS
+from kvdrive.runtime.kvcache.envelope import reserve_bytes
 from kvdrive.runtime.model import LoadedModel, load_model
 
 PAGE = 4

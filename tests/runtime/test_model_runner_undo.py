@@ -16,7 +16,7 @@ import torch
 
 from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.engine.model_runner import MAX_UNDONE_STEPS
-from kvdrive.runtime.kvcache import CacheFullError
+from kvdrive.runtime.kvcache.store import CacheFullError
 from kvdrive.runtime.model import LoadedModel, load_model
 
 PAGE = 4

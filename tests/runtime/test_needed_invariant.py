@@ -24,8 +24,8 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
-from kvdrive.runtime.engine.envelope import reserve_bytes
-from kvdrive.runtime.kvcache import BudgetError, CacheFullError
+from kvdrive.runtime.kvcache.envelope import reserve_bytes
+from kvdrive.runtime.kvcache.store import BudgetError, CacheFullError
 from kvdrive.runtime.model import load_model
 
 PAGE = 4
@@ -34,8 +34,8 @@ PAGE = 4
 def _leaked(engine: LLMEngine) -> list[str]:
     cache = engine.runner.cache
     store = cache.store
-    with store._lock:
-        needed = {b.key.digest for b in store._blocks.values() if b.needed}
+    with store.table.lock:
+        needed = {b.key.digest for b in store.table.blocks.values() if b.needed}
     referenced = set(cache.prefix._refs)
     return [d.hex()[:12] for d in needed - referenced]
 

@@ -98,11 +98,11 @@ def test_a_prefix_page_lost_before_the_load_is_computed_in_the_same_step_and_the
     def losing_load(seq_id: int) -> bool:
         seq = cache.seq(seq_id)
         if seq.unloaded and not lost:  # page 20 of the match goes from every tier between lookup and read
-            with store._lock:
+            with store.table.lock:
                 for layer in range(cache.layout.num_layers):
-                    b = store._blocks[store.key_of(seq.pids[20], layer)]
+                    b = store.table.blocks[store.key_of(seq.pids[20], layer)]
                     for tier in list(b.copies):
-                        store._drop(b, tier)
+                        store.table.drop(b, tier)
             lost.append(seq_id)
         return load(seq_id)
 
@@ -150,7 +150,7 @@ def test_the_copies_a_steps_lower_tier_reads_earn_are_made_in_the_next_steps_loa
 
     queue = cache.promotions
     cache.mover.admit = logged("admit", cache.mover.admit, lambda keys, *_a, **_k: list(keys))  # type: ignore[method-assign]
-    cache.placer.begin_step = logged("begin", cache.placer.begin_step, lambda: [])  # type: ignore[method-assign]
+    cache.placer.begin_step = logged("begin", cache.placer.begin_step, lambda *_a: [])  # type: ignore[method-assign]
     real_plan = queue.plan
 
     def plan() -> None:

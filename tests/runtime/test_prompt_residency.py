@@ -27,7 +27,7 @@ from kvdrive.runtime.engine import (
     SchedulerConfig,
     TierConfig,
 )
-from kvdrive.runtime.engine.envelope import reserve_bytes
+from kvdrive.runtime.kvcache.envelope import reserve_bytes
 from kvdrive.runtime.model import LoadedModel, load_model
 
 PAGE = 4

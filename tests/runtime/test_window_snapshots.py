@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from kvdrive.runtime.engine.window_snapshots import HEADER, WindowSnapshots
+from kvdrive.runtime.kvcache.windows.snapshots import HEADER, WindowSnapshots
 
 
 def _window(seed: int) -> torch.Tensor:

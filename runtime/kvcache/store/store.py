@@ -1,0 +1,341 @@
+"""The three tiers (gpu, dram, ssd) and the block table over them: what is stored where (``kvcache`` stores).
+
+``BlockStore`` builds the tiers and keeps their bookkeeping: the block table (``BlockTable``), the read and
+resize halves of it (``ReadBook``, ``ResizeBook``), queries, flags and page references. It never moves a
+byte: ``kvdrive.runtime.kvcache.mover.Mover`` runs every put, read, promotion, demotion and resize as prepare
+(here, under the lock) -> run (the Mover, no lock held) -> complete (here, under the lock). Placement
+decides which tier (``kvdrive.runtime.kvcache.placement``).
+
+Guarantees the bookkeeping keeps:
+- a copy being written is invisible until its write completed (``ready``); readers skip it;
+- a block being read, moved or written is pinned: eviction and compaction never touch it;
+- a block marked ``needed`` (a running sequence's page) is demoted, never dropped; a budget change
+  that cannot keep every needed block raises BudgetError and changes nothing;
+- a tier never holds more slots than its budget allows; a corrupt SSD copy is dropped and reported
+  as a miss, never served;
+- no tier I/O while the store lock is held (every tier method is called by the Mover, outside it).
+Promotion is inclusive (the lower copy stays as a clean backup); demotion moves. The memory tiers'
+placement is mirrored in tensors (``index``) that the decode loop reads directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvdrive.runtime.kvcache.contract import Block, Copy, Eviction, Move
+from kvdrive.runtime.kvcache.store.block_index import BlockIndex
+from kvdrive.runtime.kvcache.store.budgets import TierBudgets, TierName, TierUsage
+from kvdrive.runtime.kvcache.store.compression import Int8Codec
+from kvdrive.runtime.kvcache.store.keys import BlockKey
+from kvdrive.runtime.kvcache.store.layout import CacheFullError, KVLayout
+from kvdrive.runtime.kvcache.store.page_events import PageEvents
+from kvdrive.runtime.kvcache.store.reads import ReadBook
+from kvdrive.runtime.kvcache.store.resize import ResizeBook
+from kvdrive.runtime.kvcache.store.table import BlockTable
+from kvdrive.runtime.kvcache.store.tiers.arena import HostArena
+from kvdrive.runtime.kvcache.store.tiers.base import Tier
+from kvdrive.runtime.kvcache.store.tiers.device import DeviceTier
+from kvdrive.runtime.kvcache.store.tiers.dram import DramTier
+from kvdrive.runtime.kvcache.store.tiers.ssd import SsdTier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BlockStore", "StoreCounters", "build_tiers", "device_tier"]
+
+
+def build_tiers(layout: KVLayout, budgets: TierBudgets, ssd_dir: str | None = None,
+                device: torch.device | str | None = None, hugetlbfs_dir: str | None = None, ssd_codec: str = "none",
+                ssd_tier: Tier | None = None, io_threads: int = 4, device_extra_rows: int = 0,
+                ssd_backend: str = "posix") -> dict[TierName, Tier]:
+    """The tiers under ``budgets``: the device pool (with ``device_extra_rows`` rows outside its slots), DRAM
+    (hugetlbfs when ``hugetlbfs_dir``), and the SSD tier when ``ssd_dir`` (or a ready ``ssd_tier``) is given.
+    ValueError, with the reason, for an SSD backend that cannot run here."""
+    bb = layout.block_bytes
+    tiers: dict[TierName, Tier] = {
+        "gpu": DeviceTier(bb, budgets.gpu_bytes // bb, device, extra_rows=device_extra_rows),
+        "dram": DramTier(bb, DramTier.slots_for_budget(budgets.dram_bytes, bb, bool(hugetlbfs_dir)), hugetlbfs_dir),
+    }
+    if ssd_tier is None and ssd_dir is not None:
+        codec = Int8Codec(layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype) \
+            if ssd_codec == "int8" else None
+        ssd_tier = _make_ssd(ssd_dir, bb, budgets.ssd_bytes, codec, io_threads, ssd_backend)
+    if ssd_tier is not None:
+        tiers["ssd"] = ssd_tier
+    return tiers
+
+
+@dataclass(frozen=True)
+class StoreCounters:
+    """The store's cumulative counters, read in one consistent instant."""
+
+    page_reads: dict[TierName, int]  # needed pages found per tier (by the Mover's reads)
+    misses: int  # needed pages no tier could serve (recomputed)
+    transfer_bytes: dict[tuple[str, str], int]  # (src, dst) -> bytes moved
+    dropped: int  # blocks dropped with no copy left (nobody needed them: recomputed if asked again)
+    scrubbed: int  # corrupt copies dropped by scrubs
+
+
+def device_tier(tiers: dict[TierName, Tier]) -> DeviceTier:
+    """The device tier of ``tiers`` (``build_tiers`` always makes one), typed."""
+    gpu = tiers["gpu"]
+    assert isinstance(gpu, DeviceTier)
+    return gpu
+
+
+class BlockStore:
+    def __init__(self, layout: KVLayout, budgets: TierBudgets, tiers: dict[TierName, Tier], eviction: Eviction,
+                 index: BlockIndex | None = None) -> None:
+        """The store over ``tiers`` (``build_tiers``), applying placement's ``eviction``; ``index``: the page ids
+        placement shares (built here when None)."""
+        self.layout = layout
+        self.block_bytes = layout.block_bytes
+        self.tiers = tiers
+        self.device_tier = gpu = device_tier(tiers)  # its pool is read in place by the decode loop
+        self.device = gpu.device
+        self.index = index if index is not None else BlockIndex(layout.num_layers, self.device)
+        self.table = BlockTable(tiers, self.index, eviction, layout.block_bytes)  # shared by the parts below
+        self.reads = ReadBook(self.table)
+        self.resize = ResizeBook(self.table, budgets)
+        self.dram_tier = dram = tiers["dram"]
+        assert isinstance(dram, DramTier)
+        # on a CPU host both memory tiers are host memory: one mapping, so one gather reads either;
+        # not on hugetlbfs, whose pages are reserved for the DRAM budget alone (a pod's hugepages)
+        self.arena = HostArena(gpu, dram, self._rebased) \
+            if self.device.type == "cpu" and dram.hugetlbfs_dir is None else None
+        ssd = tiers.get("ssd")
+        for slot, key in ssd.recovered() if isinstance(ssd, SsdTier) else []:
+            b = self.table.new_block(key, needed=False, persistent=True)
+            self.table.set_copy(b, "ssd", Copy(slot, True))
+            self.table.owner[("ssd", slot)] = key
+
+    @classmethod
+    def build(cls, layout: KVLayout, budgets: TierBudgets, eviction: Eviction, **tier_options: Any) -> BlockStore:
+        """A store over new tiers (``build_tiers(layout, budgets, **tier_options)``)."""
+        return cls(layout, budgets, build_tiers(layout, budgets, **tier_options), eviction)
+
+    @property
+    def budgets(self) -> TierBudgets:
+        return self.resize.budgets
+
+    def _rebased(self, base: int) -> None:
+        with self.table.lock:
+            self.index.set_dram_base(base)
+
+    # --- queries -----------------------------------------------------------------------------
+    def where(self, key: BlockKey) -> TierName | None:
+        """The fastest tier with a readable copy of ``key``."""
+        with self.table.lock:
+            b = self.table.blocks.get(key)
+            return self.table.fastest(b) if b else None
+
+    def where_many(self, keys: list[BlockKey]) -> list[TierName | None]:
+        with self.table.lock:
+            out: list[TierName | None] = []
+            for k in keys:
+                b = self.table.blocks.get(k)
+                out.append(self.table.fastest(b) if b else None)
+            return out
+
+    def usage(self) -> list[TierUsage]:
+        """Each tier's budget, capacity and what it holds, from counters kept as blocks change (no walk over
+        the blocks: a scrape costs the same with a million blocks as with ten)."""
+        with self.table.lock:
+            out = []
+            for name, t in self.tiers.items():
+                pages = t.allocator.used
+                cached = self.table.copies_in.get(name, 0) - self.table.needed_in.get(name, 0)
+                out.append(TierUsage(name, self.budgets.of(name), t.allocator.capacity * t.slot_bytes,
+                                     pages * t.slot_bytes, pages, t.backing, self.reads.page_reads[name], t.errors,
+                                     cached * t.slot_bytes))
+            return out
+
+    def counters(self) -> StoreCounters:
+        with self.table.lock:
+            return StoreCounters(dict(self.reads.page_reads), self.reads.misses, dict(self.table.transfer_bytes),
+                                 self.table.dropped, self.reads.scrubbed)
+
+    def health(self) -> dict[TierName, str]:
+        """The degraded tiers and why (empty when every tier is healthy)."""
+        return {name: why for name, t in self.tiers.items() if (why := t.degraded()) is not None}
+
+    def faults(self) -> dict[tuple[TierName, str], int]:
+        """(tier, fault kind) -> faults since start."""
+        return {(name, kind): n for name, t in self.tiers.items() for kind, n in t.faults.items()}
+
+    @property
+    def capacity_blocks(self) -> int:
+        return sum(t.allocator.capacity for t in self.tiers.values())
+
+    @property
+    def healthy_capacity_blocks(self) -> int:
+        """Blocks the tiers that can take new blocks now hold: a failing tier (recent I/O faults) counts 0."""
+        return sum(t.allocator.capacity for t in self.tiers.values() if not t.failing())
+
+    # --- flags and page references -----------------------------------------------------
+    def set_needed(self, keys: list[BlockKey], needed: bool) -> None:
+        """``needed``: a running sequence needs the block (demote, never drop)."""
+        with self.table.lock:
+            for k in keys:
+                if k in self.table.blocks:
+                    self.table.mark_needed(self.table.blocks[k], needed)
+
+    def page_digests(self) -> list[bytes]:
+        """Digests of the pages whose first layer's block is held in some tier (what a router indexes)."""
+        with self.table.lock:
+            return [k.digest for k in self.table.blocks if k.layer == 0]
+
+    def watch_pages(self, events: PageEvents) -> None:
+        """From now on tell ``events`` whenever a page gains or loses a tier, starting with what is held now."""
+        with self.table.lock:
+            events.seed((k.digest, t) for k, b in self.table.blocks.items() if k.layer == 0
+                        for t, c in b.copies.items() if c.ready)
+            self.table.page_events = events
+
+    def ref_page(self, digest: bytes) -> int:
+        """The dense id of page ``digest``, held for a sequence until ``unref_page`` (ids of pages a
+        sequence references are never reused, even if every copy of the page is lost)."""
+        with self.table.lock:
+            return self.index.acquire(digest)
+
+    def unref_page(self, pid: int) -> None:
+        with self.table.lock:
+            self.index.release(pid)
+
+    def drain_freed(self) -> list[int]:
+        """Page ids freed since the last call (placement resets their scores)."""
+        with self.table.lock:
+            return self.index.drain_freed()
+
+    def key_of(self, pid: int, layer: int) -> BlockKey:
+        digest = self.index.digests[pid]
+        assert digest is not None, f"page id {pid} is not in use"
+        return BlockKey(digest, layer)
+
+    # --- writing: the bookkeeping of ``Mover.put`` / ``Mover.admit`` ----------------------------------
+    def rows_to_write(self, keys: list[BlockKey], needed: bool, persistent: bool) -> list[int]:
+        """Which of ``keys`` a put writes: a persistent (content-addressed) key already stored is only touched,
+        unless placement (``Eviction.replaces``) says its fastest tier's copy must be replaced by the fresh bytes; any
+        other stored key has its copies dropped (its new bytes replace them)."""
+        rows: list[int] = []
+        with self.table.lock:
+            for i, key in enumerate(keys):
+                b = self.table.blocks.get(key)
+                fastest = self.table.fastest(b) if b is not None else None
+                if b is not None and persistent and b.persistent and fastest \
+                        and not self.table.eviction.replaces(self.tiers[fastest]):
+                    self.table.mark_needed(b, b.needed or needed)
+                    self.table.touch(b)
+                    continue
+                if b is not None:
+                    if b.pins:
+                        raise RuntimeError(f"{key} is pinned (being read); cannot overwrite it")
+                    for t in list(b.copies):
+                        self.table.drop(b, t)
+                rows.append(i)
+        return rows
+
+    def any_pinned(self) -> bool:
+        with self.table.lock:
+            return bool(self.table.pinned)
+
+    def rows_to_admit(self, keys: list[BlockKey], tier: TierName) -> list[int]:
+        """Which of ``keys`` are stored and have no ``tier`` copy yet."""
+        with self.table.lock:
+            return [i for i, k in enumerate(keys) if k in self.table.blocks and tier not in self.table.blocks[k].copies]
+
+    def count_admitted(self, src: list[TierName | None], tier: TierName) -> None:
+        with self.table.lock:
+            for origin in src:
+                if origin is not None:
+                    self.table.count_transfer(origin, tier, 1)
+
+    def reserve_writes(self, keys: list[BlockKey], rows: list[int], tier: TierName, needed: bool, persistent: bool,
+                       strict: bool) -> list[tuple[int, Block, int]]:
+        """Reserve a ``tier`` slot for each key (new blocks are created with ``needed`` and ``persistent``) and
+        pin its block: (row, block, slot) per reservation. ``strict``: all or nothing (CacheFullError, nothing
+        reserved); else keys gone meanwhile or past the last free slot are skipped."""
+        todo: list[tuple[int, Block, int]] = []
+        with self.table.lock:
+            for key, row in zip(keys, rows, strict=True):
+                b = self.table.blocks.get(key)
+                if b is None:
+                    if not strict:
+                        continue  # gone meanwhile: nothing to admit
+                    b = self.table.new_block(key, needed, persistent)
+                elif tier in b.copies:
+                    continue
+                slot = self.table.reserve_slot(b, tier)
+                if slot is None:
+                    if strict:
+                        self.abort_writes(todo, tier)
+                        if not b.copies:
+                            self.table.forget(b)
+                        raise CacheFullError(f"{tier} tier: no slot for {key}: every block is pinned or needed")
+                    break
+                self.table.pin(b)
+                self.table.touch(b)
+                todo.append((row, b, slot))
+        return todo
+
+    def publish_writes(self, todo: list[tuple[int, Block, int]], tier: TierName) -> None:
+        with self.table.lock:
+            for _, b, slot in todo:
+                self.table.unpin(b)
+                self.table.publish(b, tier, slot)
+
+    def abort_writes(self, todo: list[tuple[int, Block, int]], tier: TierName) -> None:
+        """Give up reserved (never published) copies."""
+        with self.table.lock:
+            for _, b, _ in todo:
+                self.table.unpin(b)
+                self.table.drop(b, tier)
+
+    # --- promotion: the bookkeeping of ``Mover.prepare_promote`` -------------------------------------
+    def pin_for_promotion(self, keys: list[BlockKey], tier: TierName) -> list[Block]:
+        """The stored blocks of ``keys`` without a ``tier`` copy, pinned (making room never evicts them)."""
+        with self.table.lock:
+            want = [b for k in keys if (b := self.table.blocks.get(k)) is not None and tier not in b.copies
+                    and self.table.fastest(b) is not None]
+            for b in want:
+                self.table.pin(b)
+            return want
+
+    def reserve_promotions(self, want: list[Block], tier: TierName) -> list[Move]:
+        """A reserved ``tier`` slot for each pinned block of ``pin_for_promotion``, as moves from its fastest
+        copy (each keeps its pin until ``complete``); the blocks that got none are unpinned."""
+        moves: list[Move] = []
+        with self.table.lock:
+            for b in want:
+                src = self.table.fastest(b)
+                slot = self.table.reserve_slot(b, tier) if src is not None and tier not in b.copies \
+                    and b.key in self.table.blocks else None
+                if src is None or slot is None:
+                    self.table.unpin(b)  # not promoted: released now
+                    continue
+                moves.append(Move(b, src, b.copies[src].slot, tier, slot, demote=False))
+        return moves
+
+    def close(self) -> None:
+        """Close the tiers (the Mover waits for its background work first)."""
+        for t in self.tiers.values():
+            t.close()
+
+
+def _make_ssd(directory: str, block_bytes: int, budget: int, codec: Int8Codec | None, io_threads: int,
+              backend: str) -> Tier:
+    """The POSIX O_DIRECT backend, or KvikIO when asked for (``backend``): ValueError, with the reason, when it
+    cannot run here."""
+    if backend == "posix":
+        return SsdTier(directory, block_bytes, budget, codec=codec, io_threads=io_threads)
+    if backend != "kvikio":
+        raise ValueError(f"ssd backend {backend!r}: expected posix or kvikio")
+    from kvdrive.runtime.kvcache.store.tiers.kvikio_backend import KvikioSsdTier, kvikio_unusable_reason
+
+    reason = kvikio_unusable_reason()
+    if reason:
+        raise ValueError(f"--ssd-backend kvikio: {reason}")
+    return KvikioSsdTier(directory, block_bytes, budget, codec=codec, io_threads=io_threads)
