@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvdrive.runtime.bench.ruler_bench import ruler_prompts
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
+from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model.loader import load_model
 
 
@@ -37,7 +37,7 @@ def main() -> None:
             t0 = time.time()
             runner = ModelRunner(loaded, EngineConfig(tiers=tiers, full_attention=True, max_sequences=1))
             try:
-                out = list(runner.generate(ids, SamplingParams(max_tokens=10, temperature=0.0)))
+                out = list(LLMEngine(runner).generate_tokens(ids, SamplingParams(max_tokens=10, temperature=0.0)))
             finally:
                 runner.close()
             answers[name] = loaded.tokenizer.decode(out)

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from kvdrive.runtime.bench.texts import filler_tokens
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
+from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.registry import gemma3_270m_path
 
@@ -53,7 +53,7 @@ def parity(loaded, hf, new_tokens: int) -> dict[str, object]:  # type: ignore[no
     cases = []
     for prompt in tqdm(PROMPTS, desc="parity (ours, transformers)"):
         ids = loaded.tokenizer.encode(prompt)
-        ours = list(gen.generate(ids, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)))
+        ours = list(LLMEngine(gen).generate_tokens(ids, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)))
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
                               min_new_tokens=new_tokens)

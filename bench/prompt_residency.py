@@ -66,10 +66,11 @@ def main() -> None:
             bar.update()
     total = time.perf_counter() - t0
     ssd_reads = sum(s["ssd_reads"] for s in steps)
+    rereads = cache.counters().prompt_rereads
     result = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "steps": len(steps), "seconds": round(total, 1), "ssd_block_reads": ssd_reads,
-        "prompt_rereads": cache.prompt_store_reads, "decode_ssd_reads": ssd_reads - cache.prompt_store_reads,
+        "prompt_rereads": rereads, "decode_ssd_reads": ssd_reads - rereads,
         "steps_over_1s": sum(s["seconds"] > 1 for s in steps), "steps_over_2s": sum(s["seconds"] > 2 for s in steps),
         "slowest": sorted(steps, key=lambda s: -s["seconds"])[:6],
     }

@@ -168,7 +168,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kvdrive.runtime.engine import ModelRunner, SamplingParams, TextStream
+    from kvdrive.runtime.engine import LLMEngine, ModelRunner, SamplingParams, TextStream
     from kvdrive.runtime.model import load_model
     from kvdrive.runtime.prompt import ChatMessage
 
@@ -183,7 +183,7 @@ def _generate(args: argparse.Namespace) -> int:
     gen = ModelRunner(loaded, engine_config(args, max_sequences=1))
     stream = TextStream(tok, params.stop)
     try:
-        for token in gen.generate(ids, params):
+        for token in LLMEngine(gen).generate_tokens(ids, params):
             sys.stdout.write(stream.push(token))
             sys.stdout.flush()
             if stream.stopped:

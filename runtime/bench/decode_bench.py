@@ -191,8 +191,8 @@ def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[
 
 
 def _snapshot(gen: ModelRunner) -> dict[str, object]:
-    c = gen.cache
-    return {"reads": c.page_reads(), "moved": c.store.counters().transfer_bytes, "prefetch": c.placer.ledger.counts()}
+    c = gen.cache.counters()
+    return {"reads": c.page_reads, "moved": c.transfer_bytes, "prefetch": c.prefetch}
 
 
 def _delta(before: dict[str, object], after: dict[str, object], key: str) -> dict[object, float]:
@@ -214,7 +214,7 @@ def _run_mode(loaded: LoadedModel, mode: str, prompts: list[list[int]], cfg: Eng
             last.append(int(logits.argmax()))
         for _ in range(warmup):
             last = gen.decode(list(zip(seqs, last, strict=True))).argmax(dim=-1).tolist()
-        gen.cache.transfers.drain()
+        gen.cache.drain_transfers()
         before = _snapshot(gen)
         gen.timings = {}
         times = []

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from kvdrive.runtime.bench.accuracy_bench import CHAT_PROMPTS
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
+from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.model.loader import resolve_model_path
 
@@ -81,7 +81,7 @@ def our_answers(loaded: LoadedModel, prompts: Sequence[str], max_tokens: int, fu
     try:
         for q in tqdm(prompts, desc=desc, unit="prompt"):
             ids = loaded.tokenizer.encode_chat([ChatMessage("user", q)])
-            answer = list(gen.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
+            answer = list(LLMEngine(gen).generate_tokens(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)))
             out.append(answer + [eos] if len(answer) < max_tokens else answer)
     finally:
         gen.close()

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from kvdrive.runtime.bench.accuracy_bench import CHAT_PROMPTS, kl_divergence
 from kvdrive.runtime.bench.texts import filler_tokens, passkey_prompt
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams
+from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner, SamplingParams
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.model.weight_formats import weight_bytes
 from kvdrive.runtime.prompt import ChatMessage
@@ -102,7 +102,7 @@ def build_prompts(loaded: LoadedModel, chats: int, doc_tokens: int, documents: i
 
 
 def _greedy(gen: ModelRunner, prompt: Sequence[int], n: int) -> tuple[int, ...]:
-    return tuple(gen.generate(list(prompt), SamplingParams(max_tokens=n, temperature=0.0)))
+    return tuple(LLMEngine(gen).generate_tokens(list(prompt), SamplingParams(max_tokens=n, temperature=0.0)))
 
 
 def _forced_logits(gen: ModelRunner, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor:

@@ -8,8 +8,10 @@ per-request outputs. Not thread-safe: ``AsyncEngine`` drives it from one thread.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,11 +23,9 @@ from kvdrive.runtime.engine.model_runner import ModelRunner
 from kvdrive.runtime.engine.pacing import StepPacer
 from kvdrive.runtime.engine.prompt_logprobs import chunk_logprobs
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
-from kvdrive.runtime.engine.sampling import TokenLogprob, make_rng, sample, token_logprob
+from kvdrive.runtime.engine.sampling import SamplingParams, TokenLogprob, make_rng, sample, token_logprob
 from kvdrive.runtime.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from kvdrive.runtime.kvcache.cache import PageLostError
-from kvdrive.runtime.kvcache.store import CacheFullError
-from kvdrive.runtime.kvcache.store.faults import FaultLog
+from kvdrive.runtime.kvcache import CacheFullError, FaultLog, KVCache, PageLostError
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,19 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None) -> None:
+        """``config``: None runs one request at a time as the runner's KV cache was configured (its running
+        limit, its prefill chunk as the step's token budget): what ``generate_tokens`` callers get."""
         self.runner = runner
+        self.cache: KVCache = runner.cache  # the KV accounting the scheduler asks (pages, room, the split)
+        if config is None:
+            config = SchedulerConfig(max_running=self.cache.max_running, step_token_budget=runner.config.prefill_chunk)
         self.tokenizer = runner.loaded.tokenizer
-        self.scheduler = Scheduler(config or SchedulerConfig())
+        self.scheduler = Scheduler(config)
         if self.scheduler.config.max_running > runner.config.max_sequences:
             raise ValueError(f"max_running={self.scheduler.config.max_running} exceeds the KV cache's open pages "
                              f"(max_sequences={runner.config.max_sequences})")
         self._seqs: dict[str, SequenceState] = {}
+        self._generated_ids = itertools.count()  # generate_tokens' request ids
         self._eos = frozenset(self.tokenizer.eos_token_ids)
         self._generated = 0
         self._prompt_tokens = 0
@@ -83,14 +89,14 @@ class LLMEngine:
         self.pacer = StepPacer(cfg.step_seconds, cfg.step_token_budget)
         self._queued_seconds = 0.0  # the integral of the queue's length over time, up to _queue_tick
         self._queue_tick = time.monotonic()
-        if runner.cache.envelope.max_running != cfg.max_running:
-            runner.cache.envelope.set_max_running(cfg.max_running, 0)
+        if self.cache.max_running != cfg.max_running:
+            self.cache.set_max_running(cfg.max_running, 0)
 
     def set_max_running(self, n: int) -> bool:
         """Move the device envelope's split live (BudgetError, nothing changed, when impossible): the
         scheduler admits at most ``n`` from now on; a smaller limit gives its bytes to the hot tier once at
         most ``n`` sequences run (returns False until then), never by ending one."""
-        applied = self.runner.cache.envelope.set_max_running(n, len(self.scheduler.running))
+        applied = self.cache.set_max_running(n, len(self.scheduler.running))
         self.scheduler.config = dataclasses.replace(self.scheduler.config, max_running=n)
         return applied
 
@@ -104,7 +110,7 @@ class LLMEngine:
         self._reserved = 0
 
     def can_admit(self, seq: SequenceState) -> bool:
-        cache = self.runner.cache
+        cache = self.cache
         if cache.pages_needed(None, len(seq.pending) + 1) + self._reserved > cache.free_pages:
             return False
         prompts = [s for s in self.scheduler.running if s.prefill_left]
@@ -114,7 +120,7 @@ class LLMEngine:
         return held <= cache.memory_pages * self.scheduler.config.prompt_memory_share
 
     def can_allocate(self, seq: SequenceState, n: int) -> bool:
-        cache = self.runner.cache
+        cache = self.cache
         return cache.pages_needed(seq.seq_id, n) + self._reserved <= cache.free_pages
 
     def allocate(self, seq: SequenceState, n: int) -> int:
@@ -128,7 +134,7 @@ class LLMEngine:
             if seq.cached_tokens is None:  # what the client is told: its first admission (not a recompute's)
                 seq.cached_tokens = min(reused, len(seq.request.prompt_ids))
         n = min(n, seq.prefill_left or 1)  # a recomputed request's generated tokens: one per step (decode)
-        self._reserved += self.runner.cache.pages_needed(seq.seq_id, n)
+        self._reserved += self.cache.pages_needed(seq.seq_id, n)
         return n
 
     def add_request(self, request: Request) -> None:
@@ -149,6 +155,29 @@ class LLMEngine:
         self.scheduler.waiting.append(seq)
         self._prompt_tokens += len(request.prompt_ids)
 
+    def generate_tokens(self, prompt: Sequence[int], params: SamplingParams,
+                        cache_salt: str | None = None) -> Iterator[int]:
+        """One request to its end, stepping the engine in the calling thread: its token ids as they are sampled
+        (``kvdrive generate``, the benchmarks; the server's ``AsyncEngine`` steps the same ``step``). An error
+        that ends the request (``RequestOutput.error``) is raised as RuntimeError; a generator closed early
+        aborts the request."""
+        request_id = f"generate-{next(self._generated_ids)}"
+        self.add_request(Request(request_id, tuple(prompt), params, time.monotonic(), cache_salt))
+        done = False
+        try:
+            while not done:
+                for out in self.step():
+                    if out.request_id != request_id:
+                        continue
+                    yield from out.new_token_ids
+                    if out.finished:
+                        done = True
+                        if out.error is not None:
+                            raise RuntimeError(out.error)
+        finally:
+            if not done:
+                self.abort(request_id)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self._seqs.get(request_id)
         if seq is None:
@@ -159,7 +188,7 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        cache = self.runner.cache
+        cache = self.cache
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             generated_tokens_total=self._generated, prompt_tokens_total=self._prompt_tokens,
@@ -186,7 +215,7 @@ class LLMEngine:
         """One engine step: schedule (allocating), run the forward pass, postprocess (sample, emit)."""
         outputs = self._fail_unservable()
         self._tick_queue()
-        self.runner.cache.envelope.settle(len(self.scheduler.running))  # a pending smaller limit, once it can
+        self.cache.settle_running(len(self.scheduler.running))  # a pending smaller limit, once it can
         t0 = time.perf_counter()
         decodes = sum(1 for q in self.scheduler.running if q.num_generated and not q.prefill_left)
         chunks = self.scheduler.plan(self, self._preempt, self.pacer.budget(decodes))
@@ -214,7 +243,7 @@ class LLMEngine:
             if seq.seq_id is None or self.runner.load_prefix(seq.seq_id):
                 out.append(c)
                 continue
-            stored = self.runner.cache.length(seq.seq_id)
+            stored = self.cache.length(seq.seq_id)
             log.info("%s: %d of %d matched prompt tokens readable; computing the rest", seq.request.request_id,
                      stored, seq.num_computed)
             seq.num_computed = stored
@@ -334,7 +363,7 @@ class LLMEngine:
     def _fail_unservable(self) -> list[RequestOutput]:
         """A preempted sequence that outgrew the whole cache can never run again: end it."""
         waiting = self.scheduler.waiting
-        cache = self.runner.cache
+        cache = self.cache
         if waiting and not self.scheduler.running:
             head = waiting[0]
             if cache.pages_needed(None, len(head.tokens) + 1) > cache.num_pages:

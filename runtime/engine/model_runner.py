@@ -1,30 +1,22 @@
-"""A single-process generation loop over the tiered KV cache: chunked prefill, then decode.
+"""One model over one KV cache: forward steps (chunked prefill, batched decode) of the sequences in it.
 
-``ModelRunner`` owns one model, one ``KVCache`` and the sequences in it. It is the piece the CLI and
-benchmarks drive directly; the serving scheduler (continuous batching) builds on ``forward_tokens`` for
-batches of sequences.
+``ModelRunner`` owns one model, one ``KVCache`` and the sequences in it, and runs forward steps:
+``forward_tokens`` (any mix of prompt chunks and decodes), ``prefill`` and ``decode``. It samples nothing and
+loops over nothing: the one generation loop is ``LLMEngine`` (scheduling, sampling, grammars, undo), which
+``kvdrive serve``, ``kvdrive generate`` and the benchmarks drive.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 import torch
 
 from kvdrive.runtime.engine.heap import HeapTrimmer
-from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls, prompt_vocab
-from kvdrive.runtime.engine.sampling import SamplingParams, make_rng, sample
-from kvdrive.runtime.kvcache.backend import TieredAttentionBackend
-from kvdrive.runtime.kvcache.cache import KVCache
-from kvdrive.runtime.kvcache.config import EngineConfig
-from kvdrive.runtime.kvcache.envelope import default_envelope_bytes
-from kvdrive.runtime.kvcache.store import CacheFullError, KVLayout
-from kvdrive.runtime.kvcache.windows.ring import SlidingWindows
+from kvdrive.runtime.kvcache import EngineConfig, KVCache, KVLayout, SlidingWindows, default_envelope_bytes
 from kvdrive.runtime.model import LoadedModel
-
-MAX_UNDONE_STEPS = 3  # steps in a row the tiers could not take before generate() gives up
 
 
 class PromptTooLongError(ValueError):
@@ -118,8 +110,7 @@ class ModelRunner:
         steps = [self.cache.begin(seq_id, list(tokens), seq_id in decoding) for seq_id, tokens in batch]
         self.cache.prepare_step()
         ids = [t for _, tokens in batch for t in tokens]
-        backend = TieredAttentionBackend(self.cache, steps, self.timings if decoding else None,
-                                         self.loaded.weights.prompt_products())
+        backend = self.cache.backend(steps, self.timings if decoding else None, self.loaded.weights.prompt_products())
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.loaded.model(input_ids, torch.cat([s.positions for s in steps]), backend)
         backend.finish()
@@ -144,58 +135,3 @@ class ModelRunner:
         """One decode step for (seq_id, last token) pairs. Returns logits [B, V]."""
         hidden = self.forward_tokens([(seq_id, [tok]) for seq_id, tok in batch], {seq_id for seq_id, _ in batch})
         return self.loaded.model.logits(hidden)
-
-    # --- convenience -------------------------------------------------------------------------
-    def generate(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[int]:
-        """Yield generated token ids until EOS (unless ignored), max_tokens or context end.
-
-        A step the tiers could not take (``CacheFullError``: a live budget change can leave every slot of a
-        tier pinned or needed for a moment) is undone as the serving engine undoes it: the sequence is
-        released and reopened with the tokens so far, which come back through prefix reuse, and decoding
-        goes on from the same logits. After MAX_UNDONE_STEPS undone steps in a row the error is raised."""
-        self.check_prompt(len(prompt))
-        eos = frozenset(self.loaded.tokenizer.eos_token_ids)
-        rng = make_rng(params)
-        tokens = list(prompt)
-        seq_id: int | None = None
-        vocab = prompt_vocab(params, prompt)
-        try:
-            seq_id, logits, undone = self._open(tokens, 0)
-            while len(tokens) - len(prompt) < params.max_tokens:
-                controlled = apply_controls(logits[None], [RowHistory(params, tokens[len(prompt) :], vocab)], eos)
-                token = sample(controlled[0], params, rng)
-                if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
-                    return
-                yield token
-                tokens.append(token)
-                if len(tokens) - len(prompt) == params.max_tokens or len(tokens) >= self.max_context:
-                    return
-                try:
-                    logits = self.decode([(seq_id, token)])[0]
-                    undone = 0
-                except CacheFullError:
-                    failed, seq_id = seq_id, None
-                    undone = self._undo(failed, undone)
-                    seq_id, logits, undone = self._open(tokens, undone)
-        finally:
-            if seq_id is not None:
-                self.release(seq_id)
-
-    def _open(self, tokens: list[int], undone: int) -> tuple[int, torch.Tensor, int]:
-        """Open a sequence over ``tokens`` and prefill what prefix reuse does not cover: (seq_id, logits [V]
-        of the last token, undone steps in a row)."""
-        while True:
-            seq_id = None
-            try:
-                seq_id, reused = self.open_sequence(tokens)
-                return seq_id, self.prefill(seq_id, tokens[reused:]), undone
-            except CacheFullError:
-                undone = self._undo(seq_id, undone)
-
-    def _undo(self, seq_id: int | None, undone: int) -> int:
-        """Release a sequence whose step the tiers could not take; the count of undone steps in a row."""
-        if seq_id is not None:
-            self.release(seq_id)
-        if undone + 1 > MAX_UNDONE_STEPS:
-            raise CacheFullError(f"the KV tiers had no room for this sequence's pages {undone + 1} steps in a row")
-        return undone + 1

@@ -13,6 +13,17 @@ Layers, top to bottom (each imports only those below it; ``lint-imports`` holds 
 """
 
 from kvdrive.runtime.kvcache.cache import KVCache
-from kvdrive.runtime.kvcache.config import EngineConfig, EnvelopeSplit, PageLostError, StepSeq, TierConfig
+from kvdrive.runtime.kvcache.config import EngineConfig, EnvelopeSplit, TierConfig
+from kvdrive.runtime.kvcache.counters import CacheCounters
+from kvdrive.runtime.kvcache.envelope import default_envelope_bytes, reserve_bytes
+from kvdrive.runtime.kvcache.sequence import PageLostError, StepSeq
+from kvdrive.runtime.kvcache.store import BudgetError, CacheFullError, KVLayout
+from kvdrive.runtime.kvcache.store.faults import FaultLog
+from kvdrive.runtime.kvcache.store.page_events import PageChange, PageEvents
+from kvdrive.runtime.kvcache.windows import SlidingWindows
 
-__all__ = ["EngineConfig", "EnvelopeSplit", "KVCache", "PageLostError", "StepSeq", "TierConfig"]
+__all__ = [
+    "BudgetError", "CacheCounters", "CacheFullError", "EngineConfig", "EnvelopeSplit", "FaultLog", "KVCache", "KVLayout",
+    "PageChange", "PageEvents", "PageLostError", "SlidingWindows", "StepSeq", "TierConfig", "default_envelope_bytes",
+    "reserve_bytes",
+]

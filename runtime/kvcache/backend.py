@@ -27,6 +27,7 @@ are decided in one batch at the end of the step (``promotions``, timed as bookke
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -37,17 +38,48 @@ from kvdrive.runtime.attention import (
     select_pages,
     selection_masks,
 )
-from kvdrive.runtime.kvcache.cache import KVCache, StepSeq
-from kvdrive.runtime.kvcache.step_reads import PageReader
+from kvdrive.runtime.kvcache.sequence import StepSeq
+from kvdrive.runtime.kvcache.step_reads import PageReader, StepReadParts
 from kvdrive.runtime.kvcache.store import BlockKey
 
+if TYPE_CHECKING:
+    from kvdrive.runtime.kvcache.cache import KVCache
+
 PHASES = ("selection", "gather", "misses", "attention", "bookkeeping")
+
+
+class StepPlacement(Protocol):
+    """What a step tells placement and asks of it (``placement.Placer``)."""
+
+    @property
+    def scratch(self) -> int: ...  # the page id that padding entries point at
+
+    @property
+    def wants_mass(self) -> bool: ...  # record the attention mass (hotness), or only which pages were read
+
+    @property
+    def prefetching(self) -> bool: ...  # the policy prefetches the next step's pages
+
+    @property
+    def runners_up(self) -> int: ...  # pages ranked after the selection kept warm, per sequence and layer
+
+    @property
+    def width(self) -> int: ...  # page ids the scores cover (the scratch id included)
+
+    def record(self, pids: torch.Tensor, mass: torch.Tensor | None) -> None: ...
+
+    def predicted(self, pids: torch.Tensor) -> None: ...
+
+    def settle_prefetch(self, selected: torch.Tensor) -> None: ...
+
+    def prefetch_allowed(self) -> bool: ...
 
 
 class _DecodeBatch:
     """What the decode sequences of one step share across layers."""
 
-    def __init__(self, cache: KVCache, steps: list[StepSeq], q_rows: list[int]) -> None:
+    def __init__(self, cache: KVCache, placement: StepPlacement, reads: StepReadParts, steps: list[StepSeq],
+                 q_rows: list[int]) -> None:
         lay, dev = cache.layout, cache.device
         s, L = lay.page_size, lay.num_layers
         order = sorted(range(len(steps)), key=lambda i: steps[i].row)
@@ -91,13 +123,13 @@ class _DecodeBatch:
         # [B, K + 1]: tokens attended in each column (a selected page's S, none for padding; the open page's
         # written tokens last)
         self.ntok = torch.cat([torch.where(self.valid, s, 0), (offs + 1)[:, None]], dim=1)
-        self.reader = PageReader(cache, b, k, tail=True, storage=cache.envelope.step_storage(b, k + 1))
-        self.scratch = cache.placer.scratch
-        self.mass = cache.placer.wants_mass
-        self.prefetch = cache.placer.policy.prefetch
+        self.reader = PageReader(reads, b, k, tail=True, storage=cache.envelope.step_storage(b, k + 1))
+        self.scratch = placement.scratch
+        self.mass = placement.wants_mass
+        self.prefetch = placement.prefetching
         # what each layer attended to, recorded for placement and the next step's selection once per step
         # (``TieredAttentionBackend.finish``): the pages [L, B, K], then the runners-up's indices [L, B, R]
-        r = cache.placer.runners_up if self.sparse else 0
+        r = placement.runners_up if self.sparse else 0
         self.chosen = torch.full((L, b, k + r), self.scratch, dtype=torch.int64, device=dev)
         self.near = torch.full((L, b, r), self.pmax, dtype=torch.int64, device=dev)  # >= every row's pages: none
         self.idx_seen = torch.empty((L, b, k), dtype=torch.int64, device=dev) if self.sparse else None
@@ -105,12 +137,15 @@ class _DecodeBatch:
 
 
 class TieredAttentionBackend:
-    """Implements ``kvdrive.runtime.model.AttentionBackend`` over a ``KVCache``."""
+    """Implements ``kvdrive.runtime.model.AttentionBackend`` over a ``KVCache`` (built by ``KVCache.backend``)."""
 
-    def __init__(self, cache: KVCache, steps: list[StepSeq], timings: dict[str, float] | None = None,
-                 products: str = "fp32") -> None:
-        """``products``: the dtype of the prompt chunks' products with earlier keys (``causal_attention``)."""
+    def __init__(self, cache: KVCache, placement: StepPlacement, reads: StepReadParts, steps: list[StepSeq],
+                 timings: dict[str, float] | None = None, products: str = "fp32") -> None:
+        """``placement``: what the step records and asks; ``reads``: what reading pages needs; ``products``: the
+        dtype of the prompt chunks' products with earlier keys (``causal_attention``)."""
         self.cache = cache
+        self.placement = placement
+        self.reads = reads
         self.products = products
         self.steps = steps
         self.sealed: list[BlockKey] = []  # blocks stored this step (for write-through)
@@ -124,7 +159,7 @@ class TieredAttentionBackend:
         self.starts = starts
         dec = [i for i, st in enumerate(steps) if st.decode]
         self.prompts = [i for i, st in enumerate(steps) if not st.decode]
-        self.dec = _DecodeBatch(cache, [steps[i] for i in dec], [starts[i] for i in dec]) if dec else None
+        self.dec = _DecodeBatch(cache, placement, reads, [steps[i] for i in dec], [starts[i] for i in dec]) if dec else None
         lay = cache.layout
         self._pool_shape = (-1, *lay.block_shape)
         self._window_masks: tuple[list[torch.Tensor], torch.Tensor | None] | None = None  # sliding layers, per step
@@ -153,7 +188,7 @@ class TieredAttentionBackend:
         ck = torch.cat([tail[0, :, :o], k.to(dtype).transpose(0, 1)], dim=1)  # [Hkv, o + n, D]
         cv = torch.cat([tail[1, :, :o], v.to(dtype).transpose(0, 1)], dim=1)
         if first:
-            reader = PageReader(cache, 1, first, tail=False)
+            reader = PageReader(self.reads, 1, first, tail=False)
             pids = cache.page_table[st.row, :first].view(1, first)
             valid = torch.ones((1, first), dtype=torch.bool, device=cache.device)
             ek, ev = reader.read(layer, pids, valid, first, None, [st.seq_id])
@@ -192,10 +227,10 @@ class TieredAttentionBackend:
                 drawn = drawn + dec.shared
             codes = cache.summaries.sketch(layer, dec.rows, dec.first_row, dec.pmax)
             if in_place and (codes is None or cache.layout.page_size == paged_kernels.SKETCH_PAGE):
-                idx, near = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection, cache.placer.runners_up,
+                idx, near = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection, self.placement.runners_up,
                                                  codes)
             else:
-                idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, cache.placer.runners_up, drawn, codes)
+                idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, self.placement.runners_up, drawn, codes)
         else:
             idx = dec.idx
         pids = dec.table.gather(1, idx)
@@ -304,14 +339,14 @@ class TieredAttentionBackend:
             cache.summaries.record_drawn(dec.rows, dec.idx_seen, dec.mass_seen)
         L, b = dec.chosen.shape[:2]
         mass = dec.mass_seen.view(L, b * k) if dec.mass_seen is not None and dec.mass else None
-        cache.placer.record(dec.chosen[:, :, :k].reshape(L, b * k), mass)
+        self.placement.record(dec.chosen[:, :, :k].reshape(L, b * k), mass)
         if dec.prefetch and dec.near.shape[2]:
             near = dec.near.permute(1, 0, 2).reshape(b, -1)  # [B, L * R]
             pids = torch.where(near < dec.npages[:, None], dec.table.gather(1, near.clamp(max=dec.table.shape[1] - 1)),
                                dec.scratch)
             near_pids = pids.view(b, L, -1).permute(1, 0, 2)  # [L, B, R]
             dec.chosen[:, :, k:] = near_pids
-            cache.placer.predicted(near_pids.reshape(L, -1))
+            self.placement.predicted(near_pids.reshape(L, -1))
 
     def _finish_decode(self, cache: KVCache, dec: _DecodeBatch) -> None:
         lay = cache.layout
@@ -324,8 +359,8 @@ class TieredAttentionBackend:
                 blocks = cache.store.device_tier.pool[base : base + L].clone()
                 self.sealed += cache.seal(seq, None, st.start // s, lay.typed(blocks)[:, 0], blocks)
         if dec.prefetch:
-            placer = cache.placer
-            width = placer.scores.values.shape[1]
+            placer = self.placement
+            width = placer.width
             chosen = dec.chosen
             k = dec.k
             sel = chosen[:, :, :k]

@@ -26,12 +26,16 @@ from pathlib import Path
 import torch
 
 from kvdrive.runtime.attention import NEIGHBOUR_SHARE, SELECTION_CARRIES, SelectionConfig, SummaryTable
-from kvdrive.runtime.kvcache.config import EngineConfig, PageLostError, SeqKV, StepSeq
+from kvdrive.runtime.kvcache.backend import TieredAttentionBackend
+from kvdrive.runtime.kvcache.config import EngineConfig, EnvelopeSplit
+from kvdrive.runtime.kvcache.counters import CacheCounters
 from kvdrive.runtime.kvcache.envelope import Envelope, step_columns
 from kvdrive.runtime.kvcache.mover import Mover, TransferQueue
 from kvdrive.runtime.kvcache.placement import PlacementPolicy, Placer, policy_for
 from kvdrive.runtime.kvcache.prefix import PrefixPages
 from kvdrive.runtime.kvcache.promotions import PromotionQueue
+from kvdrive.runtime.kvcache.sequence import PageLostError, SeqKV, StepSeq
+from kvdrive.runtime.kvcache.step_reads import ReadCounters, StepReadParts
 from kvdrive.runtime.kvcache.store import (
     BlockIndex,
     BlockKey,
@@ -113,15 +117,13 @@ class KVCache:
                                       page_size=layout.page_size,
                                       sketch_bits=sel.sketch_bits if self.policy.sparse else 0)
         self.prefix = PrefixPages(layout, self.store, self.mover, self.placer, self.summaries, self.keeper)
+        self.read_counters = ReadCounters()
+        self._reads = StepReadParts(self.store, self.mover, self.placer.ledger, self.promotions, self.read_counters)
         self.page_table = self._table(1, self.summaries.pages)
         self._seqs: dict[int, SeqKV] = {}
         self._rows = list(range(config.max_sequences))  # free rows, lowest first
         self.page_events: PageEvents | None = None  # KV events on: sealed pages are described to it
-        self.fetch_wait_seconds = 0.0
         self.decode_steps = 0
-        self.pages_lost = 0
-        self.prompt_store_reads = 0  # blocks prompt chunks read back from the tiers (they had spilled)
-        self.hot_reads = {"gpu": 0, "dram": 0}  # pages the decode loop read in place from the memory tiers
         log.info("KV tiers: %s; placement %s, %s attention (token budget %d)",
                  ", ".join(f"{u.tier} {u.capacity_bytes >> 20} MiB ({u.backing})" for u in self.store.usage()),
                  self.policy.name, "sparse" if self.policy.sparse else "full", config.token_budget)
@@ -297,6 +299,11 @@ class KVCache:
         pos = torch.arange(start, seq.length, device=self.device)
         return StepSeq(seq_id, seq.row, start, len(tokens), pos, decode, tuple(new))
 
+    def backend(self, steps: list[StepSeq], timings: dict[str, float] | None = None,
+                products: str = "fp32") -> TieredAttentionBackend:
+        """The attention backend of one forward step over ``steps`` (``begin``), wired to this cache's parts."""
+        return TieredAttentionBackend(self, self.placer, self._reads, steps, timings, products)
+
     def prepare_step(self) -> None:
         """Before a forward step (engine thread): the store's owner is this thread; the load phase makes the
         copies the last step's reads earned (the Mover); placement's tensors follow the page ids."""
@@ -374,9 +381,55 @@ class KVCache:
     def page_reads(self) -> dict[str, int]:
         """Needed pages read, by the tier they were found in (in place by the decode loop, or by the store)."""
         reads = dict(self.store.counters().page_reads)
-        for t, n in self.hot_reads.items():
+        for t, n in self.read_counters.hot_reads.items():
             reads[t] = reads.get(t, 0) + n
         return reads
+
+    # --- the device envelope's split (``envelope``) ----------------------------------------------
+    @property
+    def max_running(self) -> int:
+        """Sequences the envelope reserves decode buffers for now."""
+        return self.envelope.max_running
+
+    def set_max_running(self, n: int, running: int) -> bool:
+        """Move the split to ``n`` running sequences (``running`` run now; ``Envelope.set_max_running``)."""
+        return self.envelope.set_max_running(n, running)
+
+    def settle_running(self, running: int) -> None:
+        """After a step: apply a pending smaller limit once at most that many sequences run."""
+        self.envelope.settle(running)
+
+    def split(self) -> EnvelopeSplit:
+        """How the device envelope is split now."""
+        return self.envelope.split()
+
+    def has_tier(self, tier: str) -> bool:
+        """Whether the cache runs ``tier`` (the SSD tier needs an SSD directory)."""
+        return tier in self.store.tiers
+
+    def health(self) -> dict[str, str]:
+        """The degraded tiers and why (empty when every tier is healthy)."""
+        return dict(self.store.health())
+
+    def page_digests(self) -> list[bytes]:
+        """Digests of the pages some tier holds (what a router indexes)."""
+        return self.store.page_digests()
+
+    def drain_transfers(self) -> None:
+        """Wait until the queued prefetches and write-backs have run."""
+        self.transfers.drain()
+
+    def counters(self) -> CacheCounters:
+        """Every counter of the cache's parts, read now."""
+        store, reads = self.store.counters(), self.read_counters
+        found = self.page_reads()
+        return CacheCounters(
+            page_reads={t: found.get(t, 0) for t in ("gpu", "dram", "ssd")}, transfer_bytes=store.transfer_bytes,
+            prefetch=self.placer.ledger.counts(), fetch_wait_seconds=reads.fetch_wait_seconds,
+            decode_steps=self.decode_steps, prefix_hit_pages=self.prefix.hit_pages, misses=store.misses,
+            pages_lost=reads.pages_lost, prefetch_throttled=self.placer.throttle.throttled, faults=self.store.faults(),
+            degraded=frozenset(self.store.health()), prompt_rereads=reads.prompt_store_reads,
+            layer_kind_bytes=self.bytes_by_layer_kind(), split=self.envelope.split())
 
     def set_budgets(self, envelope_bytes: int, dram_bytes: int, ssd_bytes: int, defer_ssd_shrink: bool = False) -> bool:
         """Apply new budgets live (BudgetError, nothing changed, when impossible). Runs between steps on

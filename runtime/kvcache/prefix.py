@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 
 from kvdrive.runtime.attention import SummaryTable
-from kvdrive.runtime.kvcache.config import SeqKV
 from kvdrive.runtime.kvcache.mover import Mover
 from kvdrive.runtime.kvcache.placement import Placer
+from kvdrive.runtime.kvcache.sequence import SeqKV
 from kvdrive.runtime.kvcache.store import BlockKey, BlockStore, KVLayout
 from kvdrive.runtime.kvcache.windows.snapshots import WindowKeeper
 from kvdrive.runtime.prompt.digests import chain_digest

@@ -13,36 +13,59 @@ context length or the pages that hit), and placement decides whether it gets a c
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
 from kvdrive.runtime.attention import paged_kernels
-from kvdrive.runtime.kvcache.config import PageLostError
+from kvdrive.runtime.kvcache.mover import Mover
+from kvdrive.runtime.kvcache.placement import PrefetchLedger
+from kvdrive.runtime.kvcache.promotions import PromotionQueue
+from kvdrive.runtime.kvcache.sequence import PageLostError
+from kvdrive.runtime.kvcache.store import BlockStore
 
-if TYPE_CHECKING:
-    from kvdrive.runtime.kvcache.cache import KVCache
+
+@dataclass
+class ReadCounters:
+    """What the steps' page reads counted since start (written by the engine thread only)."""
+
+    hot_reads: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "dram": 0})  # read in place, per tier
+    fetch_wait_seconds: float = 0.0  # waiting for the Mover's reads of missed pages
+    pages_lost: int = 0  # reads that found a page no tier could serve (the sequence is recomputed)
+    prompt_store_reads: int = 0  # blocks prompt chunks read back from the tiers (they had spilled)
+
+
+@dataclass(frozen=True)
+class StepReadParts:
+    """What reading a step's pages needs, wired once by ``KVCache``: where pages are (the store's index, arena and
+    pools), the Mover (misses), the prefetch ledger (late prefetches), the promotion queue (what reads earn)."""
+
+    store: BlockStore
+    mover: Mover
+    ledger: PrefetchLedger
+    promotions: PromotionQueue
+    counters: ReadCounters
 
 
 class PageReader:
-    def __init__(self, cache: KVCache, batch: int, pages: int, tail: bool,
+    def __init__(self, parts: StepReadParts, batch: int, pages: int, tail: bool,
                  storage: torch.Tensor | None = None) -> None:
         """``storage``: bytes to hold the buffer (a decode step's share of the envelope's reserve); None:
         allocated here (prompt chunks, full attention)."""
-        lay = cache.layout
-        self.cache, self.store, self.layout = cache, cache.store, lay
+        lay = parts.store.layout
+        self.parts, self.store, self.layout, self.counters = parts, parts.store, lay, parts.counters
         self.batch, self.pages, self.width = batch, pages, pages + int(tail)
         self.prompt = not tail  # a prompt chunk re-reading its own earlier pages (counted when they spilled)
         self.miss_seconds = 0.0  # time in the miss path (store reads, placement's admissions)
         hkv = lay.num_kv_heads
         shape = (2, batch, hkv, self.width, lay.row_elems)
         self.buf = storage.view(lay.dtype).view(shape) if storage is not None else \
-            torch.empty(shape, dtype=lay.dtype, device=cache.device)
+            torch.empty(shape, dtype=lay.dtype, device=parts.store.device)
         # rows move as 8-byte words: PyTorch's CPU gathers and scatters run ~2x faster on int64 rows than on
         # the same bytes as float32 (measured: 720 rows of 4 KiB, 285 vs 138 us)
         self.word = torch.int64 if (lay.row_elems * lay.itemsize) % 8 == 0 else lay.dtype
         self.rows = self.buf.view(-1, lay.row_elems).view(self.word)
-        dev = cache.device
+        dev = parts.store.device
         self._kv = torch.arange(2, device=dev).view(2, 1, 1)
         self._h = torch.arange(hkv, device=dev).view(1, 1, hkv)
         self._base = (self._kv * hkv + self._h)[..., None]  # [2, 1, Hkv, 1]: (page, kv, head) row = page * 2 Hkv + base
@@ -79,10 +102,10 @@ class PageReader:
         n_miss = int(miss.sum())
         if arena is not None:
             n_dev = int(((rows >= 0) & (rows < arena.dram_base)).sum())
-            self.cache.hot_reads["gpu"] += n_dev
-            self.cache.hot_reads["dram"] += n_valid - n_dev - n_miss
+            self.counters.hot_reads["gpu"] += n_dev
+            self.counters.hot_reads["dram"] += n_valid - n_dev - n_miss
         else:
-            self.cache.hot_reads["gpu"] += n_valid - n_miss
+            self.counters.hot_reads["gpu"] += n_valid - n_miss
         if n_miss:
             t0 = time.perf_counter()
             if arena is not None:
@@ -103,8 +126,8 @@ class PageReader:
         assert arena is not None, "locate reads in place in the host arena"
         slots, n_dev, n_dram, n_miss = paged_kernels.locate(store.index.rows()[layer], pids, valid, tails,
                                                             arena.dram_base)
-        self.cache.hot_reads["gpu"] += n_dev
-        self.cache.hot_reads["dram"] += n_dram
+        self.counters.hot_reads["gpu"] += n_dev
+        self.counters.hot_reads["dram"] += n_dram
         stage = self._no_stage
         if n_miss:
             t0 = time.perf_counter()
@@ -140,7 +163,7 @@ class PageReader:
                 rows = self._rows_of(dram.pool)
                 data = rows.index_select(0, sub.view(-1).to(rows.device)).to(self.buf.device, non_blocking=True)
                 self.rows.index_copy_(0, self._dst(bi, ki), data)
-                self.cache.hot_reads["dram"] += m
+                self.counters.hot_reads["dram"] += m
                 miss = miss & ~dhit
                 n_miss -= m
         if n_miss:
@@ -151,25 +174,25 @@ class PageReader:
         """Misses of every memory tier: read by the Mover (waiting for a late prefetch first); the
         blocks read are queued for placement, which decides at the end of the step where each gets a copy.
         -> (bi, ki) [m] the entries read, and their blocks [m, 2, Hkv, S, D] in the cache dtype."""
-        cache, store, lay = self.cache, self.store, self.layout
+        parts, store, lay, counters = self.parts, self.store, self.layout, self.counters
         bi, ki = miss.nonzero(as_tuple=True)
         ids = pids[bi, ki].tolist()
         keys = [store.key_of(pid, layer) for pid in ids]
         t0 = time.perf_counter()
-        for late in cache.placer.ledger.claim(keys):
+        for late in parts.ledger.claim(keys):
             try:
                 late.wait()
             except Exception:  # a failed prefetch only means the read below goes to a lower tier
                 pass
-        raw, served = cache.mover.fetch(keys)
-        cache.fetch_wait_seconds += time.perf_counter() - t0
+        raw, served = parts.mover.fetch(keys)
+        counters.fetch_wait_seconds += time.perf_counter() - t0
         if None in served:
-            cache.pages_lost += 1
+            counters.pages_lost += 1
             seq = seq_ids[int(bi[served.index(None)])]
             raise PageLostError(seq, f"{served.count(None)} KV pages of sequence {seq} could not be read")
         if self.prompt:
-            cache.prompt_store_reads += len(keys)
-        cache.promotions.add(keys, ids, served, raw)  # placement decides at the end of the step
+            counters.prompt_store_reads += len(keys)
+        parts.promotions.add(keys, ids, served, raw)  # placement decides at the end of the step
         return bi, ki, lay.typed(raw)
 
     def _store_into_buffer(self, layer: int, pids: torch.Tensor, miss: torch.Tensor, seq_ids: list[int]) -> None:

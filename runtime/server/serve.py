@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 import uvicorn
 
 from kvdrive.runtime.engine import AsyncEngine, EngineConfig, LLMEngine, ModelRunner, SchedulerConfig
-from kvdrive.runtime.kvcache.cache import KVCache
-from kvdrive.runtime.kvcache.store import BudgetError
+from kvdrive.runtime.kvcache import BudgetError, KVCache
 from kvdrive.runtime.kvcache.store.page_events import PageEvents
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.registry import DEMO_ALIAS, MODEL_ALIASES
@@ -90,20 +89,17 @@ def build_state(opts: ServeOptions) -> ServerState:
         out = [TierUsageBody(tier=u.tier, budget_bytes=u.budget_bytes, capacity_bytes=u.capacity_bytes,
                          used_bytes=u.used_bytes - u.cached_bytes, cached_bytes=u.cached_bytes, pages=u.pages,
                          backing=u.backing, errors=u.errors) for u in cache.usage()]
-        if "ssd" not in cache.store.tiers:  # every tier is always reported; this one is off
+        if not cache.has_tier("ssd"):  # every tier is always reported; this one is off
             out.append(TierUsageBody(tier="ssd", budget_bytes=0, capacity_bytes=0, used_bytes=0, backing="disabled"))
         return out
 
     def counters() -> TierCounters:
-        found = cache.page_reads()
-        reads = {t: found.get(t, 0) for t in ("gpu", "dram", "ssd")}
-        return TierCounters(page_reads=reads, transfer_bytes=dict(cache.store.transfer_bytes),
-                            prefetch=cache.placer.ledger.counts(), fetch_wait_seconds=cache.fetch_wait_seconds,
-                            decode_steps=cache.decode_steps, prefix_hit_pages=cache.prefix_hit_pages,
-                            misses=cache.store.misses, prefetch_throttled=cache.placer.throttle.throttled,
-                            faults=cache.store.faults(), degraded=set(cache.store.health()),
-                            prompt_rereads=cache.prompt_store_reads, layer_kind_bytes=cache.bytes_by_layer_kind(),
-                            split=cache.envelope.split())
+        c = cache.counters()
+        return TierCounters(page_reads=c.page_reads, transfer_bytes=c.transfer_bytes, prefetch=c.prefetch,
+                            fetch_wait_seconds=c.fetch_wait_seconds, decode_steps=c.decode_steps,
+                            prefix_hit_pages=c.prefix_hit_pages, misses=c.misses,
+                            prefetch_throttled=c.prefetch_throttled, faults=c.faults, degraded=c.degraded,
+                            prompt_rereads=c.prompt_rereads, layer_kind_bytes=c.layer_kind_bytes, split=c.split)
 
     admin = asyncio.Lock()  # one budget change at a time
 
@@ -140,9 +136,9 @@ def build_state(opts: ServeOptions) -> ServerState:
     return ServerState(config=config, engine=async_engine, tokenizer=loaded.tokenizer, max_context=gen.max_context,
                        request_limit=gen.request_limit,
                        metrics=metrics, tiers=tiers, split=split, set_tiers=set_tiers, ready=lambda: async_engine.alive,
-                       started=int(time.time()), health=lambda: dict(cache.store.health()),
+                       started=int(time.time()), health=cache.health,
                        routing=RoutingSource(loaded.model_id, cache.root, cache.layout.page_size, loaded.tokenizer,
-                                             lambda: asyncio.to_thread(cache.store.page_digests), events_info),
+                                             lambda: asyncio.to_thread(cache.page_digests), events_info),
                        kv_events=publisher)
 
 

@@ -15,7 +15,7 @@ import torch
 from enginekit import run_dry, small_engine, submit, tokens, with_reserve
 from gguf_builder import decoded_logits, written_reference
 
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
+from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.model.weight_formats import QuantLinear
 
@@ -53,7 +53,7 @@ def _logits(gen: ModelRunner, prompt: list[int], tokens: list[int]) -> torch.Ten
 
 
 def _greedy(gen: ModelRunner, prompt: list[int], n: int = 12) -> list[int]:
-    return list(gen.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+    return list(LLMEngine(gen).generate_tokens(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
 
 
 @pytest.fixture

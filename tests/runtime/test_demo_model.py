@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdrive.runtime.engine import ModelRunner, SamplingParams
+from kvdrive.runtime.engine import LLMEngine, ModelRunner, SamplingParams
 from kvdrive.runtime.model import LoadedModel
 from kvdrive.runtime.model.registry import demo_model_path
 from kvdrive.runtime.prompt import ChatMessage
@@ -85,7 +85,7 @@ def test_chat_template_matches_reference(demo: LoadedModel, reference) -> None: 
 
 def test_greedy_chat_answer(demo: LoadedModel) -> None:
     ids = demo.tokenizer.encode_chat([ChatMessage("user", "What is the capital of France?")])
-    out = demo.tokenizer.decode(list(ModelRunner(demo).generate(ids, SamplingParams(max_tokens=16))))
+    out = demo.tokenizer.decode(list(LLMEngine(ModelRunner(demo)).generate_tokens(ids, SamplingParams(max_tokens=16))))
     assert out == "The capital of France is Paris."
 
 
@@ -93,7 +93,7 @@ def test_seeded_sampling_is_reproducible(demo: LoadedModel) -> None:
     ids = demo.tokenizer.encode_chat([ChatMessage("user", "Write a short poem about the sea.")])
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
     gen = ModelRunner(demo)
-    first, second = list(gen.generate(ids, params)), list(gen.generate(ids, params))
+    first, second = list(LLMEngine(gen).generate_tokens(ids, params)), list(LLMEngine(gen).generate_tokens(ids, params))
     other = list(gen.generate(ids, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=8)))
     assert first == second
     assert first != other

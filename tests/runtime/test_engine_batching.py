@@ -53,7 +53,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41], [100, 101, 102, 103, 104, 
 
 def _expected(path, n_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
     gen = ModelRunner(load_model(str(path), progress=False), EngineConfig(page_size=4))
-    return [list(gen.generate(p, SamplingParams(max_tokens=n_tokens, ignore_eos=True))) for p in PROMPTS]
+    return [list(LLMEngine(gen).generate_tokens(p, SamplingParams(max_tokens=n_tokens, ignore_eos=True))) for p in PROMPTS]
 
 
 def test_batched_engine_equals_one_by_one_generation(hf_model_factory) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvdrive.runtime.cli import engine_config, parse_args
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams
+from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner, SamplingParams
 from kvdrive.runtime.model import LoadedModel, load_model
 
 
@@ -42,7 +42,7 @@ def test_a_bfloat16_cache_holds_half_the_bytes_and_answers_the_same(demo: Loaded
         gen = ModelRunner(demo, EngineConfig(max_sequences=1, kv_dtype=dtype))
         try:
             page_bytes[dtype] = gen.cache.layout.page_bytes
-            answers[dtype] = list(gen.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0)))
+            answers[dtype] = list(LLMEngine(gen).generate_tokens(prompt, SamplingParams(max_tokens=12, temperature=0.0)))
         finally:
             gen.close()
     assert page_bytes[torch.bfloat16] * 2 == page_bytes[torch.float32]

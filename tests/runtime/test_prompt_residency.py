@@ -73,7 +73,7 @@ def test_a_prompt_in_progress_is_never_read_back_from_the_ssd(hf_model_factory, 
     b_tokens = _long_prompt_beside_a_hot_decode(held)
     cache = held.runner.cache
     assert cache.page_reads()["ssd"] > 0  # the memory tiers overflowed: A's cold pages went to the SSD
-    assert cache.prompt_store_reads == 0  # ... and none of B's pages did while B was going in
+    assert cache.counters().prompt_rereads == 0  # ... and none of B's pages did while B was going in
     assert cache.placer.held_pages == 0  # nothing stays held once the prompts are in
 
     # the contrast: the same run without holding (B's fresh pages are the coldest) reads B back chunk by chunk
@@ -81,7 +81,7 @@ def test_a_prompt_in_progress_is_never_read_back_from_the_ssd(hf_model_factory, 
     loose.runner.cache.placer.hold = lambda pids: None  # type: ignore[method-assign]
     loose.runner.cache.placer.release = lambda pids: None  # type: ignore[method-assign]
     assert _long_prompt_beside_a_hot_decode(loose) == b_tokens  # same exact prefill, same greedy tokens
-    assert loose.runner.cache.prompt_store_reads > 0
+    assert loose.runner.cache.counters().prompt_rereads > 0
 
 
 def _running_after_one_step(engine: LLMEngine, prompts: list[tuple[int, ...]]) -> int:

@@ -51,7 +51,7 @@ def _gen(loaded: LoadedModel, hot_pages: int | None = None, **kw: object) -> Mod
 
 
 def _greedy(gen: ModelRunner, prompt: list[int], n: int = 12) -> list[int]:
-    return list(gen.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
+    return list(LLMEngine(gen).generate_tokens(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
 
 
 def _decode_logits(gen: ModelRunner, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -178,7 +178,7 @@ def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_pa
                 slab.write_bytes(bytes(d ^ 0x5A for d in data))
             corrupted = True
     assert out == ref
-    assert gen.cache.pages_lost >= 1 and engine.stats().preemptions_total >= 1
+    assert gen.cache.counters().pages_lost >= 1 and engine.stats().preemptions_total >= 1
 
 
 def test_budgets_shrink_live_without_changing_outputs(tiny: LoadedModel, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from gguf_builder import decoded_logits, written_reference
 
 from kvdrive.runtime import native
-from kvdrive.runtime.engine import EngineConfig, ModelRunner
+from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner
 from kvdrive.runtime.model import block_kernels, load_model
 from kvdrive.runtime.model.errors import ModelLoadError
 from kvdrive.runtime.model.gguf_blocks import BLOCK_EXACT_TYPES, Blocks, read_blocks
@@ -193,7 +193,7 @@ def test_demo_auto_decodes_what_fp32_decodes(demo_formats: dict[str, object]) ->
     for name, loaded in demo_formats.items():
         gen = ModelRunner(loaded, EngineConfig(full_attention=True))  # type: ignore[arg-type]
         ids = loaded.tokenizer.encode_chat([ChatMessage("user", "Name three colours of the rainbow.")])  # type: ignore[attr-defined]
-        answers[name] = list(gen.generate(ids, SamplingParams(max_tokens=24)))
+        answers[name] = list(LLMEngine(gen).generate_tokens(ids, SamplingParams(max_tokens=24)))
         gen.close()
     assert answers["auto"] == answers["fp32"]
 

@@ -175,6 +175,15 @@ class Placer:
     def scratch(self) -> int:
         return self.scores.scratch
 
+    @property
+    def width(self) -> int:
+        """Page ids the scores cover (the scratch id included)."""
+        return self.scores.values.shape[1]
+
+    @property
+    def prefetching(self) -> bool:
+        return self.policy.prefetch
+
     # --- promotion -------------------------------------------------------------------------------
     def _tier_admission(self, tier: TierName) -> Admission:
         adm = self._admission.get(tier)

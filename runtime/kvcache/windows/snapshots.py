@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kvdrive.runtime.kvcache.config import SeqKV
+from kvdrive.runtime.kvcache.sequence import SeqKV
 from kvdrive.runtime.kvcache.windows.ring import SlidingWindows
 
 log = logging.getLogger(__name__)
