@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from kvdrive.operator.specbase import Model, cross
+from kvdrive.operator.api.specbase import Model, cross
 
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"

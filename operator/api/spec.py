@@ -1,18 +1,18 @@
-"""Pydantic models of the ``KVDriveDeployment`` spec and status (the CR's edge).
+"""Pydantic models of the ``KVDriveDeployment`` spec (the CR's edge).
 
-Owns the meaning of every CR field, its default and its constraints. It must agree with
+Owns the meaning of every spec field, its default and its constraints. It must agree with
 ``crds/kvdrivedeployment.yaml``: tests check the same fields, the same defaults and the same
 accept/reject verdicts on a shared set of good and bad examples (schema + CEL rules).
-Error messages always start with the field's path (``spec.tiers.dram.size: ...``).
+Cross-field errors name the field they are about (``cr.parse_cr`` prefixes the path).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
-from kvdrive.operator.podsettings import (
+from kvdrive.operator.api.podsettings import (
     DNS_SUBDOMAIN,
     EnvVar,
     LocalObjectReference,
@@ -22,18 +22,11 @@ from kvdrive.operator.podsettings import (
     VolumeMount,
     check_pod_settings,
 )
-from kvdrive.operator.quantity import QuantityError, parse_quantity
-from kvdrive.operator.specbase import FIELD_MARK, Model, cross
+from kvdrive.operator.api.quantity import QuantityError, parse_quantity
+from kvdrive.operator.api.specbase import Model, cross
 
-GROUP = "kvdrive.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "KVDriveDeployment"
-PLURAL = "kvdrivedeployments"
 DEFAULT_IMAGE = "ghcr.io/kvdrive/kvdrive-runtime:0.1.0"
-MAX_NAME_LENGTH = 52  # StatefulSet pod names + the controller-revision-hash label must fit 63 chars
 MODEL_SOURCE_PATTERN = r"^(demo|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/[^/].*|file:///.+)$"
-NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
 def _quantity(value: Any) -> str:
@@ -256,145 +249,3 @@ class KVDriveSpec(Model):
             return 1 if self.replicas is None else self.replicas
         low, high = self.autoscaling.min_replicas, self.autoscaling.max_replicas
         return low if current is None else min(max(current, low), high)
-
-
-class Metadata(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
-    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
-    namespace: str = Field(default="default", pattern=NAME_PATTERN, max_length=63)
-    uid: str | None = None
-    generation: int | None = None
-
-
-class KVDriveDeployment(BaseModel):
-    """A whole CR as read from YAML or from the API (status is read separately)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
-    api_version: Literal["kvdrive.io/v1alpha1"] = Field(alias="apiVersion")
-    kind: Literal["KVDriveDeployment"]
-    metadata: Metadata
-    spec: KVDriveSpec
-
-
-class Condition(Model):
-    type: Literal["Ready", "Progressing", "Degraded", "RouterReady"]
-    status: Literal["True", "False", "Unknown"]
-    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
-    message: str = Field(default="", max_length=32768)
-    last_transition_time: str
-    observed_generation: int | None = None
-
-
-class TierRecommendation(Model):
-    """A right-sizing hint for one ``tiers.*`` size of the CR (quantities); the operator changes nothing."""
-
-    tier: Literal["dram", "ssd"]
-    field: str
-    current: str
-    recommended: str
-    reason: str = Field(default="", max_length=1024)
-
-
-class PodStatus(Model):
-    """One pod as the live tuner last saw it (budgets in bytes, as the pod reported them)."""
-
-    name: str
-    metrics: Literal["ok", "missing"]
-    last_scrape_time: str
-    scrape_error: str | None = None
-    gpu_bytes: int | None = None
-    dram_bytes: int | None = None
-    ssd_bytes: int | None = None
-    max_running: int | None = None
-    hot_bytes: int | None = None
-    reserve_bytes: int | None = None
-    recommendations: list[TierRecommendation] = Field(default_factory=list)
-    last_change_time: str | None = None
-    last_change: str | None = None
-
-
-class BudgetSummary(Model):
-    """Per-tier budgets across the pods, for ``kubectl get`` (``12Mi``, or ``8Mi-12Mi`` when pods differ)."""
-
-    gpu: str = ""
-    dram: str = ""
-    ssd: str = ""
-
-
-class AutoscalingStatus(Model):
-    mode: Literal["operator", "external", "none"]
-    desired_replicas: int | None = None
-    recommendation: int | None = None
-    last_scale_time: str | None = None
-    last_decision: str | None = None
-
-
-class RouterStatus(Model):
-    """The router's pods (routing mode prefix or inferencepool): how many pass their readiness probe, of how
-    many."""
-
-    ready: int = 0
-    desired: int = 0
-
-
-class KVDriveStatus(Model):
-    observed_generation: int | None = None
-    replicas: int = 0
-    ready_replicas: int = 0
-    selector: str = ""
-    endpoint: str = ""
-    conditions: list[Condition] = Field(default_factory=list)
-    budgets: BudgetSummary | None = None
-    max_running: str | None = None  # across the pods, e.g. 16, or 8-16 when the tuner set them apart
-    recommendations: list[TierRecommendation] = Field(default_factory=list)  # what every pod agrees on
-    pods: list[PodStatus] = Field(default_factory=list)
-    autoscaling: AutoscalingStatus | None = None
-    router: RouterStatus | None = None
-
-
-class SpecError(ValueError):
-    """An invalid CR; ``str()`` lists each problem as ``field.path: message``."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("\n".join(problems))
-        self.problems = problems
-
-
-def _field_path(loc: tuple[int | str, ...]) -> str:
-    parts: list[str] = []
-    for item in loc:
-        if isinstance(item, int):
-            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
-        elif item in ("function-after", "function-before") or "[" in str(item):
-            continue  # pydantic's validator/union markers are not field names
-        else:
-            parts.append(str(item))
-    return ".".join(parts) or "<root>"
-
-
-def _problem(prefix: str, err: Any) -> str:
-    path = _field_path(tuple(err["loc"]))
-    message = str(err["msg"]).removeprefix("Value error, ")
-    if message.startswith(FIELD_MARK):
-        field, message = message.removeprefix(FIELD_MARK).split(":", 1)
-        path = f"{path}.{field}" if path != "<root>" else field
-    return f"{prefix}{path}: {message}"
-
-
-def parse_cr(doc: Any) -> KVDriveDeployment:
-    """Validate a CR (a mapping from YAML/JSON) or raise SpecError naming each bad field."""
-    if not isinstance(doc, dict):
-        raise SpecError(["<root>: a KVDriveDeployment must be a mapping"])
-    try:
-        return KVDriveDeployment.model_validate(doc)
-    except ValidationError as exc:
-        raise SpecError([_problem("", err) for err in exc.errors()]) from None
-
-
-def routing_of(spec: Any) -> Routing:
-    """``spec.routing`` of a raw spec as the API server stored it (the status is written even for a spec
-    the model rejects): the default when it is missing or invalid."""
-    try:
-        return Routing.model_validate(((spec or {}) if isinstance(spec, dict) else {}).get("routing") or {})
-    except ValidationError:
-        return Routing()
