@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvdrive.operator.api.spec import KVDriveSpec, Routing
+from kvdrive.operator.api.routingspec import Routing
+from kvdrive.operator.api.spec import KVDriveSpec
 from kvdrive.operator.api.specbase import FIELD_MARK
 
 GROUP = "kvdrive.io"
