@@ -89,12 +89,16 @@ bench: install-test
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-# The Helm chart ships a copy of crds/ and docs/cr-reference.md is generated from the CRD;
-# tests/charts fails when either is stale.
-.PHONY: sync-crds docs
-sync-crds:
+# The CRD is generated from the operator's pydantic types (kvdrive.operator.api) into crds/ and the Helm
+# chart's copy; docs/cr-reference.md is generated from the CRD. tests/operator/test_crd_generated.py and
+# tests/charts fail when any of them is stale.
+.PHONY: crds sync-crds docs
+crds: install
+	$(PY) scripts/gen_crd.py
+
+sync-crds: crds
 	rm -f charts/kvdrive-operator/crds/*.yaml
 	cp crds/*.yaml charts/kvdrive-operator/crds/
 
-docs: sync-crds install
+docs: sync-crds
 	$(PY) scripts/gen_cr_reference.py

@@ -6,7 +6,7 @@ hugepage-sized DRAM tier and SSD tier, and the same phased workload (bench/tunin
 alternating, each --phase-seconds long, twice. Runs:
   static N: max_running fixed at N (so the hot tier is the envelope less N step buffers);
   tuned:    starts at --tuned-start; every --interval seconds the operator's own policy
-            (kvdrive.operator.tuning.decide on kvdrive.operator.podmetrics scrapes) decides and the change
+            (kvdrive.operator.decide.tuning.decide on kvdrive.operator.api.podmetrics scrapes) decides and the change
             goes through PUT /admin/tiers {"max_running": N}, as the operator's live loop does for a pod.
 Reports per phase and overall: decode tokens/s (the server's generated-token counter), TTFT p50/p99
 (clients, streaming), hit rate per tier, mean queue, fetch-wait share; for the tuned run the timeline and,
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tuning_report import render
 from tuning_workload import PhaseLog, Workload
 
-from kvdrive.operator.podmetrics import PodMetrics, Scrape, parse_metrics, rates
-from kvdrive.operator.tuning import PodHistory, RunningLimits, TuningPolicy, decide
+from kvdrive.operator.api.podmetrics import PodMetrics, Scrape, parse_metrics, rates
+from kvdrive.operator.decide.tuning import PodHistory, RunningLimits, TuningPolicy, decide
 
 ROOT = Path(__file__).resolve().parents[1]
 KVDRIVE = str(ROOT / ".venv" / "bin" / "kvdrive")

@@ -69,8 +69,8 @@ def _load_documents(filename: str) -> list[Any]:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from kvdrive.operator.manifests import render
-    from kvdrive.operator.spec import SpecError, parse_cr
+    from kvdrive.operator.api.cr import SpecError, parse_cr
+    from kvdrive.operator.render.manifests import render
 
     try:
         documents = _load_documents(args.filename)
@@ -108,8 +108,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import kopf
 
-    from kvdrive.operator.handlers import build_registry
-    from kvdrive.operator.login import login
+    from kvdrive.operator.act.handlers import build_registry
+    from kvdrive.operator.clients.login import login
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
     registry = build_registry(connect=login, resync_seconds=args.resync_seconds, metrics_address=args.metrics or None)

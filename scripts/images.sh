@@ -37,7 +37,7 @@ SUITE="${KVDRIVE_BASE_SUITE:-bookworm}"
 BASE_IMAGE="localhost/kvdrive/debian:$SUITE"
 APP_VERSION="$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$REPO/charts/kvdrive-operator/Chart.yaml")"
 OPERATOR_IMAGE="ghcr.io/kvdrive/kvdrive-operator:$APP_VERSION"
-RUNTIME_IMAGE="$(sed -n 's/^DEFAULT_IMAGE = "\(.*\)"$/\1/p' "$REPO/operator/spec.py")"
+RUNTIME_IMAGE="$(sed -n 's/^DEFAULT_IMAGE = "\(.*\)"$/\1/p' "$REPO/operator/api/spec.py")"
 TORCH_SPEC="${KVDRIVE_IMAGE_TORCH_SPEC:-torch==2.13.0}"
 HASH_LABEL=io.kvdrive.context-hash
 

@@ -202,8 +202,8 @@ def test_runtime_service_monitor_scrapes_each_runtime_pod_once(routing: str) -> 
 
     from crdcheck import load_example
 
-    from kvdrive.operator.manifests import render
-    from kvdrive.operator.spec import parse_cr
+    from kvdrive.operator.api.cr import parse_cr
+    from kvdrive.operator.render.manifests import render
 
     monitors = {m["metadata"]["name"]: m for m in _by_kind(render_chart(ALL_ON))["ServiceMonitor"]}
     spec = monitors["kvdrive-operator-runtime"]["spec"]

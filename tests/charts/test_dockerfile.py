@@ -148,7 +148,7 @@ def test_entry_points_are_the_console_scripts_and_their_commands_parse() -> None
 
 
 def test_users_and_ports_match_the_pods_and_the_chart() -> None:
-    from kvdrive.operator.childmeta import CONTAINER_PORT, RUN_AS_USER
+    from kvdrive.operator.render.childmeta import CONTAINER_PORT, RUN_AS_USER
 
     runtime, operator = BY_NAME["runtime"], BY_NAME["operator"]
     assert runtime.last("USER") == f"{RUN_AS_USER}:{RUN_AS_USER}"
@@ -160,7 +160,7 @@ def test_users_and_ports_match_the_pods_and_the_chart() -> None:
 
 
 def test_documented_image_names_are_the_ones_the_operator_and_chart_use() -> None:
-    from kvdrive.operator.spec import DEFAULT_IMAGE
+    from kvdrive.operator.api.spec import DEFAULT_IMAGE
 
     text = DOCKERFILE.read_text()
     assert f"--target runtime  -t {DEFAULT_IMAGE} ." in text
@@ -176,7 +176,7 @@ def test_build_context_holds_what_copy_needs_and_nothing_else() -> None:
     assert sources == {"pyproject.toml", "README.md", "runtime", "operator", "router"}
     for source in sources:
         assert not ignored(patterns, source), source
-    assert not ignored(patterns, "operator/handlers.py") and not ignored(patterns, "runtime/server/app.py")
+    assert not ignored(patterns, "operator/act/handlers.py") and not ignored(patterns, "runtime/server/app.py")
     assert not ignored(patterns, "router/proxy.py")
     for left_out in (".git", ".venv/bin/python", "tests/operator/kopfenv.py", "bench/results/model.json",
                      "runtime/__pycache__/cli.cpython-311.pyc", "charts/kvdrive-operator/Chart.yaml", ".kvdrive-ssd"):

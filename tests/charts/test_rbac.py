@@ -28,10 +28,10 @@ from chartrender import render_chart
 from crdcheck import load_example
 from kopfenv import Cluster, eventually, run_operator
 
-from kvdrive.operator import router_manifests
-from kvdrive.operator.kubeclient import KubeApi, Ref
-from kvdrive.operator.objects import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS
-from kvdrive.operator.spec import parse_cr
+from kvdrive.operator.act.objects import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS
+from kvdrive.operator.api.cr import parse_cr
+from kvdrive.operator.clients.kubeclient import KubeApi, Ref
+from kvdrive.operator.render import router_manifests
 
 REPO = Path(__file__).resolve().parents[2]
 EVENTS = Ref("v1", "Event", "events")  # what the operator posts (through kopf), read back here
@@ -165,7 +165,7 @@ def _delegated() -> set[Rule]:
 
 
 def _operator_sources() -> list[Path]:
-    return sorted((REPO / "operator").glob("*.py"))
+    return sorted((REPO / "operator").rglob("*.py"))
 
 
 def _refs_named_in_code() -> set[tuple[str, str]]:
@@ -173,7 +173,8 @@ def _refs_named_in_code() -> set[tuple[str, str]]:
     import importlib
 
     found = set()
-    modules = [importlib.import_module(f"kvdrive.operator.{p.stem}") for p in _operator_sources() if p.stem != "__init__"]
+    modules = [importlib.import_module(".".join(["kvdrive.operator", *p.relative_to(REPO / "operator").with_suffix("").parts]))
+               for p in _operator_sources() if p.stem != "__init__"]
     module_values = [value for module in modules for value in vars(module).values()]
     for value in module_values:
         values = value.values() if isinstance(value, dict) else [value]

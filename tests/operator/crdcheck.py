@@ -17,7 +17,7 @@ import jsonschema
 import yaml
 from celpy import celtypes
 
-from kvdrive.operator.quantity import is_quantity, parse_quantity
+from kvdrive.operator.api.quantity import is_quantity, parse_quantity
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "kvdrivedeployment.yaml"

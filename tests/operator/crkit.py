@@ -12,7 +12,7 @@ from crdcheck import load_example
 from kopfenv import Cluster
 from livekit import EVENTS
 
-from kvdrive.operator.handlers import CHILDREN, CLAIMS, CR, PODS
+from kvdrive.operator.act.objects import CHILDREN, CLAIMS, CR, PODS
 
 CHILD_NAMES = {
     ("ConfigMap", "chat-config"), ("Secret", "chat-admin"), ("Service", "chat"), ("Service", "chat-headless"),

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from controlplane import ControlPlane
 
-from kvdrive.operator import inferencepool
+from kvdrive.operator.render import inferencepool
 
 __all__ = ["GIE_CRD_PATH", "gie_crd", "install_gie_crd", "load_gie_crd", "no_gie_crd"]
 

@@ -15,9 +15,9 @@ import kopf
 import pytest
 from controlplane import ControlPlane
 
-from kvdrive.operator.handlers import build_registry
-from kvdrive.operator.kubeclient import ApiError, KubeApi, Ref
-from kvdrive.operator.objects import STORAGE_CLASSES
+from kvdrive.operator.act.handlers import build_registry
+from kvdrive.operator.act.objects import STORAGE_CLASSES
+from kvdrive.operator.clients.kubeclient import ApiError, KubeApi, Ref
 
 __all__ = ["Cluster", "cluster", "eventually", "never", "operator", "run_operator"]
 

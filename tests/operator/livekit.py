@@ -8,9 +8,8 @@ from typing import Any
 
 from kopfenv import Cluster, eventually
 
-from kvdrive.operator.handlers import CHILDREN, CR, PODS, STATEFULSETS
-from kvdrive.operator.kubeclient import Ref
-from kvdrive.operator.objects import AUTOSCALER
+from kvdrive.operator.act.objects import AUTOSCALER, CHILDREN, CR, PODS, STATEFULSETS
+from kvdrive.operator.clients.kubeclient import Ref
 
 EVENTS = Ref("v1", "Event", "events")  # what the operator posts through kopf.event, read back here
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvdrive.operator.podmetrics import PodMetrics, Scrape, TierState
-from kvdrive.operator.tuning import Decision, PodHistory, RunningLimits, TuningPolicy, decide
+from kvdrive.operator.api.podmetrics import PodMetrics, Scrape, TierState
+from kvdrive.operator.decide.tuning import Decision, PodHistory, RunningLimits, TuningPolicy, decide
 
 MiB = 1 << 20
 PER_SEQUENCE = 2 * MiB  # what one more running sequence takes from the hot tier

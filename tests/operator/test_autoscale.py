@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from crdcheck import load_example
 
-from kvdrive.operator.autoscale import PodLoad, Recommendation, ScalePolicy, decide, load_of, policy_from_spec
-from kvdrive.operator.podmetrics import PodMetrics, TierState
-from kvdrive.operator.spec import parse_cr
+from kvdrive.operator.api.cr import parse_cr
+from kvdrive.operator.api.podmetrics import PodMetrics, TierState
+from kvdrive.operator.decide.autoscale import (
+    PodLoad,
+    Recommendation,
+    ScalePolicy,
+    decide,
+    load_of,
+    policy_from_spec,
+)
 
 MiB = 1 << 20
 POLICY = ScalePolicy(min_replicas=1, max_replicas=8, max_step=2, up_window_s=30, down_window_s=300,

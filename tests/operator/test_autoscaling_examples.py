@@ -8,8 +8,8 @@ import kubernetes_validate
 import yaml
 from crdcheck import REPO, crd_violations, load_crd
 
-from kvdrive.operator.manifests import render
-from kvdrive.operator.spec import API_VERSION, KIND, parse_cr
+from kvdrive.operator.api.cr import API_VERSION, KIND, parse_cr
+from kvdrive.operator.render.manifests import render
 
 EXAMPLES = REPO / "examples" / "autoscaling"
 METRICS_SOURCE = REPO / "runtime" / "server" / "metrics.py"

@@ -13,7 +13,7 @@ import aiohttp
 from crdcheck import load_example
 from kopfenv import Cluster, eventually
 
-from kvdrive.operator.handlers import CR, STATEFULSETS
+from kvdrive.operator.act.objects import CR, STATEFULSETS
 
 CLI = Path(sys.executable).with_name("kvdrive-operator")
 

@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 from crdcheck import apply_defaults, crd_violations, load_crd, load_example, version_schema
 
-from kvdrive.operator.spec import SpecError, parse_cr
+from kvdrive.operator.api.cr import SpecError, parse_cr
 
 # Spec fields that deliberately have no default (absence means something).
 NO_DEFAULT = {"model.source", "model.name", "replicas", "autoscaling.targets.tokensPerSecond",

@@ -15,7 +15,7 @@ from kopfenv import Cluster
 from kubernetes.client import ApiException, CustomObjectsApi
 from test_crd import BAD_VARIANTS, GOOD, GOOD_VARIANTS, _set, _walk
 
-from kvdrive.operator.objects import CR
+from kvdrive.operator.act.objects import CR
 
 
 def _cel_messages() -> set[str]:

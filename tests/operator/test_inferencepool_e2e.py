@@ -20,9 +20,9 @@ from giecrd import install_gie_crd
 from kopfenv import Cluster, eventually, never
 from kubernetes.client import ApiException, CustomObjectsApi
 
-from kvdrive.operator import inferencepool
-from kvdrive.operator.objects import CHILDREN, CR, RECONCILER, STATEFULSETS
-from kvdrive.operator.spec import parse_cr
+from kvdrive.operator.act.objects import CHILDREN, CR, RECONCILER, STATEFULSETS
+from kvdrive.operator.api.cr import parse_cr
+from kvdrive.operator.render import inferencepool
 
 POOLS = CHILDREN["InferencePool"]
 RUNTIME_PODS = {"app.kubernetes.io/name": "kvdrive", "app.kubernetes.io/instance": "chat"}

@@ -11,9 +11,9 @@ from crdcheck import crd_violations, load_example
 from giecrd import load_gie_crd
 from test_manifests import _by_kind, _cr
 
-from kvdrive.operator.childmeta import selector_labels
-from kvdrive.operator.manifests import render
-from kvdrive.operator.spec import KVDriveDeployment
+from kvdrive.operator.api.cr import KVDriveDeployment
+from kvdrive.operator.render.childmeta import selector_labels
+from kvdrive.operator.render.manifests import render
 
 
 def _pool_cr(**routing: Any) -> KVDriveDeployment:
@@ -91,7 +91,7 @@ def test_the_failure_mode_follows_the_spec_and_other_modes_render_no_pool() -> N
 def test_only_the_router_service_of_mode_inferencepool_says_a_pool_may_exist() -> None:
     """What the handlers read before deleting a pool (``pruning``): the rendered router Service of mode
     inferencepool has the port the pool's picker reference names; those of the other modes do not."""
-    from kvdrive.operator.inferencepool import serves_ext_proc
+    from kvdrive.operator.render.inferencepool import serves_ext_proc
 
     def router_service(mode: str) -> dict[str, Any] | None:
         found = [s for s in _by_kind(render(_pool_cr(mode=mode), "t"))["Service"]

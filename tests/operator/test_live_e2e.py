@@ -24,7 +24,7 @@ from kopfenv import Cluster, eventually
 from livekit import create_pod, events, live_cr, pod_status, scaled_earlier, status
 from liveservers import Server, complete, prompt, start, wait_ready
 
-from kvdrive.operator.handlers import CHILDREN, CR, STATEFULSETS
+from kvdrive.operator.act.objects import CHILDREN, CR, STATEFULSETS
 
 TOKEN = "e2e-admin-token"
 # an envelope big enough that the hot tier serves decode (the tuner's signal for more concurrency), and

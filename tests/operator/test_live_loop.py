@@ -16,10 +16,9 @@ from kopfenv import Cluster, eventually, never
 from livekit import admin_token, create_pod, events, live_cr, pod_status, scaled_earlier, status
 from scriptedpod import MiB, ScriptedPod
 
-from kvdrive.operator.handlers import CR, STATEFULSETS
-from kvdrive.operator.objects import PODS
-from kvdrive.operator.spec import parse_cr
-from kvdrive.operator.tuning import tier_sizes
+from kvdrive.operator.act.objects import CR, PODS, STATEFULSETS
+from kvdrive.operator.api.cr import parse_cr
+from kvdrive.operator.decide.tuning import tier_sizes
 
 
 @pytest.fixture()

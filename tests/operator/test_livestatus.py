@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvdrive.operator.livestatus import (
+from kvdrive.operator.api.podmetrics import PodMetrics, Scrape, TierState
+from kvdrive.operator.api.quantity import exact_quantity
+from kvdrive.operator.decide.livestatus import (
     agreed_recommendations,
     budget_summary,
     pod_entry,
@@ -11,9 +13,7 @@ from kvdrive.operator.livestatus import (
     running_summary,
     scale_event,
 )
-from kvdrive.operator.podmetrics import PodMetrics, Scrape, TierState
-from kvdrive.operator.quantity import exact_quantity
-from kvdrive.operator.tuning import PodHistory, Recommendation
+from kvdrive.operator.decide.tuning import PodHistory, Recommendation
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdrive.operator.login import in_cluster
+from kvdrive.operator.clients.login import in_cluster
 
 
 def _account(tmp_path: Path, token: str = "t0ken\n") -> Path:

@@ -12,10 +12,10 @@ import yaml
 from crdcheck import EXAMPLES, crd_violations, load_example
 from giecrd import load_gie_crd
 
-from kvdrive.operator.childmeta import selector_string
-from kvdrive.operator.manifests import render
-from kvdrive.operator.objects import CHILDREN
-from kvdrive.operator.spec import KVDriveDeployment, parse_cr
+from kvdrive.operator.act.objects import CHILDREN
+from kvdrive.operator.api.cr import KVDriveDeployment, parse_cr
+from kvdrive.operator.render.childmeta import selector_string
+from kvdrive.operator.render.manifests import render
 
 EXAMPLE_FILES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
 

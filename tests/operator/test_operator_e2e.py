@@ -13,9 +13,8 @@ from typing import Any
 from crkit import all_children, chat_cr, condition, condition_is, ready_cluster
 from kopfenv import Cluster, eventually, never
 
-from kvdrive.operator.handlers import CHILDREN, CR, STATEFULSETS
-from kvdrive.operator.kubeclient import KindNotServed
-from kvdrive.operator.objects import RECONCILER
+from kvdrive.operator.act.objects import CHILDREN, CR, RECONCILER, STATEFULSETS
+from kvdrive.operator.clients.kubeclient import KindNotServed
 
 
 async def _status(cluster: Cluster) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from crkit import (
 from kopfenv import Cluster, eventually, never, run_operator
 from liveservers import free_port
 
-from kvdrive.operator.handlers import CLAIMS, CR, PODS
+from kvdrive.operator.act.objects import CLAIMS, CR, PODS
 
 
 async def test_conditions_follow_pod_readiness(operator: Cluster) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdrive.operator.opmetrics import OperatorMetrics
+from kvdrive.operator.clients.opmetrics import OperatorMetrics
 
 
 def _samples(metrics: OperatorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdrive.operator.podmetrics import MetricsFormatError, Scrape, parse_metrics, rates
+from kvdrive.operator.api.podmetrics import MetricsFormatError, Scrape, parse_metrics, rates
 
 # What `kvdrive serve` exposes (abridged from a real server with --gpu-budget 8MiB --dram-budget 16MiB).
 TEXT = """# HELP kvdrive_requests_waiting requests queued for admission

@@ -15,7 +15,7 @@ from crkit import chat_cr, children, condition, ready_cluster, set_ready
 from kopfenv import Cluster, eventually, never
 from test_crd_server import _dry_run
 
-from kvdrive.operator.objects import CHILDREN, CR, PODS
+from kvdrive.operator.act.objects import CHILDREN, CR, PODS
 
 ROUTER = [("ServiceAccount", "chat-router"), ("Role", "chat-router"), ("RoleBinding", "chat-router"),
           ("Service", "chat-router"), ("PodDisruptionBudget", "chat-router"), ("Deployment", "chat-router")]

@@ -11,10 +11,10 @@ import pytest
 from crdcheck import load_example
 from test_manifests import _by_kind, _cr
 
-from kvdrive.operator import manifests, router_manifests
-from kvdrive.operator.childmeta import selector_labels
-from kvdrive.operator.manifests import render
-from kvdrive.operator.spec import KVDriveDeployment
+from kvdrive.operator.api.cr import KVDriveDeployment
+from kvdrive.operator.render import manifests, router_manifests
+from kvdrive.operator.render.childmeta import selector_labels
+from kvdrive.operator.render.manifests import render
 
 ROUTER_KINDS = ["ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget", "Deployment"]
 

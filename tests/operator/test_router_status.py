@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdrive.operator.conditions import Observed, Problem, RouterObserved, build_status, status_differs
-from kvdrive.operator.spec import KVDriveStatus, routing_of
+from kvdrive.operator.api.cr import routing_of
+from kvdrive.operator.api.status import KVDriveStatus
+from kvdrive.operator.decide.conditions import Observed, Problem, RouterObserved, build_status, status_differs
 
 
 def _status(observed: Observed, previous: dict[str, Any] | None = None, problem: Problem | None = None,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from crdcheck import EXAMPLES, load_example
 
-from kvdrive.operator.manifests import render
-from kvdrive.operator.spec import parse_cr
+from kvdrive.operator.api.cr import parse_cr
+from kvdrive.operator.render.manifests import render
 from kvdrive.runtime.cli import build_parser
 
 

@@ -15,10 +15,10 @@ from typing import Any
 from crkit import chat_cr, ready_cluster
 from kopfenv import Cluster
 
-from kvdrive.operator.handlers import Reconciler
-from kvdrive.operator.kubeclient import KubeApi, Ref
-from kvdrive.operator.live import LiveController
-from kvdrive.operator.objects import AUTOSCALER, CR, RECONCILER, STATEFULSETS
+from kvdrive.operator.act.live import LiveController
+from kvdrive.operator.act.objects import AUTOSCALER, CR, RECONCILER, STATEFULSETS
+from kvdrive.operator.act.reconciler import Reconciler
+from kvdrive.operator.clients.kubeclient import KubeApi, Ref
 
 LOG = logging.getLogger("test")
 

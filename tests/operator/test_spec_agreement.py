@@ -9,7 +9,9 @@ from typing import Any, Literal, get_args, get_origin
 from crdcheck import apply_defaults, load_crd, load_example, version_schema
 from pydantic import BaseModel
 
-from kvdrive.operator.spec import KVDriveSpec, KVDriveStatus, parse_cr
+from kvdrive.operator.api.cr import parse_cr
+from kvdrive.operator.api.spec import KVDriveSpec
+from kvdrive.operator.api.status import KVDriveStatus
 
 
 def _crd_fields(schema: dict[str, Any], path: str = "") -> dict[str, dict[str, Any]]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from crdcheck import load_example
 from tape import PER_SEQUENCE, MiB, PodTape
 
-from kvdrive.operator.spec import parse_cr
-from kvdrive.operator.tuning import RunningLimits, TuningPolicy, limits_from_spec
+from kvdrive.operator.api.cr import parse_cr
+from kvdrive.operator.decide.tuning import RunningLimits, TuningPolicy, limits_from_spec
 
 POLICY = TuningPolicy(window=3)
 LIMITS = RunningLimits(floor=1, ceiling=16, min_step=1)

@@ -11,10 +11,17 @@ import pytest
 from crdcheck import load_example
 from test_manifests import _cr
 
-from kvdrive.operator.conditions import Observed, Problem, build_status, degraded_changed, merge_conditions
-from kvdrive.operator.handlers import last_written_by_us, statefulset_replicas
-from kvdrive.operator.objects import AUTOSCALER, RECONCILER
-from kvdrive.operator.quantity import QuantityError, parse_quantity, to_bytes
+from kvdrive.operator.act.handlers import last_written_by_us
+from kvdrive.operator.act.objects import AUTOSCALER, RECONCILER
+from kvdrive.operator.act.reconciler import statefulset_replicas
+from kvdrive.operator.api.quantity import QuantityError, parse_quantity, to_bytes
+from kvdrive.operator.decide.conditions import (
+    Observed,
+    Problem,
+    build_status,
+    degraded_changed,
+    merge_conditions,
+)
 
 OPERATOR_DIR = Path(__file__).resolve().parents[2] / "operator"
 
@@ -32,6 +39,15 @@ def test_quantities(text: str | int, value: int | Decimal) -> None:
 def test_bad_quantities(text: object) -> None:
     with pytest.raises(QuantityError):
         parse_quantity(text)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("text", ["0", "8", "64Gi", "2Mi", "1.5Gi", "500m", "1500m", "0.001m", "1G", "1.25k", "3M",
+                                  "7T", "2P", "1E", "1Ei", "3Pi", "12.345678901234567890Ti", "99999999999999.99Ei",
+                                  "0.5Ki", "123456789012345678901234567890"])
+def test_quantities_are_valued_as_the_kubernetes_client_values_them(text: str) -> None:
+    from kubernetes.utils import parse_quantity as kubernetes_parse_quantity
+
+    assert str(parse_quantity(text)) == str(kubernetes_parse_quantity(text))
 
 
 def test_to_bytes_rounds_up() -> None:
@@ -81,26 +97,36 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def _sources() -> dict[str, Path]:
+    """Every module of the operator by its path under operator/ (``act/handlers.py``)."""
+    return {p.relative_to(OPERATOR_DIR).as_posix(): p for p in OPERATOR_DIR.rglob("*.py")}
+
+
 def test_only_handlers_and_its_transport_talk_to_kopf() -> None:
-    talkers = {p.name for p in OPERATOR_DIR.glob("*.py") if {"kopf", "aiohttp", "kubernetes"} & _imports(p)}
+    talkers = {name for name, p in _sources().items() if {"kopf", "aiohttp", "kubernetes"} & _imports(p)}
     # cli only calls kopf.run(); podclient talks HTTP to the pods, not to the API server; login only
     # says where the API server is and with which credentials (a kopf.ConnectionInfo); opmetrics serves
-    # the operator's own /metrics over HTTP (aiohttp), to no API server
-    assert talkers == {"handlers.py", "kubeclient.py", "podclient.py", "cli.py", "login.py", "opmetrics.py"}
-    users_of_transport = {p.name for p in OPERATOR_DIR.glob("*.py") if "kvdrive.operator.kubeclient" in _imports(p)}
-    # objects: only the Ref addresses; pruning: the handlers' deletions, on the handlers' session
-    assert users_of_transport == {"handlers.py", "live.py", "objects.py", "pruning.py"}
+    # the operator's own /metrics over HTTP (aiohttp), to no API server; the reconciler posts its
+    # Warning Events and asks Kopf to retry through kopf
+    assert talkers == {"act/handlers.py", "act/reconciler.py", "clients/kubeclient.py", "clients/podclient.py",
+                       "cli.py", "clients/login.py", "clients/opmetrics.py"}
+    users_of_transport = {name for name, p in _sources().items()
+                          if "kvdrive.operator.clients.kubeclient" in _imports(p)}
+    # objects: only the Ref addresses; pruning: the reconciler's deletions, on the reconciler's session;
+    # handlers: only ApiError (a failed reconcile becomes Kopf's TemporaryError)
+    assert users_of_transport == {"act/handlers.py", "act/reconciler.py", "act/live.py", "act/objects.py",
+                                  "act/pruning.py"}
 
 
 def test_the_pure_modules_stay_pure() -> None:
-    for name in ("tuning.py", "autoscale.py", "podmetrics.py", "livestatus.py"):
+    for name in ("decide/tuning.py", "decide/autoscale.py", "api/podmetrics.py", "decide/livestatus.py"):
         imports = _imports(OPERATOR_DIR / name)
-        assert not {"kopf", "aiohttp", "asyncio", "kvdrive.operator.kubeclient", "kvdrive.operator.live"} & imports, name
+        assert not {"kopf", "aiohttp", "asyncio", "kvdrive.operator.clients.kubeclient", "kvdrive.operator.act.live"} & imports, name
 
 
 def test_modules_stay_small() -> None:
-    for path in OPERATOR_DIR.glob("*.py"):
-        assert len(path.read_text().splitlines()) <= 400, path.name
+    for name, path in _sources().items():
+        assert len(path.read_text().splitlines()) <= 400, name
 
 
 def _managed(manager: str) -> dict[str, Any]:

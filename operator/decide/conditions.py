@@ -1,9 +1,10 @@
 """Pure computation of a KVDriveDeployment's status: replicas and metav1-style conditions.
 
 Owns what ``Ready``, ``Progressing``, ``Degraded`` and (with routing on) ``RouterReady`` mean and
-when ``lastTransitionTime`` moves (only when a condition's status changes). With routing on, clients
-reach the replicas through the router, so ``Ready`` also needs every router pod ready. No
-Kubernetes API, no Kopf.
+when ``lastTransitionTime`` moves (only when a condition's status changes), and the problems that only
+the reconciler can see (a field another manager owns, an API server that does not serve
+``InferencePool``). With routing on, clients reach the replicas through the router, so ``Ready`` also
+needs every router pod ready. No Kubernetes API, no Kopf.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvdrive.operator.childmeta import endpoint_url, selector_string
-from kvdrive.operator.spec import KVDriveStatus
+from kvdrive.operator.api.status import KVDriveStatus
+from kvdrive.operator.render import inferencepool
+from kvdrive.operator.render.childmeta import endpoint_url, selector_string
 
+MISSING_POOL_CRD_REASON = "InferencePoolCRDNotInstalled"
 # the status keys the reconciler writes; `router` only with routing on (a key it stops writing must go)
 RECONCILER_KEYS = ("observedGeneration", "replicas", "readyReplicas", "selector", "endpoint", "conditions", "router")
 
@@ -190,3 +193,11 @@ def conflict_problem(kind: str, name: str, fields: Sequence[object]) -> Problem:
     listed = ", ".join(str(f) for f in fields)
     return Problem("FieldConflict", f"{kind} {name!r}: {listed}; the operator does not force fields that another "
                                     "manager owns: remove them there, or let the CR stop setting them")
+
+
+def missing_pool_crd_problem() -> Problem:
+    """The API server does not serve InferencePool: the Gateway API Inference Extension CRDs are missing."""
+    return Problem(MISSING_POOL_CRD_REASON, (
+        f"spec.routing.mode inferencepool: the API server does not serve {inferencepool.KIND} "
+        f"({inferencepool.API_VERSION}); install the Gateway API Inference Extension CRDs "
+        f"(CustomResourceDefinition {inferencepool.CRD_NAME}), or set spec.routing.mode to prefix"))

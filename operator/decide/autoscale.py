@@ -17,8 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvdrive.operator.podmetrics import PodMetrics, Rates
-from kvdrive.operator.spec import KVDriveSpec
+from kvdrive.operator.api.podmetrics import PodMetrics, Rates
+from kvdrive.operator.api.spec import KVDriveSpec
 
 TOLERANCE = 0.1
 

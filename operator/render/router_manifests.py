@@ -18,8 +18,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvdrive.operator import inferencepool
-from kvdrive.operator.childmeta import (
+from kvdrive.operator.api.cr import KVDriveDeployment
+from kvdrive.operator.api.spec import KVDriveSpec
+from kvdrive.operator.render import inferencepool
+from kvdrive.operator.render.childmeta import (
     CONTAINER_PORT,
     ROUTER_APP,
     Names,
@@ -30,7 +32,6 @@ from kvdrive.operator.childmeta import (
     probe,
     router_selector_labels,
 )
-from kvdrive.operator.spec import KVDriveDeployment, KVDriveSpec
 
 COMPONENT = "router"
 ROUTER_PORT = 8080  # `kvdrive route --port`

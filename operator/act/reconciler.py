@@ -1,4 +1,5 @@
-"""Kopf handlers: the only place that reacts to the cluster and writes to it.
+"""The reconciler: brings the children and the status' conditions of one ``KVDriveDeployment`` in line with its
+spec.
 
 Owns reconciliation of ``KVDriveDeployment`` objects: pre-flight checks of what the schema
 cannot see (the StorageClass, the model's PersistentVolumeClaim, children owned by someone
@@ -8,7 +9,7 @@ child (SSA removes what its manager stops applying); a field another manager own
 a conflict is reported on the CR (Degraded, reason FieldConflict), never forced. StatefulSet
 ``replicas`` have one writer: this reconciler in autoscaling modes none/external, the autoscaler
 (``live``) in mode operator. Everything is idempotent; a CR, a child or a pod event all lead to the
-same ``Reconciler.reconcile``. ``build_registry`` returns a fresh registry (no module state).
+same ``Reconciler.reconcile`` (``handlers`` registers them).
 
 The router (``spec.routing.mode: prefix`` or ``inferencepool``): the client Service moves to the
 router's pods only once one of them is ready (it would cut the clients off before), and back as soon as
@@ -21,39 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from kvdrive.operator import inferencepool, router_manifests
-from kvdrive.operator.childmeta import (
-    MANAGER,
-    ROUTER_APP,
-    Names,
-    controller_uid,
-    router_selector_labels,
-    selector_labels,
-)
-from kvdrive.operator.conditions import (
-    Observed,
-    Problem,
-    RouterObserved,
-    build_status,
-    conflict_problem,
-    current_problem,
-    degraded_changed,
-    now_rfc3339,
-    status_differs,
-)
-from kvdrive.operator.kubeclient import ApiError, Conflict, KindNotServed, KubeApi, owns_field
-from kvdrive.operator.live import LiveController
-from kvdrive.operator.login import login
-from kvdrive.operator.manifests import admin_token_of, render
-from kvdrive.operator.objects import (
+from kvdrive.operator.act.objects import (
     AUTOSCALER,
     CHILDREN,
     CLAIMS,
@@ -64,28 +40,29 @@ from kvdrive.operator.objects import (
     STORAGE_CLASSES,
     pod_ready,
 )
-from kvdrive.operator.opmetrics import MetricsServer, OperatorMetrics
-from kvdrive.operator.pruning import prune_pool, prune_router
-from kvdrive.operator.spec import GROUP, PLURAL, VERSION, KVDriveDeployment, SpecError, parse_cr, routing_of
+from kvdrive.operator.act.pruning import prune_pool, prune_router
+from kvdrive.operator.api.cr import KVDriveDeployment, SpecError, parse_cr, routing_of
+from kvdrive.operator.clients.kubeclient import ApiError, Conflict, KindNotServed, KubeApi, owns_field
+from kvdrive.operator.clients.opmetrics import OperatorMetrics
+from kvdrive.operator.decide.conditions import (
+    Observed,
+    Problem,
+    RouterObserved,
+    build_status,
+    conflict_problem,
+    current_problem,
+    degraded_changed,
+    missing_pool_crd_problem,
+    now_rfc3339,
+    status_differs,
+)
+from kvdrive.operator.render import inferencepool, router_manifests
+from kvdrive.operator.render.childmeta import Names, controller_uid, router_selector_labels, selector_labels
+from kvdrive.operator.render.manifests import admin_token_of, render
 
-__all__ = ["CHILDREN", "CLAIMS", "CR", "PODS", "STATEFULSETS", "STORAGE_CLASSES", "Reconciler", "build_registry"]
-MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
-INSTANCE_LABEL = "app.kubernetes.io/instance"
-NAME_LABEL = "app.kubernetes.io/name"
 # the API server's answer when an apply changes a StatefulSet field that only a new object can change
 STS_IMMUTABLE = "updates to statefulset spec for fields other than"
 Existing = dict[tuple[str, str], dict[str, Any] | None]  # children as they are now, by (kind, name)
-
-
-def last_written_by_us(obj: Mapping[str, Any]) -> bool:
-    """True when the newest change to ``obj`` (status subresource left out) is one of the operator's own
-    applies: its watch event needs no reconcile (the reconcile that wrote it is the one in flight)."""
-    entries = [m for m in obj.get("metadata", {}).get("managedFields") or [] if not m.get("subresource")]
-    if not entries:
-        return False
-    newest = max(str(m.get("time") or "") for m in entries)  # to the second: a tie counts as someone else's
-    return all(m.get("manager") in (RECONCILER, AUTOSCALER) and m.get("operation") == "Apply"
-               for m in entries if str(m.get("time") or "") == newest)
 
 
 def statefulset_replicas(model: KVDriveDeployment, sts: Mapping[str, Any] | None) -> int | None:
@@ -192,7 +169,7 @@ class Reconciler:
             except KindNotServed:  # a custom resource of another project, whose CRD is not installed
                 if kind != inferencepool.KIND:
                     raise
-                return inferencepool.missing_crd_problem(), existing
+                return missing_pool_crd_problem(), existing
             owner = None if found is None else controller_uid(found)
             if owner is not None and owner != model.metadata.uid:
                 return Problem("ChildConflict", f"{kind} {child_name!r} is controlled by another owner ({owner})"), existing
@@ -298,95 +275,3 @@ class Reconciler:
         if status_differs(previous, status):
             body = {"apiVersion": cr["apiVersion"], "kind": cr["kind"], "metadata": {"name": name}, "status": status}
             await api.apply(CR, namespace, body, RECONCILER, force=True, subresource="status")
-
-
-Connect = Callable[..., "kopf.ConnectionInfo | None | Any"]
-
-
-def _post_event(cr: dict[str, Any], kind: str, reason: str, message: str) -> None:
-    """The live loop's Events, posted by Kopf's event poster (it retries, and logs a failure)."""
-    kopf.event(cr, type=kind, reason=reason, message=message)
-
-
-def build_registry(connect: Connect = login, resync_seconds: float = 60.0,
-                   metrics_address: str | None = None, metrics: OperatorMetrics | None = None) -> kopf.OperatorRegistry:
-    """A fresh registry with every handler; ``connect`` is the login (tests log in to their own API server);
-    ``metrics_address``: where the operator serves its own ``/metrics`` (``opmetrics.py``), None: nowhere."""
-    registry = kopf.OperatorRegistry()
-    metrics = metrics or OperatorMetrics()
-    reconciler = Reconciler(metrics)
-    live = LiveController(reconciler.session, metrics.counting(_post_event), metrics=metrics)
-    server = MetricsServer(metrics, metrics_address) if metrics_address else None
-
-    @kopf.on.login(registry=registry)
-    async def log_in(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        info = connect(**kwargs)
-        if inspect.isawaitable(info):
-            info = await info
-        if info is not None:
-            await reconciler.connect(info)
-        return info
-
-    @kopf.on.startup(registry=registry)
-    async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        # Kopf's bookkeeping in annotations only: the CRD's status schema has no status.kopf, so the
-        # API server would prune it, and status belongs to the reconciler and the live loop
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
-        settings.persistence.finalizer = f"{GROUP}/finalizer"
-        if server is not None:
-            await server.start()
-
-    @kopf.on.cleanup(registry=registry)
-    async def close(**_: Any) -> None:
-        if server is not None:
-            await server.stop()
-        await live.close()
-        await reconciler.close()
-
-    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
-    @kopf.on.update(GROUP, VERSION, PLURAL, registry=registry)
-    async def reconcile(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
-        try:
-            await reconciler.reconcile(namespace, name, logger)
-        except ApiError as exc:
-            raise kopf.TemporaryError(str(exc), delay=10) from exc
-
-    @kopf.timer(GROUP, VERSION, PLURAL, interval=resync_seconds, initial_delay=resync_seconds, registry=registry)
-    async def resync(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
-        await reconciler.reconcile(namespace, name, logger)
-
-    # The metrics loop: a daemon per CR rather than a fixed-interval timer, so that its period follows
-    # spec.tuning.intervalSeconds when the spec changes. Async daemons are cancelled when the CR goes.
-    @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, id="live")
-    async def live_loop(namespace: str, name: str, logger: logging.Logger, stopped: Any, **_: Any) -> None:
-        try:
-            while not stopped:
-                try:
-                    interval = await live.round(namespace, name, logger)
-                except (ApiError, kopf.TemporaryError, OSError, TimeoutError) as exc:
-                    logger.warning("live round failed: %s", exc)  # the API server is away: try again later
-                    interval = 5.0
-                await stopped.wait(interval)
-        finally:
-            live.forget(namespace, name)
-
-    async def child_changed(type: str | None, body: Mapping[str, Any], logger: logging.Logger, **_: Any) -> None:
-        instance = (body.get("metadata", {}).get("labels") or {}).get(INSTANCE_LABEL)
-        if instance and (type == "DELETED" or (type == "MODIFIED" and not last_written_by_us(body))):
-            await reconciler.reconcile(body["metadata"]["namespace"], instance, logger)
-
-    async def pod_changed(body: Mapping[str, Any], logger: logging.Logger, **_: Any) -> None:
-        labels = body.get("metadata", {}).get("labels") or {}
-        instance = labels.get(INSTANCE_LABEL)
-        if instance and labels.get(NAME_LABEL) == ROUTER_APP:
-            # a router pod's readiness may let the client Service move to the router
-            await reconciler.reconcile(body["metadata"]["namespace"], instance, logger)
-        elif instance:
-            await reconciler.refresh_status(body["metadata"]["namespace"], instance, logger)
-
-    for ref in CHILDREN.values():
-        kopf.on.event(ref.api_version, ref.plural, labels=MANAGED, registry=registry, id="child")(child_changed)
-    kopf.on.event(PODS.api_version, PODS.plural, labels=MANAGED, registry=registry, id="pod")(pod_changed)
-    return registry

@@ -8,7 +8,7 @@ off (its ServiceAccount last, so that reading the ServiceAccount alone tells whe
 as it was before this reconcile applied anything, has the ext_proc port (``inferencepool.serves_ext_proc``):
 a CR that was not in mode inferencepool costs no call, and a cluster without the Gateway API Inference
 Extension CRDs no discovery round; and the pool goes before the Service loses that port, so a reconcile
-cut short finds the same evidence the next time. Called by the handlers, with their API session.
+cut short finds the same evidence the next time. Called by the reconciler, with its API session.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kvdrive.operator import inferencepool, router_manifests
-from kvdrive.operator.childmeta import Names, controller_uid
-from kvdrive.operator.kubeclient import KindNotServed, KubeApi
-from kvdrive.operator.objects import CHILDREN
-from kvdrive.operator.spec import KVDriveDeployment
+from kvdrive.operator.act.objects import CHILDREN
+from kvdrive.operator.api.cr import KVDriveDeployment
+from kvdrive.operator.clients.kubeclient import KindNotServed, KubeApi
+from kvdrive.operator.render import inferencepool, router_manifests
+from kvdrive.operator.render.childmeta import Names, controller_uid
 
 Logger = logging.Logger | logging.LoggerAdapter
 

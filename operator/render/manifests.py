@@ -19,8 +19,11 @@ from typing import Any, Literal
 
 import yaml
 
-from kvdrive.operator import inferencepool, router_manifests
-from kvdrive.operator.childmeta import (
+from kvdrive.operator.api.cr import KVDriveDeployment
+from kvdrive.operator.api.quantity import to_bytes
+from kvdrive.operator.api.spec import KVDriveSpec
+from kvdrive.operator.render import inferencepool, router_manifests
+from kvdrive.operator.render.childmeta import (
     CONTAINER_PORT,
     ENGINE_TYPE,
     ENGINE_TYPE_LABEL,
@@ -33,8 +36,6 @@ from kvdrive.operator.childmeta import (
     router_selector_labels,
     selector_labels,
 )
-from kvdrive.operator.quantity import to_bytes
-from kvdrive.operator.spec import KVDriveDeployment, KVDriveSpec
 
 PRESTOP_SECONDS = 5  # preStop sleep: the Service stops routing to a terminating pod first
 POD_IP_ENV = "KVDRIVE_POD_IP"  # the pod's IP (downward API), in its KV-event topic (podsettings.RESERVED_ENV)

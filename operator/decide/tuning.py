@@ -37,10 +37,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from kvdrive.operator.manifests import SSD_BUDGET_FRACTION_PERCENT
-from kvdrive.operator.podmetrics import Rates, Scrape, rates
-from kvdrive.operator.quantity import format_bytes, to_bytes
-from kvdrive.operator.spec import KVDriveSpec
+from kvdrive.operator.api.podmetrics import Rates, Scrape, rates
+from kvdrive.operator.api.quantity import format_bytes, to_bytes
+from kvdrive.operator.api.spec import KVDriveSpec
+from kvdrive.operator.render.manifests import SSD_BUDGET_FRACTION_PERCENT
 
 MiB = 1 << 20
 SIZED = {"dram": "tiers.dram.size", "ssd": "tiers.ssd.size"}  # tiers the tuner only recommends sizes for

@@ -1,9 +1,8 @@
 """Kubernetes resource quantities (``64Gi``, ``2Mi``, ``500m``, ``1.5G``) as exact numbers.
 
-Owns the quantity strings used in the CR spec (their grammar; the kubernetes client's parser gives the
-value), so that the operator can size
-hugepages, check cross-field rules and pass plain byte counts to the runtime's flags.
-Pure: no Kubernetes API, no Kopf.
+Owns the quantity strings used in the CR spec (their grammar and their value, computed as the kubernetes
+client's ``parse_quantity`` does: the tests hold the two equal), so that the operator can size hugepages,
+check cross-field rules and pass plain byte counts to the runtime's flags. Pure: no Kubernetes API, no Kopf.
 """
 
 from __future__ import annotations
@@ -11,12 +10,10 @@ from __future__ import annotations
 import re
 from decimal import ROUND_CEILING, Decimal
 
-from kubernetes.utils import parse_quantity as _k8s_quantity
-
-# The subset of the Kubernetes quantity grammar that the CRD accepts; the value itself is computed by the
-# kubernetes client's parser.
+# The subset of the Kubernetes quantity grammar that the CRD accepts.
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 _QUANTITY_RE = re.compile(QUANTITY_PATTERN)
+_EXPONENTS = {"m": -1, "k": 1, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}  # a suffix's power of its base (Ki: K)
 
 
 class QuantityError(ValueError):
@@ -32,9 +29,15 @@ def parse_quantity(value: str | int) -> Decimal:
             raise QuantityError(f"negative quantity: {value}")
         return Decimal(value)
     text = str(value).strip()
-    if _QUANTITY_RE.match(text) is None:
+    match = _QUANTITY_RE.match(text)
+    if match is None:
         raise QuantityError(f"not a quantity: {value!r} (expected e.g. 64Gi, 2Mi, 500m, 8)")
-    return Decimal(_k8s_quantity(text))
+    suffix = match.group(2) or ""
+    number = Decimal(text.removesuffix(suffix) if suffix else text)
+    if not suffix:
+        return number
+    base = 1024 if suffix.endswith("i") else 1000
+    return number * (base ** Decimal(_EXPONENTS[suffix[0]]))
 
 
 def to_bytes(value: str | int) -> int:

@@ -1,7 +1,7 @@
 """The Kubernetes kinds the operator touches, and pure facts read from Pod objects.
 
-Owns the API addresses (``Ref``) shared by ``handlers`` and ``live`` (every call on them is an
-explicit ``KubeApi`` call in those two modules, so that RBAC can be derived from the code), the
+Owns the API addresses (``Ref``) shared by ``reconciler``, ``pruning`` and ``live`` (every call on them is
+an explicit ``KubeApi`` call in those modules, so that RBAC can be derived from the code), the
 field managers (one per writer, so that each field has exactly one), and
 what a Pod says about itself: whether it is ready and where its ``kvdrive serve`` listens.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvdrive.operator import inferencepool
-from kvdrive.operator.childmeta import CONTAINER_PORT
-from kvdrive.operator.kubeclient import Ref
-from kvdrive.operator.spec import GROUP, KIND, PLURAL, VERSION
+from kvdrive.operator.api.cr import GROUP, KIND, PLURAL, VERSION
+from kvdrive.operator.clients.kubeclient import Ref
+from kvdrive.operator.render import inferencepool
+from kvdrive.operator.render.childmeta import CONTAINER_PORT
 
 CR = Ref(f"{GROUP}/{VERSION}", KIND, PLURAL)
 PODS = Ref("v1", "Pod", "pods")

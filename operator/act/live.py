@@ -22,21 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdrive.operator import autoscale, tuning
-from kvdrive.operator.childmeta import Names, selector_labels
-from kvdrive.operator.conditions import now_rfc3339
-from kvdrive.operator.kubeclient import Conflict, KubeApi
-from kvdrive.operator.livestatus import (
-    agreed_recommendations,
-    budget_event,
-    budget_summary,
-    pod_entry,
-    recommendation_event,
-    running_summary,
-    scale_event,
-)
-from kvdrive.operator.manifests import admin_token_of, runtime_settings
-from kvdrive.operator.objects import (
+from kvdrive.operator.act.objects import (
     AUTOSCALER,
     CR,
     LIVE,
@@ -47,11 +33,26 @@ from kvdrive.operator.objects import (
     pod_ready,
     pod_url,
 )
-from kvdrive.operator.opmetrics import OperatorMetrics
-from kvdrive.operator.podclient import PodClient
-from kvdrive.operator.podmetrics import rates
-from kvdrive.operator.quantity import to_bytes
-from kvdrive.operator.spec import KVDriveSpec, SpecError, parse_cr
+from kvdrive.operator.api.cr import SpecError, parse_cr
+from kvdrive.operator.api.podmetrics import rates
+from kvdrive.operator.api.quantity import to_bytes
+from kvdrive.operator.api.spec import KVDriveSpec
+from kvdrive.operator.clients.kubeclient import Conflict, KubeApi
+from kvdrive.operator.clients.opmetrics import OperatorMetrics
+from kvdrive.operator.clients.podclient import PodClient
+from kvdrive.operator.decide import autoscale, tuning
+from kvdrive.operator.decide.conditions import now_rfc3339
+from kvdrive.operator.decide.livestatus import (
+    agreed_recommendations,
+    budget_event,
+    budget_summary,
+    pod_entry,
+    recommendation_event,
+    running_summary,
+    scale_event,
+)
+from kvdrive.operator.render.childmeta import Names, selector_labels
+from kvdrive.operator.render.manifests import admin_token_of, runtime_settings
 
 IDLE_SECONDS = 30.0  # period of a CR that cannot be read or parsed
 PostEvent = Callable[[dict[str, Any], str, str, str], None]  # (cr, Normal | Warning, reason, message)
@@ -84,7 +85,7 @@ class LiveController:
     def __init__(self, session: Callable[[], KubeApi | None], post_event: PostEvent,
                  clock: Callable[[], float] = time.monotonic, metrics: OperatorMetrics | None = None) -> None:
         """``post_event(cr, type, reason, message)``: a core/v1 Event on the CR (``kubectl describe kvd``
-        shows it); handlers.py passes Kopf's poster, which retries and logs a failure."""
+        shows it); handlers passes Kopf's poster, which retries and logs a failure."""
         self._session, self._event, self._clock = session, post_event, clock
         self._metrics = metrics
         self._pods = PodClient()

@@ -6,9 +6,9 @@ like the CR, whose selector matches exactly the runtime pods (the StatefulSet's 
 a router pod), whose target port is the runtime's ``kvdrive serve`` port, and whose
 ``endpointPickerRef`` names the router's Service on its Envoy ``ext_proc`` port: the router is the
 pool's endpoint picker and keeps serving plain HTTP as in mode ``prefix``. Also what that port is
-called on the router's pods and Service (``router_manifests`` renders them), how one can tell from the
-router's Service that a pool may exist (the handlers prune it without asking an API server that may
-not serve the kind), and the problem reported when the API server does not serve ``InferencePool``.
+called on the router's pods and Service (``router_manifests`` renders them), and how one can tell from
+the router's Service that a pool may exist (the handlers prune it without asking an API server that may
+not serve the kind).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvdrive.operator.childmeta import CONTAINER_PORT, Names, object_meta, selector_labels
-from kvdrive.operator.conditions import Problem
-from kvdrive.operator.spec import KVDriveDeployment, KVDriveSpec
+from kvdrive.operator.api.cr import KVDriveDeployment
+from kvdrive.operator.api.spec import KVDriveSpec
+from kvdrive.operator.render.childmeta import CONTAINER_PORT, Names, object_meta, selector_labels
 
 GROUP = "inference.networking.k8s.io"
 VERSION = "v1"
@@ -33,7 +33,6 @@ EXT_PROC_SERVICE_PORT = "grpc-ext-proc"  # the router Service's port name (as GI
 # gRPC is HTTP/2 without TLS: the Kubernetes-standard application protocol, read by gateways (Istio,
 # Envoy Gateway, GKE) to speak h2c to the picker rather than HTTP/1.1
 EXT_PROC_APP_PROTOCOL = "kubernetes.io/h2c"
-MISSING_CRD_REASON = "InferencePoolCRDNotInstalled"
 
 
 def enabled(spec: KVDriveSpec) -> bool:
@@ -73,11 +72,3 @@ def serves_ext_proc(router_service: Mapping[str, Any] | None) -> bool:
     inferencepool when it was last applied, so an InferencePool of it may exist."""
     ports = ((router_service or {}).get("spec") or {}).get("ports") or []
     return any(port.get("name") == EXT_PROC_SERVICE_PORT for port in ports)
-
-
-def missing_crd_problem() -> Problem:
-    """The API server does not serve InferencePool: the Gateway API Inference Extension CRDs are missing."""
-    return Problem(MISSING_CRD_REASON, (
-        f"spec.routing.mode inferencepool: the API server does not serve {KIND} ({API_VERSION}); install the "
-        f"Gateway API Inference Extension CRDs (CustomResourceDefinition {CRD_NAME}), or set "
-        "spec.routing.mode to prefix"))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvdrive.operator.podmetrics import MetricsFormatError, Scrape, parse_metrics
+from kvdrive.operator.api.podmetrics import MetricsFormatError, Scrape, parse_metrics
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvdrive.operator.podmetrics import TIERS, PodMetrics, Scrape
-from kvdrive.operator.quantity import exact_quantity, format_bytes
-from kvdrive.operator.tuning import PodHistory, Recommendation
+from kvdrive.operator.api.podmetrics import TIERS, PodMetrics, Scrape
+from kvdrive.operator.api.quantity import exact_quantity, format_bytes
+from kvdrive.operator.decide.tuning import PodHistory, Recommendation
 
 
 def last_metrics(history: PodHistory) -> PodMetrics | None:

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvdrive.operator.spec import API_VERSION, KIND, SERVE_PORT, KVDriveDeployment
+from kvdrive.operator.api.cr import API_VERSION, KIND, KVDriveDeployment
+from kvdrive.operator.api.spec import SERVE_PORT
 
 MANAGER = "kvdrive-operator"
 APP = "kvdrive"  # app.kubernetes.io/name of the runtime pods and their objects
