@@ -112,7 +112,7 @@ class KVCache:
         self._stepping: list[SeqKV] = []  # sequences begun and not yet settled by finish_step
         self.promotions = PromotionQueue(self.placer, self.mover)  # copies the step's lower-tier reads earn
         self.transfers = TransferQueue(self.mover, workers=1)
-        self.envelope.bind(self.mover, self.transfers.drain)
+        self.envelope.bind(self)
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device,
                                       page_size=layout.page_size,
                                       sketch_bits=sel.sketch_bits if self.policy.sparse else 0)
@@ -402,6 +402,16 @@ class KVCache:
     def split(self) -> EnvelopeSplit:
         """How the device envelope is split now."""
         return self.envelope.split()
+
+    def hot_budget(self) -> int:
+        """``HotTier``: the device tier's budget now."""
+        return self.store.budgets.gpu_bytes
+
+    def resize_hot(self, hot_bytes: int) -> None:
+        """``HotTier``: the envelope moves its split (``set_max_running``): transfers drained, on this thread."""
+        self.transfers.drain()
+        self.store.bind_owner()
+        self.mover.set_budgets(gpu_bytes=hot_bytes)
 
     def has_tier(self, tier: str) -> bool:
         """Whether the cache runs ``tier`` (the SSD tier needs an SSD directory)."""

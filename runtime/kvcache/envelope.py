@@ -22,13 +22,12 @@ meanwhile), then gives the buffers back to the hot tier (``settle``, after each 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from kvdrive.runtime.attention import SelectionConfig
 from kvdrive.runtime.kvcache.config import EngineConfig, EnvelopeSplit
-from kvdrive.runtime.kvcache.mover import Mover
 from kvdrive.runtime.kvcache.placement import policy_for
 from kvdrive.runtime.kvcache.store import BudgetError, KVLayout
 
@@ -73,6 +72,19 @@ def default_envelope_bytes(layout: KVLayout, config: EngineConfig, context: int,
     return min(want, cap)
 
 
+class HotTier(Protocol):
+    """The device tier as the envelope moves its budget (``KVCache``)."""
+
+    def hot_budget(self) -> int:
+        """The device tier's budget now, in bytes."""
+        ...
+
+    def resize_hot(self, hot_bytes: int) -> None:
+        """Give the device tier ``hot_bytes`` live, on the engine thread with no transfer in flight
+        (BudgetError, nothing changed, when the pages running sequences need would not fit)."""
+        ...
+
+
 class Envelope:
     def __init__(self, fixed_reserve: int, columns: int, block_bytes: int, max_sequences: int, max_running: int,
                  device: torch.device) -> None:
@@ -86,14 +98,12 @@ class Envelope:
         self.pending: int | None = None  # a smaller limit waiting for running sequences to finish
         self.envelope_bytes = 0  # the gpu budget (set by the cache once it is known)
         self.device = device
-        self._mover: Mover | None = None
-        self._drain: Callable[[], None] = lambda: None
+        self._hot: HotTier | None = None
         self._buffer = self._new_buffer(max_running)
 
-    def bind(self, mover: Mover, drain: Callable[[], None]) -> None:
-        """The Mover of the store whose device tier is the hot half, and how to wait for its in-flight
-        transfers."""
-        self._mover, self._drain = mover, drain
+    def bind(self, hot: HotTier) -> None:
+        """The hot tier whose budget is the envelope's other half (the cache, once its store exists)."""
+        self._hot = hot
 
     def reserve(self, max_running: int | None = None) -> int:
         n = self.max_running if max_running is None else max_running
@@ -112,7 +122,7 @@ class Envelope:
         return hot
 
     def split(self) -> EnvelopeSplit:
-        hot = self._mover.store.budgets.gpu_bytes if self._mover is not None else self.hot_bytes(self.envelope_bytes)
+        hot = self._hot.hot_budget() if self._hot is not None else self.hot_bytes(self.envelope_bytes)
         return EnvelopeSplit(envelope_bytes=self.envelope_bytes, hot_bytes=hot, fixed_reserve_bytes=self.fixed_reserve,
                              per_sequence_bytes=self.per_sequence_bytes, max_running=self.max_running,
                              max_sequences=self.max_sequences, pending_max_running=self.pending)
@@ -141,16 +151,14 @@ class Envelope:
         if n == self.max_running:
             return True
         hot = self.hot_bytes(self.envelope_bytes, n)
-        assert self._mover is not None
-        self._drain()
-        self._mover.store.bind_owner()
+        assert self._hot is not None
         if n > self.max_running:  # the hot tier gives the bytes up first (may refuse), then the buffer takes them
-            self._mover.set_budgets(gpu_bytes=hot)
+            self._hot.resize_hot(hot)
             self._buffer = self._new_buffer(0)
             self._buffer = self._new_buffer(n)
         else:
             self._buffer = self._new_buffer(n)
-            self._mover.set_budgets(gpu_bytes=hot)
+            self._hot.resize_hot(hot)
         log.info("envelope split: max_running %d -> %d: hot tier %.1f MiB, reserve %.1f MiB of %.1f MiB",
                  self.max_running, n, hot / 2**20, self.reserve(n) / 2**20, self.envelope_bytes / 2**20)
         self.max_running = n

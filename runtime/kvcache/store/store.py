@@ -121,6 +121,10 @@ class BlockStore:
     def budgets(self) -> TierBudgets:
         return self.resize.budgets
 
+    def bind_owner(self) -> None:
+        """The calling thread runs the decode loop: only it may drop published memory-tier copies."""
+        self.table.bind_owner()
+
     def _rebased(self, base: int) -> None:
         with self.table.lock:
             self.index.set_dram_base(base)
