@@ -18,7 +18,7 @@ the same directory: the stored pages (and window snapshots) are reused.
 Reference and candidate never write their decoded pages to the SSD tier: pages are content-addressed
 by tokens, not by attention mode, so a candidate decoding the reference's tokens would otherwise read
 the reference's KV for them. The first answer token comes from the prefill of the tail page, exact in
-both modes (as in ``ModelRunner.generate``) unless prefix reuse leaves a single token to compute.
+both modes (as ``LLMEngine`` prefills) unless prefix reuse leaves a single token to compute.
 """
 
 from __future__ import annotations

@@ -45,11 +45,11 @@ def small_engine(loaded: LoadedModel, ssd: Path, gpu_pages: int, dram_pages: int
 
 
 def greedy(loaded: LoadedModel, prompt: list[int], max_tokens: int, **config: Any) -> list[int]:
-    """The greedy tokens ``ModelRunner.generate`` gives ``prompt`` on one sequence under ``EngineConfig(**config)``
+    """The greedy tokens ``LLMEngine.generate_tokens`` gives ``prompt`` on one sequence under ``EngineConfig(**config)``
     (default tiers), the runner closed after."""
     gen = ModelRunner(loaded, EngineConfig(tiers=TierConfig(), max_sequences=1, **config))
     try:
-        return list(gen.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+        return list(LLMEngine(gen).generate_tokens(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
     finally:
         gen.close()
 

@@ -94,7 +94,7 @@ def test_seeded_sampling_is_reproducible(demo: LoadedModel) -> None:
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
     gen = ModelRunner(demo)
     first, second = list(LLMEngine(gen).generate_tokens(ids, params)), list(LLMEngine(gen).generate_tokens(ids, params))
-    other = list(gen.generate(ids, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=8)))
+    other = list(LLMEngine(gen).generate_tokens(ids, SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=8)))
     assert first == second
     assert first != other
     assert gen.cache.free_pages == gen.cache.num_pages  # every sequence released its pages

@@ -18,7 +18,7 @@ from kvdrive.runtime.bench.selection_report import (
     summary,
 )
 from kvdrive.runtime.bench.texts import filler_tokens
-from kvdrive.runtime.engine import EngineConfig, ModelRunner, SamplingParams, TierConfig
+from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import LoadedModel
 
 
@@ -31,7 +31,7 @@ def test_probe_decodes_like_full_attention_and_no_rule_beats_the_oracle(demo: Lo
     res = run_probe(demo, [("doc#0", ids)], token_budget=128, steps=4)
     runner = ModelRunner(demo, EngineConfig(tiers=TierConfig(), full_attention=True, max_sequences=1))
     try:
-        expected = list(runner.generate(ids, SamplingParams(max_tokens=4, temperature=0.0)))
+        expected = list(LLMEngine(runner).generate_tokens(ids, SamplingParams(max_tokens=4, temperature=0.0)))
     finally:
         runner.close()
     assert res.prompts[0]["output"] == demo.tokenizer.decode(expected)
