@@ -96,7 +96,7 @@ def main() -> int:
             lags = asyncio.run(_measure(replica.url, args.documents))
         finally:
             replica.stop()
-    # the events router hears a page a few ms after a tier publishes it (tests/runtime/test_kv_events.py: 4 ms over
+    # the events router hears a page a few ms after a tier publishes it (tests/kvcache/test_kv_events.py: 4 ms over
     # TCP), so its time is the store time here; the polling router's lag behind it is its staleness
     lags["polling, behind kv events"] = [p - e for p, e in zip(lags["polling"], lags["kv events"], strict=True)]
     rows = {name: {"median_ms": round(statistics.median(v) * 1000, 1), "max_ms": round(max(v) * 1000, 1),
@@ -112,7 +112,7 @@ def main() -> int:
           "(negative: before the answer returned: a page counts as stored when its first layer is, early in the "
           "step that computes it, as in the page list). Polling: the router's defaults (replica every 1 s, page "
           "list every 2 s). The last row is the polling router's lag behind the events router, which hears a page "
-          "within a few ms of its store (4 ms over TCP in tests/runtime/test_kv_events.py): the staleness that "
+          "within a few ms of its store (4 ms over TCP in tests/kvcache/test_kv_events.py): the staleness that "
           "KV events remove. Command: "
           f"`.venv/bin/python bench/kv_events_staleness.py --documents {args.documents}`.\n\n" + "\n".join(table) + "\n")
     args.out.with_suffix(".md").write_text(md)

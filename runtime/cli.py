@@ -29,7 +29,7 @@ log = logging.getLogger("kvdrive")
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_threads_arg(p)
     # the names are runtime/model/registry.py's, spelled out here: the router's command line never imports
-    # the model package (torch); tests/runtime/test_model_registry.py holds the two lists equal
+    # the model package (torch); tests/model/test_model_registry.py holds the two lists equal
     p.add_argument("--model", default="demo", help="'demo' (SmolLM2-135M-Instruct), 'gemma3-270m' (Gemma 3 270M base, "
                    "hybrid sliding/global attention, 32K context), 'qwen2.5-coder-0.5b' or 'qwen2.5-coder-1.5b' "
                    "(Qwen2.5-Coder-Instruct, 32K context; `kvdrive models` lists them), a .gguf file or a Hugging "

@@ -2,7 +2,7 @@
 
 Owns the weights benchmark. Each format in turn is loaded (``--weights``) and run with full attention and
 an in-memory KV cache, so the format (and ``--kv-dtype``, when not float32) is the only difference from the
-reference: fp32 weights and a float32 cache, the path that ``tests/runtime/test_model_hf_parity.py`` holds
+reference: fp32 weights and a float32 cache, the path that ``tests/model/test_model_hf_parity.py`` holds
 equal to transformers in float32. A format listed is run again, never copied from the reference (fp32 with
 a float32 cache is the self-check). Per format:
 

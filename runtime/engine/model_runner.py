@@ -23,19 +23,21 @@ class PromptTooLongError(ValueError):
     """The prompt plus the requested tokens do not fit the model's context."""
 
 
+def kv_layout(loaded: LoadedModel, config: EngineConfig) -> KVLayout:
+    """The layout of ``loaded``'s KV pages under ``config``: the tiers hold the global layers (sliding ones keep a
+    window, outside them)."""
+    cfg = loaded.config
+    return KVLayout(num_layers=len(cfg.global_layers), num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                    page_size=config.page_size, dtype=config.kv_dtype or loaded.dtype)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.loaded = loaded
         self.config = c = config or EngineConfig()
         cfg = loaded.config
         self.device = loaded.device
-        layout = KVLayout(
-            num_layers=len(cfg.global_layers),  # the tiers hold the global layers; sliding ones keep a window
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            page_size=c.page_size,
-            dtype=c.kv_dtype or loaded.dtype,
-        )
+        layout = kv_layout(loaded, c)
         fingerprint = f"{loaded.fingerprint}|{layout.fingerprint()}"
         windows = SlidingWindows(cfg.sliding_layers, cfg.sliding_window, c.page_size, c.max_sequences,
                                  cfg.num_kv_heads, cfg.head_dim, layout.dtype, self.device) if cfg.sliding_layers else None

@@ -134,7 +134,7 @@ class KVCache:
 
     def _store_budgets(self, envelope: int, dram: int, ssd: int) -> TierBudgets:
         """The store's tier budgets: its gpu tier is the envelope's hot part."""
-        return TierBudgets(gpu_bytes=self.envelope.hot_bytes(envelope), dram_bytes=dram, ssd_bytes=ssd)
+        return TierBudgets(hot_bytes=self.envelope.hot_bytes(envelope), dram_bytes=dram, ssd_bytes=ssd)
 
     def watch_pages(self, events: PageEvents) -> None:
         """Turn KV events on: ``events`` hears of every page a tier gains or loses, with its tokens."""
@@ -405,13 +405,13 @@ class KVCache:
 
     def hot_budget(self) -> int:
         """``HotTier``: the device tier's budget now."""
-        return self.store.budgets.gpu_bytes
+        return self.store.budgets.hot_bytes
 
     def resize_hot(self, hot_bytes: int) -> None:
         """``HotTier``: the envelope moves its split (``set_max_running``): transfers drained, on this thread."""
         self.transfers.drain()
         self.store.bind_owner()
-        self.mover.set_budgets(gpu_bytes=hot_bytes)
+        self.mover.set_budgets(hot_bytes=hot_bytes)
 
     def has_tier(self, tier: str) -> bool:
         """Whether the cache runs ``tier`` (the SSD tier needs an SSD directory)."""
@@ -459,7 +459,7 @@ class KVCache:
         self.transfers.drain()
         self.store.bind_owner()
         has_ssd = "ssd" in self.store.tiers
-        now = self.mover.set_budgets(b.gpu_bytes, b.dram_bytes, b.ssd_bytes if has_ssd else None,
+        now = self.mover.set_budgets(b.hot_bytes, b.dram_bytes, b.ssd_bytes if has_ssd else None,
                                      defer=frozenset({"ssd"}) if defer_ssd_shrink else frozenset())
         self.envelope.envelope_bytes = envelope_bytes
         return has_ssd and now.ssd_bytes != b.ssd_bytes

@@ -172,8 +172,8 @@ def test_a_dram_budget_fills_a_hugetlbfs_mount_of_its_size(pod_hugepages: Path) 
     keys = make_keys(8)
     m.put(keys, blocks_for(keys), tier="dram", needed=False)
     # the device tier's budget moves (as the tuner's max_running does): DRAM stays on its hugepages
-    m.set_budgets(gpu_bytes=32 * BB)
-    m.set_budgets(gpu_bytes=96 * BB)
+    m.set_budgets(hot_bytes=32 * BB)
+    m.set_budgets(hot_bytes=96 * BB)
     assert {u.tier: u.backing for u in s.usage()}["dram"] == f"hugetlbfs:{pod_hugepages}"
     out, ok = read(m, keys)
     assert all(ok) and torch.equal(out, blocks_for(keys))

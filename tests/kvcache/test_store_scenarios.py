@@ -61,7 +61,7 @@ def test_live_shrink_demotes_and_grow_adds_room(tmp_path: Path) -> None:
     keys = make_keys(10)
     for k in keys:  # 8 land on the gpu, the 2 oldest are pushed to dram
         m.put([k], blocks_for([k]))
-    m.set_budgets(gpu_bytes=3 * BB, dram_bytes=2 * BB)
+    m.set_budgets(hot_bytes=3 * BB, dram_bytes=2 * BB)
     assert_within_budgets(s)
     where = [s.where(k) for k in keys]
     assert where.count("gpu") == 3 and where.count("dram") == 2 and where.count("ssd") == 5
@@ -69,7 +69,7 @@ def test_live_shrink_demotes_and_grow_adds_room(tmp_path: Path) -> None:
     assert s.tiers["dram"].allocated_bytes == 2 * BB  # type: ignore[attr-defined]
     out, hit = read(m, keys)
     assert all(hit) and torch.equal(out, blocks_for(keys))
-    m.set_budgets(gpu_bytes=16 * BB)
+    m.set_budgets(hot_bytes=16 * BB)
     assert {u.tier: u.capacity_bytes for u in s.usage()}["gpu"] == 16 * BB
     assert m.promote(keys, "gpu") == 7  # 3 were on the gpu already
     assert all(s.where(k) == "gpu" for k in keys)
@@ -82,7 +82,7 @@ def test_impossible_shrink_is_refused_and_changes_nothing(tmp_path: Path) -> Non
     m.put(keys, blocks_for(keys))
     before = [s.where(k) for k in keys]
     with pytest.raises(BudgetError, match="7 pages needed by running sequences do not fit in 5"):
-        m.set_budgets(gpu_bytes=2 * BB, dram_bytes=3 * BB)
+        m.set_budgets(hot_bytes=2 * BB, dram_bytes=3 * BB)
     assert s.budgets == TierBudgets(4 * BB, 4 * BB, 0) and [s.where(k) for k in keys] == before
 
 
@@ -113,8 +113,8 @@ def test_pinned_blocks_are_not_evicted_or_shrunk_away(tmp_path: Path) -> None:
             m.put(make_keys(1), torch.zeros((1, BB), dtype=torch.uint8))  # the gpu holds only pinned blocks
         assert [s.where(k) for k in a] == ["gpu", "gpu"]
         with pytest.raises(BudgetError, match="2 pages are pinned"):
-            m.set_budgets(gpu_bytes=BB)
-    m.set_budgets(gpu_bytes=BB)
+            m.set_budgets(hot_bytes=BB)
+    m.set_budgets(hot_bytes=BB)
     assert sorted(str(s.where(k)) for k in a) == ["dram", "gpu"]
 
 

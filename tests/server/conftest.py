@@ -70,16 +70,9 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
 
 def make_tiny_model(folder: Path, positions: int) -> Path:
     """A tiny random-weight llama in HF format in ``folder`` (fast generation), with ``positions`` of context."""
-    import importlib.util
-    import sys
+    from modelkit import make_hf_model  # tests/kits, on the path from tests/conftest.py
 
-    path = ROOT / "tests" / "runtime" / "conftest.py"
-    if str(path.parent) not in sys.path:  # its helper modules (tokenizerkit, ...), when run without tests/runtime
-        sys.path.append(str(path.parent))
-    spec = importlib.util.spec_from_file_location("runtime_test_models", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    module.make_hf_model(folder, arch="llama", max_position_embeddings=positions)
+    make_hf_model(folder, arch="llama", max_position_embeddings=positions)
     return folder
 
 

@@ -48,7 +48,7 @@ def test_a_slow_scrape_does_not_stall_other_requests(tiny_state: ServerState) ->
 def test_a_scrape_asks_the_store_for_its_usage_once(tiny_state: ServerState) -> None:
     """A scrape (the router makes one every second per replica) asks the store for its usage once (it asked
     3 times); usage reads counters under the store's lock, never a walk of the blocks
-    (tests/runtime/test_hot_path.py checks the counters)."""
+    (tests/kvcache/test_hot_path.py checks the counters)."""
     store = tiny_state.engine.engine.runner.cache.store
     real = store.usage
     walks: list[int] = []

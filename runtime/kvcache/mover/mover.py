@@ -56,10 +56,10 @@ class Mover:
         """``BlockReader.scrub``: drop the corrupt copies of ``tier``; returns how many."""
         return self.reader.scrub(tier, chunk)
 
-    def set_budgets(self, gpu_bytes: int | None = None, dram_bytes: int | None = None, ssd_bytes: int | None = None,
+    def set_budgets(self, hot_bytes: int | None = None, dram_bytes: int | None = None, ssd_bytes: int | None = None,
                     defer: frozenset[TierName] = frozenset()) -> TierBudgets:
         """``Resizer.set_budgets``: apply new budgets live (BudgetError, nothing changed, when impossible)."""
-        return self.resizer.set_budgets(gpu_bytes, dram_bytes, ssd_bytes, defer)
+        return self.resizer.set_budgets(hot_bytes, dram_bytes, ssd_bytes, defer)
 
     def shrink(self, tier: TierName, budget_bytes: int) -> TierBudgets:
         """``Resizer.shrink``: the deferred shrink of one tier (the SSD tier: off the engine thread)."""

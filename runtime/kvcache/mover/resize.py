@@ -32,13 +32,13 @@ class Resizer:
         self.book = book
         self.tiers = runner.tiers
 
-    def set_budgets(self, gpu_bytes: int | None = None, dram_bytes: int | None = None,
+    def set_budgets(self, hot_bytes: int | None = None, dram_bytes: int | None = None,
                     ssd_bytes: int | None = None, defer: frozenset[TierName] = frozenset()) -> TierBudgets:
         """Apply new budgets live. Shrinking demotes (or drops blocks nobody needs) in one eviction pass per
         tier and compacts; raises BudgetError, changing nothing, when the needed or pinned blocks cannot fit.
         The shrink of a tier in ``defer`` is left to ``shrink``; that tier keeps its old budget until then."""
         book = self.book
-        new, slots = book.check_budgets(gpu_bytes, dram_bytes, ssd_bytes)
+        new, slots = book.check_budgets(hot_bytes, dram_bytes, ssd_bytes)
         grow = {t: n for t, n in slots.items() if n > book.capacity(t)}
         for t, n in grow.items():
             tier = self.tiers[t]
@@ -54,9 +54,9 @@ class Resizer:
             if t in slots and slots[t] < book.capacity(t) and t not in deferred:
                 self._shrink(t, slots[t])
         for t in deferred:
-            new = new.replace(**{f"{t}_bytes": book.budgets.of(t)})
+            new = new.with_tier(t, book.budgets.of(t))
         book.set_all_budgets(new)
-        log.info("tier budgets now gpu=%d dram=%d ssd=%d bytes%s", new.gpu_bytes, new.dram_bytes, new.ssd_bytes,
+        log.info("tier budgets now gpu=%d dram=%d ssd=%d bytes%s", new.hot_bytes, new.dram_bytes, new.ssd_bytes,
                  f" ({', '.join(sorted(deferred))} shrinking)" if deferred else "")
         return new
 

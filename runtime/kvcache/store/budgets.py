@@ -17,26 +17,36 @@ class BudgetError(ValueError):
     """A budget change that cannot be applied without losing a page a running sequence needs."""
 
 
+FIELD_OF: dict[TierName, str] = {"gpu": "hot_bytes", "dram": "dram_bytes", "ssd": "ssd_bytes"}
+
+
 @dataclass(frozen=True)
 class TierBudgets:
-    """Byte budget per tier; a tier never holds more page bytes than its budget."""
+    """Byte budget per tier; a tier never holds more page bytes than its budget. The device tier's is
+    ``hot_bytes``: the hot part of the device envelope (``KVCache`` converts the envelope, ``envelope.py``)."""
 
-    gpu_bytes: int
+    hot_bytes: int
     dram_bytes: int
     ssd_bytes: int
 
     def __post_init__(self) -> None:
-        for name in ("gpu_bytes", "dram_bytes", "ssd_bytes"):
+        for name in FIELD_OF.values():
             if getattr(self, name) < 0:
                 raise BudgetError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def of(self, tier: TierName) -> int:
-        return {"gpu": self.gpu_bytes, "dram": self.dram_bytes, "ssd": self.ssd_bytes}[tier]
+        return int(getattr(self, FIELD_OF[tier]))
 
-    def replace(self, **changes: int | None) -> TierBudgets:
-        cur = {"gpu_bytes": self.gpu_bytes, "dram_bytes": self.dram_bytes, "ssd_bytes": self.ssd_bytes}
-        cur.update({k: v for k, v in changes.items() if v is not None})
-        return TierBudgets(**cur)
+    def replace(self, hot_bytes: int | None = None, dram_bytes: int | None = None,
+                ssd_bytes: int | None = None) -> TierBudgets:
+        """These budgets with the ones given changed (None: unchanged)."""
+        return TierBudgets(self.hot_bytes if hot_bytes is None else hot_bytes,
+                           self.dram_bytes if dram_bytes is None else dram_bytes,
+                           self.ssd_bytes if ssd_bytes is None else ssd_bytes)
+
+    def with_tier(self, tier: TierName, budget_bytes: int) -> TierBudgets:
+        """These budgets with ``tier``'s set to ``budget_bytes``."""
+        return self.replace(**{FIELD_OF[tier]: budget_bytes})
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,11 @@ class ResizeBook:
             return DramTier.slots_for_budget(budget, t.slot_bytes, t.hugetlbfs_dir is not None)
         return budget // t.slot_bytes
 
-    def check_budgets(self, gpu_bytes: int | None, dram_bytes: int | None,
+    def check_budgets(self, hot_bytes: int | None, dram_bytes: int | None,
                       ssd_bytes: int | None) -> tuple[TierBudgets, dict[TierName, int]]:
         """The new budgets and each tier's slots under them; BudgetError when the blocks running sequences need,
         or a tier's pinned blocks, do not fit (counters and the pinned blocks only: no walk over the table)."""
-        new = self.budgets.replace(gpu_bytes=gpu_bytes, dram_bytes=dram_bytes, ssd_bytes=ssd_bytes)
+        new = self.budgets.replace(hot_bytes, dram_bytes, ssd_bytes)
         with self.table.lock:
             slots = {t: self.slots_for(t, new.of(t)) for t in self.table.tiers}
             if self.table.needed_blocks > sum(slots.values()):
@@ -64,7 +64,7 @@ class ResizeBook:
 
     def set_budget(self, tier: TierName, budget_bytes: int) -> TierBudgets:
         with self.table.lock:
-            self.budgets = self.budgets.replace(**{f"{tier}_bytes": budget_bytes})
+            self.budgets = self.budgets.with_tier(tier, budget_bytes)
             return self.budgets
 
     def set_all_budgets(self, budgets: TierBudgets) -> None:

@@ -56,7 +56,7 @@ def build_tiers(layout: KVLayout, budgets: TierBudgets, ssd_dir: str | None = No
     ValueError, with the reason, for an SSD backend that cannot run here."""
     bb = layout.block_bytes
     tiers: dict[TierName, Tier] = {
-        "gpu": DeviceTier(bb, budgets.gpu_bytes // bb, device, extra_rows=device_extra_rows),
+        "gpu": DeviceTier(bb, budgets.hot_bytes // bb, device, extra_rows=device_extra_rows),
         "dram": DramTier(bb, DramTier.slots_for_budget(budgets.dram_bytes, bb, bool(hugetlbfs_dir)), hugetlbfs_dir),
     }
     if ssd_tier is None and ssd_dir is not None:

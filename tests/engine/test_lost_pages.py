@@ -11,34 +11,18 @@ the same engine is unaffected.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
+from enginekit import PAGE, tiered_engine
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-    TierConfig,
-)
+from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.engine.llm_engine import MAX_LOST_PAGE_RESTARTS
-from kvdrive.runtime.kvcache.envelope import reserve_bytes
 from kvdrive.runtime.model import LoadedModel, load_model
-
-PAGE = 4
 
 
 def _engine(loaded: LoadedModel, ssd: Path) -> LLMEngine:
-    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
-    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=8 * PAGE)
-    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
-        envelope_bytes=4 * layout.page_bytes + reserve_bytes(layout, shape), dram_bytes=0, ssd_dir=str(ssd),
-        ssd_bytes=64 << 20)))
-    return LLMEngine(gen, SchedulerConfig(max_running=2))
+    return tiered_engine(loaded, hot_pages=4, ssd=ssd, token_budget=8 * PAGE)
 
 
 def test_a_request_whose_pages_stay_unreadable_ends_with_an_error(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

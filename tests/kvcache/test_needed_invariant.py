@@ -10,25 +10,14 @@ changes, and checks the invariant after each step.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from pathlib import Path
 
 import torch
+from enginekit import PAGE, page_bytes, tiered_engine
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-    TierConfig,
-)
-from kvdrive.runtime.kvcache.envelope import reserve_bytes
-from kvdrive.runtime.kvcache.store import BudgetError, CacheFullError
+from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
+from kvdrive.runtime.kvcache import BudgetError, CacheFullError
 from kvdrive.runtime.model import load_model
-
-PAGE = 4
 
 
 def _leaked(engine: LLMEngine) -> list[str]:
@@ -43,14 +32,12 @@ def _leaked(engine: LLMEngine) -> list[str]:
 def test_no_block_stays_needed_after_its_sequences_are_gone(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
     loaded = load_model(str(path), progress=False)
-    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
-    page = layout.page_bytes
-    shape = EngineConfig(page_size=PAGE, max_sequences=4, token_budget=8 * PAGE)
-    reserve = reserve_bytes(layout, shape)  # the rows' open pages and step buffers, beside the hot tier
+    page = page_bytes(loaded)
+    engine = tiered_engine(loaded, step_tokens=32, rows=4, hot_pages=24, dram_pages=16, ssd=tmp_path / "ssd",
+                           ssd_bytes=80 * page, token_budget=8 * PAGE)
+    gen = engine.runner
+    reserve = gen.config.tiers.envelope_bytes - 24 * page  # the rows' open pages and step buffers, beside the hot tier
     budgets = [(24 * page + reserve, 16 * page, 80 * page), (40 * page + reserve, 8 * page, 50 * page)]
-    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
-        envelope_bytes=budgets[0][0], dram_bytes=budgets[0][1], ssd_dir=str(tmp_path / "ssd"), ssd_bytes=budgets[0][2])))
-    engine = LLMEngine(gen, SchedulerConfig(max_running=4, step_token_budget=32))
     rng = random.Random(7)
     mover, ssd = gen.cache.mover, gen.cache.store.tiers["ssd"]
     real_put, real_read = mover.put, ssd.read

@@ -9,23 +9,16 @@ steps, exactly as they were first computed; sampling resumes after the last of t
 
 from __future__ import annotations
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-)
+from enginekit import tiered_engine
+
+from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.model import load_model
 
 PROMPT = tuple((7 * i + 3) % 200 + 5 for i in range(45))
 
 
 def _engine(path) -> LLMEngine:  # type: ignore[no-untyped-def]
-    gen = ModelRunner(load_model(str(path), progress=False),
-                    EngineConfig(page_size=4, token_budget=12, max_sequences=2))  # selection from 12 tokens on
-    return LLMEngine(gen, SchedulerConfig(max_running=2, step_token_budget=16))
+    return tiered_engine(load_model(str(path), progress=False), step_tokens=16, token_budget=12)  # selection from 12 tokens on
 
 
 def _generate(engine: LLMEngine, preempt_at: tuple[int, ...] = ()) -> list[int]:

@@ -13,35 +13,20 @@ the memory tiers, so they were demoted to the SSD between chunks and every later
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
+from enginekit import PAGE, tiered_engine
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-    TierConfig,
-)
-from kvdrive.runtime.kvcache.envelope import reserve_bytes
+from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.model import LoadedModel, load_model
 
-PAGE = 4
 MEMORY_PAGES = 24  # device tier 12 pages + DRAM 12 pages
 
 
 def _engine(loaded: LoadedModel, ssd: Path, step_tokens: int = 8, **sched: float) -> LLMEngine:
-    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
-    page = layout.page_bytes
-    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=8 * PAGE)
-    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
-        envelope_bytes=12 * page + reserve_bytes(layout, shape), dram_bytes=12 * page, ssd_dir=str(ssd),
-        ssd_bytes=64 << 20)))
-    return LLMEngine(gen, SchedulerConfig(max_running=2, step_token_budget=step_tokens, **sched))  # type: ignore[arg-type]
+    return tiered_engine(loaded, step_tokens=step_tokens, scheduler=sched, hot_pages=12, dram_pages=12, ssd=ssd,
+                         token_budget=8 * PAGE)
 
 
 def _prompt(seed: int, n: int) -> tuple[int, ...]:

@@ -9,15 +9,9 @@ never stopped.
 from __future__ import annotations
 
 import pytest
+from enginekit import tiered_engine
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-)
+from kvdrive.runtime.engine import Request, SamplingParams
 from kvdrive.runtime.engine.pacing import StepPacer
 from kvdrive.runtime.model import load_model
 
@@ -46,8 +40,8 @@ def test_the_budget_follows_the_measured_cost_of_a_step() -> None:
 def _prompt_tokens_per_step(path, step_seconds: float, beside_a_decode: bool = True) -> list[int]:  # type: ignore[no-untyped-def]
     """A 200-token prompt goes in, while a short request decodes (40 tokens) unless not ``beside_a_decode``;
     the prompt tokens of each step."""
-    gen = ModelRunner(load_model(str(path), progress=False), EngineConfig(page_size=4))
-    engine = LLMEngine(gen, SchedulerConfig(step_token_budget=64, step_seconds=step_seconds))
+    engine = tiered_engine(load_model(str(path), progress=False), rows=16, step_tokens=64,
+                           scheduler={"step_seconds": step_seconds})
     if beside_a_decode:
         engine.add_request(Request("chat", (5, 6, 7), SamplingParams(max_tokens=40, ignore_eos=True), 0.0))
         engine.step()  # its prompt; it decodes from the next step on

@@ -14,23 +14,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from dataclasses import replace
 
 import msgspec
 import pytest
 import torch
 import zmq
-from enginekit import PAGE, run_dry, with_reserve
+from enginekit import PAGE, run_dry, tiered_engine
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-    TierConfig,
-)
+from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.kvcache.store.page_events import PageEvents
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.prompt import page_digests
@@ -55,12 +46,8 @@ def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
 
 
 def _engine(loaded: LoadedModel, gpu_pages: int, dram_pages: int) -> LLMEngine:
-    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
-    shape = EngineConfig(page_size=PAGE, max_sequences=1, placement="lru", full_attention=True)
-    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
-        envelope_bytes=with_reserve(layout, gpu_pages * layout.page_bytes, shape),
-        dram_bytes=dram_pages * layout.page_bytes)))
-    return LLMEngine(gen, SchedulerConfig(max_running=1))
+    return tiered_engine(loaded, rows=1, hot_pages=gpu_pages, dram_pages=dram_pages, placement="lru",
+                         full_attention=True)
 
 
 def _prompt(n: int, seed: int) -> tuple[int, ...]:

@@ -7,26 +7,16 @@ the reserved buffer change size), never loses a running sequence and never chang
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from enginekit import run_dry, submit, tokens, with_reserve
+from enginekit import PAGE, run_dry, submit, tiered_engine, tokens
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-    TierConfig,
-)
-from kvdrive.runtime.kvcache.store import BudgetError
+from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
+from kvdrive.runtime.kvcache import BudgetError
 from kvdrive.runtime.model import LoadedModel, load_model
 
-PAGE = 4
 ROWS = 4
 
 
@@ -38,12 +28,8 @@ def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
 
 def _engine(loaded: LoadedModel, ssd: Path, hot_pages: int, start: int) -> LLMEngine:
     """Four rows; ``hot_pages`` of hot tier when all four run; ``start`` running to begin with."""
-    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
-    shape = EngineConfig(page_size=PAGE, max_sequences=ROWS, token_budget=8 * PAGE)
-    gpu = with_reserve(layout, hot_pages * layout.page_bytes, shape)
-    cfg = replace(shape, max_running=start, tiers=TierConfig(envelope_bytes=gpu, dram_bytes=32 * layout.page_bytes,
-                                                             ssd_dir=str(ssd), ssd_bytes=64 << 20))
-    return LLMEngine(ModelRunner(loaded, cfg), SchedulerConfig(max_running=start, step_token_budget=16))
+    return tiered_engine(loaded, running=start, step_tokens=16, rows=ROWS, hot_pages=hot_pages, reserve_running=ROWS,
+                         dram_pages=32, ssd=ssd, token_budget=8 * PAGE, max_running=start)
 
 
 def _prompts(n: int, length: int) -> list[tuple[int, ...]]:
@@ -115,13 +101,11 @@ def test_more_concurrency_than_the_hot_tier_can_give_is_refused_and_changes_noth
                                                                                    tmp_path: Path) -> None:
     """At one running sequence the hot tier holds a long prompt's pages; four step buffers would leave it
     no room for the pages that sequence needs (DRAM is off): BudgetError, and the split is as it was."""
-    layout = ModelRunner(tiny, EngineConfig(page_size=PAGE)).cache.layout
-    shape = EngineConfig(page_size=PAGE, max_sequences=ROWS, token_budget=8 * PAGE, max_running=1)
-    per_seq = 8 * layout.block_bytes
-    gpu = with_reserve(layout, 2 * layout.page_bytes, replace(shape, max_running=ROWS))
-    engine = LLMEngine(ModelRunner(tiny, replace(shape, tiers=TierConfig(envelope_bytes=gpu))),
-                       SchedulerConfig(max_running=1, step_token_budget=64))
+    engine = tiered_engine(tiny, running=1, step_tokens=64, rows=ROWS, hot_pages=2, reserve_running=ROWS,
+                           token_budget=8 * PAGE, max_running=1)
     cache = engine.runner.cache
+    layout = cache.layout
+    per_seq = 8 * layout.block_bytes
     hot = cache.envelope.split().hot_bytes
     assert hot == 2 * layout.page_bytes + 3 * per_seq
     pages = hot // layout.page_bytes  # pages of all layers the hot tier holds at one running sequence

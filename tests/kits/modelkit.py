@@ -1,4 +1,5 @@
-"""Shared fixtures of the runtime tests: the demo model (loaded once) and tiny random models."""
+"""The models tests run on: the demo model (loaded once per session) and tiny random-weight checkpoints in HF format
+(``make_hf_model``; the ``hf_model_factory`` fixture). Registered for every test folder by ``tests/conftest.py``."""
 
 from __future__ import annotations
 

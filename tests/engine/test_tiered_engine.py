@@ -3,25 +3,14 @@ its isolation, persistence across restarts, every placement policy, lost pages, 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from enginekit import with_reserve
+from enginekit import page_bytes, tiered_runner
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-    TierConfig,
-)
+from kvdrive.runtime.engine import LLMEngine, ModelRunner, Request, SamplingParams, SchedulerConfig
 from kvdrive.runtime.model import LoadedModel, load_model
-
-PAGE = 4
 
 
 @pytest.fixture
@@ -33,21 +22,6 @@ def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
 def _prompt(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 250, (n,), generator=g).tolist()
-
-
-TIER_FIELDS = {"envelope_bytes", "dram_bytes", "ssd_bytes", "ssd_dir", "persist"}
-
-
-def _gen(loaded: LoadedModel, hot_pages: int | None = None, **kw: object) -> ModelRunner:
-    """A generator of two rows; ``hot_pages``: the gpu budget is that many pages of hot tier plus what the
-    running sequences reserve (open pages, decode step buffers)."""
-    rest = {k: v for k, v in kw.items() if k not in TIER_FIELDS}
-    shape = EngineConfig(page_size=PAGE, max_sequences=2, **rest)  # type: ignore[arg-type]
-    if hot_pages is not None:
-        layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
-        kw["envelope_bytes"] = with_reserve(layout, hot_pages * layout.page_bytes, shape)
-    tiers = TierConfig(**{k: v for k, v in kw.items() if k in TIER_FIELDS})  # type: ignore[arg-type]
-    return ModelRunner(loaded, replace(shape, tiers=tiers))
 
 
 def _greedy(gen: ModelRunner, prompt: list[int], n: int = 12) -> list[int]:
@@ -65,22 +39,22 @@ def _decode_logits(gen: ModelRunner, prompt: list[int], tokens: list[int]) -> to
 
 def test_sparse_attention_with_a_covering_budget_equals_full_attention(tiny: LoadedModel) -> None:
     prompt = _prompt(150)
-    ref = _greedy(_gen(tiny, full_attention=True), prompt)
-    full = _decode_logits(_gen(tiny, full_attention=True), prompt, ref)
-    sparse = _decode_logits(_gen(tiny, token_budget=1024), prompt, ref)
+    ref = _greedy(tiered_runner(tiny, full_attention=True), prompt)
+    full = _decode_logits(tiered_runner(tiny, full_attention=True), prompt, ref)
+    sparse = _decode_logits(tiered_runner(tiny, token_budget=1024), prompt, ref)
     torch.testing.assert_close(sparse, full, atol=1e-5, rtol=1e-5)
 
 
 def test_a_small_token_budget_reads_only_the_selected_pages(tiny: LoadedModel) -> None:
     """300 tokens = 75 pages; a 32-token budget attends to 7 sealed pages + the open one per layer."""
-    gen = _gen(tiny, token_budget=32)
+    gen = tiered_runner(tiny, token_budget=32)
     seq, _ = gen.open_sequence([])
     gen.prefill(seq, _prompt(300))
     layers = tiny.config.num_layers
     before = gen.page_reads
     gen.decode([(seq, 5)])
     assert gen.page_reads - before == layers * gen.cache.selection.budget_pages == layers * 7
-    full = _gen(tiny, full_attention=True)
+    full = tiered_runner(tiny, full_attention=True)
     s2, _ = full.open_sequence([])
     full.prefill(s2, _prompt(300))
     before = full.page_reads
@@ -92,23 +66,23 @@ def test_prefix_pages_are_shared_only_by_identical_token_prefixes(tiny: LoadedMo
     """A second request with the same 40-token prefix reuses 10 pages and gets the same output as a
     fresh cache; a prompt that differs in its very first token reuses nothing."""
     base = _prompt(40, seed=1)
-    gen = _gen(tiny)
+    gen = tiered_runner(tiny)
     first = _greedy(gen, base + [7, 8, 9])
     assert gen.cache.prefix_hit_pages == 0
     again = _greedy(gen, base + [7, 8, 9])
     assert again == first and gen.cache.prefix_hit_pages == 10
     other = [base[0] + 1] + base[1:] + [7, 8, 9]
     hits = gen.cache.prefix_hit_pages
-    assert _greedy(gen, other) == _greedy(_gen(tiny), other)
+    assert _greedy(gen, other) == _greedy(tiered_runner(tiny), other)
     assert gen.cache.prefix_hit_pages == hits  # not one page of the other prompt was reused
 
 
 def test_prefix_pages_survive_a_restart_on_the_same_ssd_dir(tiny: LoadedModel, tmp_path: Path) -> None:
     prompt = _prompt(120, seed=2)
-    g1 = _gen(tiny, ssd_dir=str(tmp_path), ssd_bytes=8 << 20)
+    g1 = tiered_runner(tiny, ssd=tmp_path, ssd_bytes=8 << 20)
     out1 = _greedy(g1, prompt)
     g1.close()
-    g2 = _gen(tiny, ssd_dir=str(tmp_path), ssd_bytes=8 << 20)
+    g2 = tiered_runner(tiny, ssd=tmp_path, ssd_bytes=8 << 20)
     assert _greedy(g2, prompt) == out1
     assert g2.cache.prefix_hit_pages == 29  # (120 - 1) // 4 pages reused, the rest recomputed
     assert g2.cache.page_reads()["ssd"] >= 29 * tiny.config.num_layers
@@ -120,11 +94,9 @@ def test_every_placement_uses_all_three_tiers_and_changes_no_output(tiny: Loaded
     """A 600-token sequence in a device tier of ~8 pages and a DRAM tier of ~16: pages are read from all
     three tiers and the greedy output equals the all-on-device reference (covering token budget)."""
     prompt = _prompt(600, seed=3)
-    ref = _greedy(_gen(tiny, full_attention=True), prompt, 16)
-    probe = _gen(tiny)
-    page = probe.cache.layout.page_bytes
-    gen = _gen(tiny, hot_pages=8, dram_bytes=16 * page, ssd_dir=str(tmp_path),
-               ssd_bytes=64 << 20, placement=placement, token_budget=2048)
+    ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 16)
+    gen = tiered_runner(tiny, hot_pages=8, dram_pages=16, ssd=tmp_path,
+                        ssd_bytes=64 << 20, placement=placement, token_budget=2048)
     assert _greedy(gen, prompt, 16) == ref
     reads = gen.cache.page_reads()
     assert reads["gpu"] > 0 and reads["dram"] > 0 and reads["ssd"] > 0, reads
@@ -143,11 +115,10 @@ def test_full_attention_on_tight_tiers_equals_every_page_on_the_device(tiny: Loa
     was about to attend to in place; the logits drifted from the second decode step on, as tiered full
     attention did at 16K on Qwen2.5-Coder-0.5B)."""
     prompt = _prompt(600, seed=3)
-    ref = _greedy(_gen(tiny, full_attention=True), prompt, 12)
-    full = _decode_logits(_gen(tiny, full_attention=True), prompt, ref)
-    page = _gen(tiny).cache.layout.page_bytes
-    gen = _gen(tiny, hot_pages=8, dram_bytes=16 * page, ssd_dir=str(tmp_path), ssd_bytes=64 << 20,
-               full_attention=True, placement=placement)
+    ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 12)
+    full = _decode_logits(tiered_runner(tiny, full_attention=True), prompt, ref)
+    gen = tiered_runner(tiny, hot_pages=8, dram_pages=16, ssd=tmp_path, ssd_bytes=64 << 20,
+                        full_attention=True, placement=placement)
     gen.cache.promotions.max_bytes = 4 * gen.cache.layout.block_bytes
     torch.testing.assert_close(_decode_logits(gen, prompt, ref), full, atol=1e-5, rtol=1e-5)
     reads = gen.cache.page_reads()
@@ -159,9 +130,9 @@ def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_pa
     checksum, the engine recomputes the sequence and the output is unchanged."""
     prompt = _prompt(200, seed=4)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    ref = _greedy(_gen(tiny, full_attention=True), prompt, 20)
-    gen = _gen(tiny, hot_pages=4, ssd_dir=str(tmp_path), ssd_bytes=16 << 20,
-               placement="ondemand", token_budget=4096)
+    ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 20)
+    gen = tiered_runner(tiny, hot_pages=4, ssd=tmp_path, ssd_bytes=16 << 20,
+                        placement="ondemand", token_budget=4096)
     engine = LLMEngine(gen, SchedulerConfig(max_running=2))
     engine.add_request(Request("r", tuple(prompt), params, 0.0))
     out: list[int] = []
@@ -183,10 +154,10 @@ def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_pa
 
 def test_budgets_shrink_live_without_changing_outputs(tiny: LoadedModel, tmp_path: Path) -> None:
     prompt = _prompt(300, seed=5)
-    ref = _greedy(_gen(tiny, full_attention=True), prompt, 24)
-    page = _gen(tiny).cache.layout.page_bytes
-    gen = _gen(tiny, hot_pages=118, dram_bytes=60 * page, ssd_dir=str(tmp_path),
-               ssd_bytes=32 << 20, token_budget=4096)
+    ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 24)
+    page = page_bytes(tiny)
+    gen = tiered_runner(tiny, hot_pages=118, dram_pages=60, ssd=tmp_path,
+                        ssd_bytes=32 << 20, token_budget=4096)
     engine = LLMEngine(gen, SchedulerConfig(max_running=2))
     engine.add_request(Request("r", tuple(prompt), SamplingParams(max_tokens=24, ignore_eos=True), 0.0))
     out: list[int] = []
@@ -209,12 +180,12 @@ def test_pages_computed_by_sparse_decode_are_never_reused_as_exact(tiny: LoadedM
     from exact ones: a follow-up prompt that repeats the conversation reuses only the prompt's pages and
     computes the generated text's KV exactly, as a full-attention server would."""
     prompt = _prompt(200, seed=6)  # 50 full pages; a 32-token budget selects 7 of them
-    gen = _gen(tiny, token_budget=32)
+    gen = tiered_runner(tiny, token_budget=32)
     out = _greedy(gen, prompt, 40)
     follow = prompt + out + [5, 6, 7]
     _, reused = gen.open_sequence(follow)
     assert reused == len(prompt)  # the 10 pages of generated text were not taken from the sparse run
-    exact = _gen(tiny, full_attention=True)
+    exact = tiered_runner(tiny, full_attention=True)
     exact_out = _greedy(exact, prompt, 40)
     _, reused_exact = exact.open_sequence(prompt + exact_out + [5, 6, 7])
     assert reused_exact == 236  # exact decode pages are shared: the 39 fed generated tokens fill 9 pages

@@ -1,4 +1,5 @@
-"""Driving the engine in tests: a small tiered ``LLMEngine``, run until dry, its tokens; one greedy generation."""
+"""Driving the engine in tests: the one tiered runner and engine every test builds (``tiered_runner``,
+``tiered_engine``), run until dry, its tokens; one greedy generation."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from kvdrive.runtime.engine import (
     SamplingParams,
     SchedulerConfig,
     TierConfig,
+    kv_layout,
 )
-from kvdrive.runtime.kvcache.envelope import reserve_bytes
-from kvdrive.runtime.kvcache.store import KVLayout
+from kvdrive.runtime.kvcache import KVLayout, reserve_bytes
 from kvdrive.runtime.model import LoadedModel
 
 PAGE = 4  # tokens a page: small, so that short prompts span many pages
@@ -29,19 +30,44 @@ def with_reserve(layout: KVLayout, hot_bytes: int, config: EngineConfig) -> int:
     return hot_bytes + reserve_bytes(layout, config)
 
 
+def page_bytes(loaded: LoadedModel, page_size: int = PAGE) -> int:
+    """Bytes of one page (every global layer's K and V) of ``loaded`` at ``page_size`` tokens."""
+    return kv_layout(loaded, EngineConfig(page_size=page_size)).page_bytes
+
+
+def tiered_runner(loaded: LoadedModel, rows: int = 2, hot_pages: int | None = None, dram_pages: int = 0,
+                  ssd: Path | None = None, ssd_bytes: int = 64 << 20, reserve_running: int | None = None,
+                  **config: Any) -> ModelRunner:
+    """The one tiered runner the tests build: ``rows`` rows of ``PAGE``-token pages (``config``: any other
+    ``EngineConfig`` field); a device tier of ``hot_pages`` pages beside what the envelope reserves for
+    ``reserve_running`` running sequences (default: as many as start), DRAM of ``dram_pages`` pages, an SSD tier
+    of ``ssd_bytes`` in ``ssd`` (none without it). ``hot_pages`` None: the default gpu budget."""
+    shape = EngineConfig(page_size=PAGE, max_sequences=rows, **config)
+    layout = kv_layout(loaded, shape)
+    envelope = None if hot_pages is None else with_reserve(
+        layout, hot_pages * layout.page_bytes,
+        shape if reserve_running is None else replace(shape, max_running=reserve_running))
+    return ModelRunner(loaded, replace(shape, tiers=TierConfig(
+        envelope_bytes=envelope, dram_bytes=dram_pages * layout.page_bytes, ssd_dir=None if ssd is None else str(ssd),
+        ssd_bytes=ssd_bytes if ssd is not None else 0)))
+
+
+def tiered_engine(loaded: LoadedModel, running: int | None = None, step_tokens: int = 512,
+                  scheduler: dict[str, Any] | None = None, **runner: Any) -> LLMEngine:
+    """An ``LLMEngine`` over ``tiered_runner(loaded, **runner)`` scheduling ``running`` sequences at once (default:
+    every row) and ``step_tokens`` tokens a step (``scheduler``: other ``SchedulerConfig`` fields)."""
+    gen = tiered_runner(loaded, **runner)
+    return LLMEngine(gen, SchedulerConfig(max_running=running or gen.config.start_running,
+                                          step_token_budget=step_tokens, **(scheduler or {})))
+
+
 def small_engine(loaded: LoadedModel, ssd: Path, gpu_pages: int, dram_pages: int, token_budget_pages: int,
                  placement: str = "kvdrive", selection_sketch: int = EngineConfig.selection_sketch) -> LLMEngine:
     """Two sequences at most, a device tier of ``gpu_pages`` pages (plus their open pages), DRAM of
     ``dram_pages``, a 64 MiB SSD tier in ``ssd``, under ``placement``, pages selected under
     ``selection_sketch``."""
-    layout = ModelRunner(loaded, EngineConfig(page_size=PAGE)).cache.layout
-    page = layout.page_bytes
-    shape = EngineConfig(page_size=PAGE, max_sequences=2, token_budget=token_budget_pages * PAGE, placement=placement,
-                         selection_sketch=selection_sketch)
-    gen = ModelRunner(loaded, replace(shape, tiers=TierConfig(
-        envelope_bytes=with_reserve(layout, gpu_pages * page, shape), dram_bytes=dram_pages * page, ssd_dir=str(ssd),
-        ssd_bytes=64 << 20)))
-    return LLMEngine(gen, SchedulerConfig(max_running=2))
+    return tiered_engine(loaded, hot_pages=gpu_pages, dram_pages=dram_pages, ssd=ssd,
+                         token_budget=token_budget_pages * PAGE, placement=placement, selection_sketch=selection_sketch)
 
 
 def greedy(loaded: LoadedModel, prompt: list[int], max_tokens: int, **config: Any) -> list[int]:

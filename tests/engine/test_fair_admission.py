@@ -8,14 +8,9 @@ generating each request alone.
 
 from __future__ import annotations
 
-from kvdrive.runtime.engine import (
-    EngineConfig,
-    LLMEngine,
-    ModelRunner,
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-)
+from enginekit import tiered_engine
+
+from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.model import load_model
 
 LONG = tuple(range(3, 123))  # 120 tokens: 8 steps of 16
@@ -23,8 +18,8 @@ SHORTS = [(7, 8, 9), (40, 41, 42, 43), (100, 101)]
 
 
 def _engine(path, policy: str, **sched) -> LLMEngine:  # type: ignore[no-untyped-def]
-    gen = ModelRunner(load_model(str(path), progress=False), EngineConfig(page_size=4))
-    return LLMEngine(gen, SchedulerConfig(step_token_budget=16, policy=policy, **sched))  # type: ignore[arg-type]
+    return tiered_engine(load_model(str(path), progress=False), rows=16, step_tokens=16,
+                         scheduler={"policy": policy, **sched})
 
 
 def _first_token_steps(engine: LLMEngine, late: list[tuple[str, tuple[int, ...]]]) -> tuple[dict[str, int],
@@ -68,8 +63,7 @@ def test_a_waiting_request_is_overtaken_at_most_max_bypass_times(hf_model_factor
     """One sequence runs at a time; the long prompt waits behind s0, and shorter ones keep coming. It is
     overtaken by exactly ``max_bypass`` of them, then admitted before the rest."""
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=256)
-    gen = ModelRunner(load_model(str(path), progress=False), EngineConfig(page_size=4, max_sequences=1))
-    engine = LLMEngine(gen, SchedulerConfig(max_running=1, step_token_budget=16, max_bypass=2))
+    engine = tiered_engine(load_model(str(path), progress=False), rows=1, step_tokens=16, scheduler={"max_bypass": 2})
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     engine.add_request(Request("s0", (5, 6), params, 0.0))
     engine.add_request(Request("long", LONG, params, 0.0))
