@@ -25,7 +25,7 @@ import httpx
 
 from kvdrive.router.core import Router, RouterConfig
 from kvdrive.router.discovery import StaticDiscovery
-from kvdrive.runtime.bench.routing_fleet import DRAM_BUDGET, GPU_BUDGET, Proc, _port
+from kvdrive.runtime.bench.routing_fleet import DRAM_BUDGET, GPU_BUDGET, Proc, free_port
 
 
 def _document(i: int) -> str:
@@ -86,7 +86,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results/kv-events-staleness.json"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvdrive-staleness-") as tmp:
-        port, events, replay = _port(), _port(), _port()
+        port, events, replay = free_port(), free_port(), free_port()
         replica = Proc(["serve", "--model", "demo", "--port", str(port), "--gpu-budget", GPU_BUDGET,
                         "--dram-budget", DRAM_BUDGET, "--ssd-dir", f"{tmp}/ssd", "--ssd-budget", "1GiB",
                         "--threads", "1", "--kv-events-endpoint", f"tcp://*:{events}",

@@ -21,6 +21,7 @@ from kvdrive.runtime.engine.grammar import GrammarMasks
 from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls, prompt_vocab
 from kvdrive.runtime.engine.model_runner import ModelRunner
 from kvdrive.runtime.engine.pacing import StepPacer
+from kvdrive.runtime.engine.page_allocator import PageAllocator
 from kvdrive.runtime.engine.prompt_logprobs import chunk_logprobs
 from kvdrive.runtime.engine.request import Request, RequestOutput, SequenceState
 from kvdrive.runtime.engine.sampling import SamplingParams, TokenLogprob, make_rng, sample, token_logprob
@@ -84,8 +85,9 @@ class LLMEngine:
         self.last_step = StepShape()
         self._masks = GrammarMasks(self.tokenizer.vocab_size)  # structured outputs: the step's grammar masks
         self._undone = FaultLog(log, "engine")  # undone steps: counted, logged at most once per kind per 10 s
-        self._reserved = 0  # pages promised to this step's chunks (the scheduler's plan)
         cfg = self.scheduler.config
+        self.pages = PageAllocator(runner, lambda: [s for s in self.scheduler.running if s.prefill_left],
+                                   lambda: self.scheduler.config.prompt_memory_share)
         self.pacer = StepPacer(cfg.step_seconds, cfg.step_token_budget)
         self._queued_seconds = 0.0  # the integral of the queue's length over time, up to _queue_tick
         self._queue_tick = time.monotonic()
@@ -104,38 +106,6 @@ class LLMEngine:
         now = time.monotonic()
         self._queued_seconds += len(self.scheduler.waiting) * (now - self._queue_tick)
         self._queue_tick = now
-
-    # --- KVAllocator for the scheduler ---------------------------------------------------------
-    def start_plan(self) -> None:
-        self._reserved = 0
-
-    def can_admit(self, seq: SequenceState) -> bool:
-        cache = self.cache
-        if cache.pages_needed(None, len(seq.pending) + 1) + self._reserved > cache.free_pages:
-            return False
-        prompts = [s for s in self.scheduler.running if s.prefill_left]
-        if not prompts:
-            return True  # one prompt always runs, however large
-        held = sum(cache.pages_needed(None, len(s.tokens)) for s in prompts + [seq])
-        return held <= cache.memory_pages * self.scheduler.config.prompt_memory_share
-
-    def can_allocate(self, seq: SequenceState, n: int) -> bool:
-        cache = self.cache
-        return cache.pages_needed(seq.seq_id, n) + self._reserved <= cache.free_pages
-
-    def allocate(self, seq: SequenceState, n: int) -> int:
-        if seq.seq_id is None:  # first chunk: open the sequence; stored prefix pages (read in the step's load
-            # phase) need no compute; a salted request matches only its own salt's pages
-            # a request asking for its prompt's log-probabilities computes all of it (prompt_logprobs.py)
-            reuse = seq.request.params.prompt_logprobs is None
-            seq.seq_id, reused = self.runner.open_sequence(seq.tokens if reuse else (), load=False,
-                                                           salt=seq.request.cache_salt)
-            seq.num_computed += reused
-            if seq.cached_tokens is None:  # what the client is told: its first admission (not a recompute's)
-                seq.cached_tokens = min(reused, len(seq.request.prompt_ids))
-        n = min(n, seq.prefill_left or 1)  # a recomputed request's generated tokens: one per step (decode)
-        self._reserved += self.cache.pages_needed(seq.seq_id, n)
-        return n
 
     def add_request(self, request: Request) -> None:
         if len(self.scheduler.waiting) >= self.scheduler.config.max_waiting:
@@ -218,7 +188,7 @@ class LLMEngine:
         self.cache.settle_running(len(self.scheduler.running))  # a pending smaller limit, once it can
         t0 = time.perf_counter()
         decodes = sum(1 for q in self.scheduler.running if q.num_generated and not q.prefill_left)
-        chunks = self.scheduler.plan(self, self._preempt, self.pacer.budget(decodes))
+        chunks = self.scheduler.plan(self.pages, self._preempt, self.pacer.budget(decodes))
         t1 = time.perf_counter()
         self.last_step = StepShape(t1 - t0, 0.0, sum(c.num_tokens for c in chunks if not c.decode),
                                    sum(c.decode for c in chunks))

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -30,6 +28,7 @@ from kvdrive.runtime.kvcache.backend import TieredAttentionBackend
 from kvdrive.runtime.kvcache.config import EngineConfig, EnvelopeSplit
 from kvdrive.runtime.kvcache.counters import CacheCounters
 from kvdrive.runtime.kvcache.envelope import Envelope, step_columns
+from kvdrive.runtime.kvcache.live_budgets import LiveBudgets, store_budgets
 from kvdrive.runtime.kvcache.mover import Mover, TransferQueue
 from kvdrive.runtime.kvcache.placement import PlacementPolicy, Placer, policy_for
 from kvdrive.runtime.kvcache.prefix import PrefixPages
@@ -40,9 +39,7 @@ from kvdrive.runtime.kvcache.store import (
     BlockIndex,
     BlockKey,
     BlockStore,
-    BudgetError,
     KVLayout,
-    TierBudgets,
     TierUsage,
     build_tiers,
     device_tier,
@@ -93,7 +90,7 @@ class KVCache:
                                  config.start_running, device)
         gpu = tiers.envelope_bytes if tiers.envelope_bytes is not None else self.envelope.reserve() + layout.page_bytes
         self.envelope.envelope_bytes = gpu
-        budgets = self._store_budgets(gpu, tiers.dram_bytes, tiers.ssd_bytes)
+        budgets = store_budgets(self.envelope, gpu, tiers.dram_bytes, tiers.ssd_bytes)
         tier_map = build_tiers(layout, budgets, ssd_dir=tiers.ssd_dir, device=device,
                                hugetlbfs_dir=tiers.hugetlbfs_dir, ssd_codec=tiers.ssd_codec,
                                ssd_backend=tiers.ssd_backend, io_threads=tiers.io_threads,
@@ -112,7 +109,8 @@ class KVCache:
         self._stepping: list[SeqKV] = []  # sequences begun and not yet settled by finish_step
         self.promotions = PromotionQueue(self.placer, self.mover)  # copies the step's lower-tier reads earn
         self.transfers = TransferQueue(self.mover, workers=1)
-        self.envelope.bind(self)
+        self.budgets = LiveBudgets(self.envelope, self.store, self.mover, self.transfers, tiers.ssd_dir,
+                                   lambda: len(self._seqs) * (self.seq_reserve + self.envelope.per_sequence_bytes))
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device,
                                       page_size=layout.page_size,
                                       sketch_bits=sel.sketch_bits if self.policy.sparse else 0)
@@ -131,10 +129,6 @@ class KVCache:
             box, sketch = self.summaries.bytes_per_token()
             log.info("selection: pages scored by a %d-bit key sketch; %d bytes a token on the %s beside the "
                      "summaries' %d, outside the tier budgets", self.summaries.sketch_bits, sketch, device, box)
-
-    def _store_budgets(self, envelope: int, dram: int, ssd: int) -> TierBudgets:
-        """The store's tier budgets: its gpu tier is the envelope's hot part."""
-        return TierBudgets(hot_bytes=self.envelope.hot_bytes(envelope), dram_bytes=dram, ssd_bytes=ssd)
 
     def watch_pages(self, events: PageEvents) -> None:
         """Turn KV events on: ``events`` hears of every page a tier gains or loses, with its tokens."""
@@ -360,16 +354,8 @@ class KVCache:
         return self.prefix.hit_pages
 
     def usage(self) -> list[TierUsage]:
-        out = []
-        reserve = self.envelope.reserve()
-        tails = len(self._seqs) * (self.seq_reserve + self.envelope.per_sequence_bytes)
-        for u in self.store.usage():
-            if u.tier == "gpu":  # the gpu budget is the envelope: the hot tier and the running sequences' reserve
-                u = TierUsage(u.tier, u.budget_bytes + reserve, u.capacity_bytes + reserve,
-                              u.used_bytes + tails, u.pages, u.backing, u.page_reads, u.errors,
-                              u.cached_bytes)
-            out.append(u)
-        return out
+        """Each tier's budget, capacity and use (``LiveBudgets.usage``)."""
+        return self.budgets.usage()
 
     def bytes_by_layer_kind(self) -> dict[str, int]:
         """Distinct KV bytes the running sequences hold, by layer kind (a page with copies in two tiers
@@ -385,7 +371,7 @@ class KVCache:
             reads[t] = reads.get(t, 0) + n
         return reads
 
-    # --- the device envelope's split (``envelope``) ----------------------------------------------
+    # --- the budgets (``live_budgets``) and the envelope's split (``envelope``) --------------------
     @property
     def max_running(self) -> int:
         """Sequences the envelope reserves decode buffers for now."""
@@ -403,15 +389,13 @@ class KVCache:
         """How the device envelope is split now."""
         return self.envelope.split()
 
-    def hot_budget(self) -> int:
-        """``HotTier``: the device tier's budget now."""
-        return self.store.budgets.hot_bytes
+    def set_budgets(self, envelope_bytes: int, dram_bytes: int, ssd_bytes: int, defer_ssd_shrink: bool = False) -> bool:
+        """``LiveBudgets.set_budgets``: new budgets live, between steps; whether an SSD shrink is left pending."""
+        return self.budgets.set_budgets(envelope_bytes, dram_bytes, ssd_bytes, defer_ssd_shrink)
 
-    def resize_hot(self, hot_bytes: int) -> None:
-        """``HotTier``: the envelope moves its split (``set_max_running``): transfers drained, on this thread."""
-        self.transfers.drain()
-        self.store.bind_owner()
-        self.mover.set_budgets(hot_bytes=hot_bytes)
+    def shrink_ssd(self, ssd_bytes: int) -> None:
+        """``LiveBudgets.shrink_ssd``: the deferred SSD shrink, any thread."""
+        self.budgets.shrink_ssd(ssd_bytes)
 
     def has_tier(self, tier: str) -> bool:
         """Whether the cache runs ``tier`` (the SSD tier needs an SSD directory)."""
@@ -440,42 +424,6 @@ class KVCache:
             pages_lost=reads.pages_lost, prefetch_throttled=self.placer.throttle.throttled, faults=self.store.faults(),
             degraded=frozenset(self.store.health()), prompt_rereads=reads.prompt_store_reads,
             layer_kind_bytes=self.bytes_by_layer_kind(), split=self.envelope.split())
-
-    def set_budgets(self, envelope_bytes: int, dram_bytes: int, ssd_bytes: int, defer_ssd_shrink: bool = False) -> bool:
-        """Apply new budgets live (BudgetError, nothing changed, when impossible). Runs between steps on
-        the engine thread; in-flight transfers finish first. With ``defer_ssd_shrink`` a smaller SSD budget
-        is left to ``shrink_ssd`` (off the engine thread); returns whether one is pending."""
-        if "ssd" not in self.store.tiers and ssd_bytes:
-            raise BudgetError("the server has no SSD tier (start it with --ssd-dir to use one)")
-        for tier, want, limit in (("gpu", envelope_bytes, self._memory_limit(self.device)),
-                                  ("dram", dram_bytes, self._memory_limit(torch.device("cpu"))),
-                                  ("ssd", ssd_bytes, self._disk_limit())):
-            if want > limit:
-                raise BudgetError(f"{tier} budget {want} bytes exceeds the {limit} bytes this host has for it")
-        b = self._store_budgets(envelope_bytes, dram_bytes, ssd_bytes)
-        if self.envelope.pending is not None and envelope_bytes != self.envelope.envelope_bytes:
-            raise BudgetError(f"max_running is still shrinking to {self.envelope.pending} (sequences are "
-                              "finishing); change the gpu budget after that")
-        self.transfers.drain()
-        self.store.bind_owner()
-        has_ssd = "ssd" in self.store.tiers
-        now = self.mover.set_budgets(b.hot_bytes, b.dram_bytes, b.ssd_bytes if has_ssd else None,
-                                     defer=frozenset({"ssd"}) if defer_ssd_shrink else frozenset())
-        self.envelope.envelope_bytes = envelope_bytes
-        return has_ssd and now.ssd_bytes != b.ssd_bytes
-
-    def shrink_ssd(self, ssd_bytes: int) -> None:
-        """The SSD half of ``set_budgets(..., defer_ssd_shrink=True)``: any thread, while the engine steps."""
-        self.mover.shrink("ssd", ssd_bytes)
-
-    @staticmethod
-    def _memory_limit(device: torch.device) -> int:
-        if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[1])
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-    def _disk_limit(self) -> int:
-        return shutil.disk_usage(self.config.tiers.ssd_dir).total if self.config.tiers.ssd_dir else 0
 
     def close(self) -> None:
         self.transfers.close()
