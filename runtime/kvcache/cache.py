@@ -6,13 +6,13 @@ as one block per layer in the ``BlockStore`` (gpu -> dram -> ssd) and summarised
 page selection. Sealed pages are shared between sequences with identical token prefixes (reference
 counts; a block is ``needed`` while any running sequence references it) and written through to the SSD
 tier, whose index survives restarts, so a prompt seen before is not recomputed: the page references and
-prefix reuse are ``PrefixPages`` (``prefix_reuse.py``).
+prefix reuse are ``PrefixPages`` (``prefix.py``).
 
 Hot-path state is tensors indexed by the sequence's *row*: its page ids (``page_table [rows, Pcap]``), its
 summaries (``SummaryTable``) and its open page, which lives in the device pool's tail rows (one per row
 and layer) so that one gather reads it with the selected pages. The gpu budget covers the store's
 device tier plus those tail rows (reserved up front). Every tier decision belongs to the ``Placer``;
-the per-step attention work lives in ``tiered_backend``.
+the per-step attention work lives in ``backend``.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class KVCache:
         self.placer = Placer(self.policy, index, tier_map)  # every tier choice ...
         self.store = BlockStore(layout, budgets, tier_map, self.placer.eviction, index)  # ... applied here
         self.mover = Mover(self.store)  # the only caller of the tiers' I/O
-        # a hybrid model's prefix reuse restores the sliding layers' window from snapshots (window_snapshots)
+        # a hybrid model's prefix reuse restores the sliding layers' window from snapshots (``windows.snapshots``)
         self.snapshots = WindowSnapshots(
             Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir else None,
             max(SNAPSHOT_MIN_DISK_BYTES, tiers.ssd_bytes // SNAPSHOT_SSD_SHARE) if tiers.ssd_dir

@@ -1,6 +1,6 @@
 """Which stored pages the running sequences reference, and the reuse of a prompt's stored prefix.
 
-Split from ``tiered_cache`` (which owns sequences, rows and page tables). Sealed pages are content
+Split from ``cache`` (which owns sequences, rows and page tables). Sealed pages are content
 addressed (a digest chains the model fingerprint and every token up to the page's end), so two sequences
 with the same leading tokens share pages: ``ref`` / ``unref`` count the sequences that reference each one,
 and a referenced page's blocks are ``needed`` in the store (demoted, never dropped).

@@ -98,7 +98,7 @@ class Mover:
             persistent: bool = False, pin_wait_s: float = 2.0) -> None:
         """Store blocks [n, block_bytes] uint8 in ``tier``, evicting as needed. Copies become readable when
         their write completed. A persistent (content-addressed) key already stored is only touched, unless
-        placement says its copy must be replaced (``replaces_stored_copy``). When every evictable block is
+        placement says its copy must be replaced (``Eviction.replaces``). When every evictable block is
         pinned by in-flight transfers, waits up to ``pin_wait_s`` for them."""
         cap = self.store.resize.capacity(tier)
         if len(keys) > cap > 0:  # a batch bigger than the tier: in parts, so later parts can evict earlier

@@ -2,7 +2,7 @@
 
 Owns *when* bytes move (the store owns *where* they are, placement decides *which*, the ``Mover`` moves
 them). Jobs run on a small pool of worker threads in priority order: prefetch > write-back, FIFO within a
-priority (a step's demand reads run first of all, in the engine thread: ``engine/page_reads.py``). A
+priority (a step's demand reads run first of all, in the engine thread: ``kvcache/step_reads.py``). A
 prefetch arrives as moves the Mover already *prepared* on the engine thread (destination slots reserved,
 sources pinned); a worker runs and completes them, so no worker ever evicts from a memory tier. A write-back
 submitted again while still queued (same keys and destination) is merged into the queued one. Every job

@@ -17,7 +17,7 @@ about which slots are in the window:
 
 The ring is indexed by the sequence's row (as the page table is), so a row reused by a new sequence
 needs no clearing: slots at or past a position the new sequence has not reached are masked by position.
-Prefix reuse of a hybrid model therefore needs the window too; see ``PrefixPages.stored_prefix`` (prefix_reuse.py).
+Prefix reuse of a hybrid model therefore needs the window too; see ``PrefixPages.stored_prefix`` (prefix.py).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class SlidingWindows:
         self.ring[row, j, slots] = torch.stack([k[n - keep :], v[n - keep :]], dim=1).to(self.ring.dtype)
         return out.transpose(0, 1).to(q.dtype)
 
-    # --- prefix snapshots (window_snapshots) -----------------------------------------------------
+    # --- prefix snapshots (``windows.snapshots``) -----------------------------------------------------
     def _span(self, end: int) -> torch.Tensor:
         """Ring slots of the window that ends before position ``end``: [n], n = min(W, end)."""
         return torch.arange(max(0, end - self.window), end, device=self.device) % self.capacity
