@@ -45,6 +45,7 @@ from kvdrive.runtime.kvcache.store import (
     device_tier,
 )
 from kvdrive.runtime.kvcache.store.page_events import PageEvents
+from kvdrive.runtime.kvcache.store.tiers.window_files import WindowFiles
 from kvdrive.runtime.kvcache.windows.ring import SlidingWindows
 from kvdrive.runtime.kvcache.windows.snapshots import WindowKeeper, WindowSnapshots
 from kvdrive.runtime.prompt.digests import chain_digest, root_digest, salted_root
@@ -101,9 +102,10 @@ class KVCache:
         self.mover = Mover(self.store)  # the only caller of the tiers' I/O
         # a hybrid model's prefix reuse restores the sliding layers' window from snapshots (``windows.snapshots``)
         self.snapshots = WindowSnapshots(
-            Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir else None,
+            WindowFiles(Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir else None, writable=tiers.persist),
+            self.mover, self.placer.eviction.window_victims,
             max(SNAPSHOT_MIN_DISK_BYTES, tiers.ssd_bytes // SNAPSHOT_SSD_SHARE) if tiers.ssd_dir
-            else SNAPSHOT_MEMORY_BYTES, writable=tiers.persist) if windows is not None else None
+            else SNAPSHOT_MEMORY_BYTES) if windows is not None else None
         self.keeper = WindowKeeper(windows, self.snapshots, layout.page_size, config.window_checkpoint) \
             if windows is not None and self.snapshots is not None else None
         self._stepping: list[SeqKV] = []  # sequences begun and not yet settled by finish_step

@@ -10,7 +10,8 @@ keeps the table. The Mover is composed of parts, each over one part of the store
   dropped copy's slot is discarded from its tier, then released, outside the lock);
 - ``Mover`` (this module): puts, admissions, promotions and write-back copies, and the parts' operations;
 - ``BlockReader`` (``reads.py``): reads (``fetch``) and scrubs;
-- ``Resizer`` (``resize.py``): live budget changes.
+- ``Resizer`` (``resize.py``): live budget changes;
+- the sliding-window snapshots' bytes (``store.tiers.window_files``): ``write_window`` / ``read_window``.
 
 Who calls it, by priority: a step's demand reads and its load phase run in the engine thread
 (``kvcache/step_reads.py``, ``kvcache/prefix.py``); prefetch and write-back run on the transfer workers
@@ -34,6 +35,7 @@ from kvdrive.runtime.kvcache.store.layout import CacheFullError
 from kvdrive.runtime.kvcache.store.store import BlockStore
 from kvdrive.runtime.kvcache.store.tiers.base import TierIOError
 from kvdrive.runtime.kvcache.store.tiers.rows import gather_rows
+from kvdrive.runtime.kvcache.store.tiers.window_files import WindowFiles
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +162,21 @@ class Mover:
             return []
         store.publish_writes(todo, tier)
         return [r for r, _, _ in todo]
+
+    # --- sliding-window snapshots (``kvcache.windows``) -----------------------------------------------
+    @staticmethod
+    def write_window(files: WindowFiles, name: str, payload: bytes) -> bool:
+        """Store a window snapshot's payload (whole or not at all); False when it could not be written."""
+        return files.write(name, payload)
+
+    @staticmethod
+    def read_window(files: WindowFiles, name: str, payload_bytes: int) -> bytes | None:
+        """A window snapshot's payload, only whole and verified (None: absent or corrupt, recompute it)."""
+        return files.read(name, payload_bytes)
+
+    @staticmethod
+    def discard_window(files: WindowFiles, name: str) -> None:
+        files.discard(name)
 
     def close(self) -> None:
         """Wait for a running scrub (it reads the tiers), then close the store."""

@@ -12,7 +12,8 @@ The store keeps the table and prepares evictions (``store.table``); every choice
   room below it is dropped if a copy is left deeper, or if no running sequence needs it (recomputed if ever
   asked again); a needed block with nowhere to go stays;
 - a put of a content-addressed page already stored only touches it, unless its fastest copy lies in a
-  failing tier: that copy is as good as lost, and the fresh bytes replace it.
+  failing tier: that copy is as good as lost, and the fresh bytes replace it;
+- sliding-window snapshots past their byte budget go least recently used first.
 """
 
 from __future__ import annotations
@@ -67,3 +68,15 @@ class TierEviction:
 
     def replaces(self, fastest: Tier) -> bool:
         return fastest.failing()
+
+    @staticmethod
+    def window_victims(sizes: Mapping[str, int], need: int, max_bytes: int) -> list[str]:
+        """The sliding-window snapshots to drop, least recently used first (``sizes``: name -> bytes in that
+        order), so that ``need`` more bytes fit in ``max_bytes``."""
+        held, out = sum(sizes.values()), []
+        for name, size in sizes.items():
+            if held + need <= max_bytes:
+                break
+            out.append(name)
+            held -= size
+        return out

@@ -8,10 +8,11 @@ prompt's last page boundary is kept instead, one snapshot per boundary:
 
 - named by that page's digest, content-addressed like the pages (the model fingerprint, the KV layout and
   every token before the boundary), so any later prompt with that prefix may use it;
-- on the SSD tier's disk when there is one (``<ssd-dir>/windows/``: written to a temporary file, fsynced,
-  renamed; checked by size and CRC32 when read, and deleted when it fails), else in host memory (and
-  without write-through, ``TierConfig.persist`` False, the disk's snapshots are read and none added);
-- dropped oldest-first past a byte budget.
+- its bytes in ``store.tiers.window_files`` (on the SSD tier's disk when there is one, crash-safe and checked
+  by CRC32 when read, else in host memory; without write-through, ``TierConfig.persist`` False, the disk's
+  snapshots are read and none added), written and read by the Mover (``Mover.write_window``, ``read_window``)
+  as every other byte is;
+- dropped least recently used first past a byte budget, as placement chooses (``TierEviction.window_victims``).
 
 A snapshot is [sliding layers, n, 2, Hkv, D] for the n = min(W, boundary) positions before the boundary.
 ``WindowKeeper`` decides when: when a prompt is in (its first decode) and when a sequence that finished its
@@ -24,37 +25,39 @@ before the final token; a continuation: its last full page); and while a long pr
 from __future__ import annotations
 
 import logging
-import os
-import struct
-import zlib
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 
 from kvdrive.runtime.kvcache.sequence import SeqKV
+from kvdrive.runtime.kvcache.store.tiers.window_files import WindowFiles
 from kvdrive.runtime.kvcache.windows.ring import SlidingWindows
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVDWIN01"
-HEADER = struct.Struct("<8sIQ")  # magic, crc32 of the payload, payload bytes
+
+class WindowIO(Protocol):
+    """The Mover's window-snapshot I/O (``Mover.write_window`` ...): the only caller of ``WindowFiles``."""
+
+    def write_window(self, files: WindowFiles, name: str, payload: bytes) -> bool: ...
+
+    def read_window(self, files: WindowFiles, name: str, payload_bytes: int) -> bytes | None: ...
+
+    def discard_window(self, files: WindowFiles, name: str) -> None: ...
+
+
+WindowVictims = Callable[[Mapping[str, int], int, int], list[str]]  # sizes (LRU first), need, max -> to drop
 
 
 class WindowSnapshots:
-    def __init__(self, directory: Path | None, max_bytes: int, writable: bool = True) -> None:
-        self.directory = directory
+    def __init__(self, files: WindowFiles, io: WindowIO, victims: WindowVictims, max_bytes: int) -> None:
+        """``files``: where the blobs live; ``io``: the Mover; ``victims``: placement's choice of what to drop
+        past ``max_bytes`` (``TierEviction.window_victims``)."""
+        self.files, self.io, self.victims = files, io, victims
         self.max_bytes = max_bytes
-        self.writable = writable  # False (no write-through): the directory's snapshots are read, none are added
-        self._memory: dict[str, bytes] = {}
-        self._sizes: dict[str, int] = {}  # name -> bytes, oldest first (insertion order, refreshed on use)
+        self._sizes: dict[str, int] = dict(files.recovered())  # name -> stored bytes, least recently used first
         self.saved = self.loaded = self.failed = 0
-        if directory is not None and writable:
-            directory.mkdir(parents=True, exist_ok=True)
-            for f in directory.glob("*.tmp"):  # a write that a crash interrupted
-                f.unlink(missing_ok=True)
-        if directory is not None and directory.is_dir():
-            for f in sorted(directory.glob("*.win"), key=lambda f: f.stat().st_mtime):
-                self._sizes[f.stem] = f.stat().st_size
 
     @property
     def nbytes(self) -> int:
@@ -66,64 +69,39 @@ class WindowSnapshots:
     def save(self, digest: bytes, window: torch.Tensor) -> None:
         """Keep ``window`` [layers, n, 2, Hkv, D] as the snapshot of the boundary ending at page ``digest``."""
         name = digest.hex()
-        if name in self._sizes or (self.directory is not None and not self.writable):
+        if name in self._sizes or not self.files.writable:
             return
         payload = window.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-        blob = HEADER.pack(MAGIC, zlib.crc32(payload), len(payload)) + payload
-        if len(blob) > self.max_bytes:
+        size = self.files.stored_bytes(len(payload))
+        if size > self.max_bytes:
             return
-        self._make_room(len(blob))
-        if self.directory is None:
-            self._memory[name] = blob
-        else:
-            tmp, final = self.directory / f"{name}.tmp", self.directory / f"{name}.win"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(blob)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, final)
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                log.warning("sliding-window snapshot not written (%s): that prefix will be recomputed", exc)
-                return
-        self._sizes[name] = len(blob)
+        for victim in self.victims(self._sizes, size, self.max_bytes):
+            self._drop(victim)
+        if not self.io.write_window(self.files, name, payload):
+            return
+        self._sizes[name] = size
         self.saved += 1
 
     def load(self, digest: bytes, like: torch.Tensor) -> torch.Tensor | None:
         """The snapshot ending at page ``digest`` shaped and typed like ``like``, or None (absent, or failed
-        its checks: then it is deleted)."""
+        its checks: then it is dropped)."""
         name = digest.hex()
         if name not in self._sizes:
             return None
-        try:
-            blob = self._memory.get(name) or (self.directory / f"{name}.win").read_bytes() if self.directory \
-                else self._memory.get(name, b"")
-        except OSError:
-            blob = b""
-        want = like.numel() * like.element_size()
-        ok = len(blob) == HEADER.size + want
-        if ok:
-            magic, crc, n = HEADER.unpack_from(blob)
-            ok = magic == MAGIC and n == want and zlib.crc32(memoryview(blob)[HEADER.size :]) == crc
-        if not ok:
+        payload = self.io.read_window(self.files, name, like.numel() * like.element_size())
+        if payload is None:
             self.failed += 1
             log.warning("sliding-window snapshot %s failed its checks; recomputing that prefix", name[:12])
             self._drop(name)
             return None
         self._sizes[name] = self._sizes.pop(name)  # most recently used last
         self.loaded += 1
-        data = torch.frombuffer(bytearray(blob[HEADER.size :]), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return data.view(like.dtype).view(like.shape).to(like.device)
-
-    def _make_room(self, need: int) -> None:
-        while self._sizes and self.nbytes + need > self.max_bytes:
-            self._drop(next(iter(self._sizes)))
 
     def _drop(self, name: str) -> None:
         self._sizes.pop(name, None)
-        if self._memory.pop(name, None) is None and self.directory is not None and self.writable:
-            (self.directory / f"{name}.win").unlink(missing_ok=True)
+        self.io.discard_window(self.files, name)
 
 
 class WindowKeeper:
