@@ -8,7 +8,7 @@ Layers, top to bottom (each imports only those below it; ``lint-imports`` holds 
   buffer, prefix reuse, the copies reads earn, the device envelope's split, sliding-window rings and snapshots;
 - ``mover`` -- the only code that moves bytes (``Mover``: runner, reader, resizer; ``TransferQueue``);
 - ``placement`` -- the only code that chooses a tier (``Placer``, its ``TierEviction``);
-- ``store`` -- the tiers and the block table: what is stored where (``BlockStore``: table, reads, resize);
+- ``store`` -- the tiers and the block table: what is stored where (``BlockStore``: table, reads, writes, resize);
 - ``contract``, ``config`` -- the store <-> mover contract (read it first) and plain configuration data.
 """
 

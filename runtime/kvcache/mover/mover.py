@@ -8,7 +8,8 @@ keeps the table. The Mover is composed of parts, each over one part of the store
 
 - ``MoveRunner`` (``runner.py``): running prepared moves, making room (demotions), and discarding freed slots (a
   dropped copy's slot is discarded from its tier, then released, outside the lock);
-- ``Mover`` (this module): puts, admissions, promotions and write-back copies, and the parts' operations;
+- ``Mover`` (this module): puts, admissions, promotions and write-back copies (over the store's ``WriteBook``),
+  and the parts' operations;
 - ``BlockReader`` (``reads.py``): reads (``fetch``) and scrubs;
 - ``Resizer`` (``resize.py``): live budget changes;
 - the sliding-window snapshots' bytes (``store.tiers.window_files``): ``write_window`` / ``read_window``.
@@ -47,6 +48,7 @@ class Mover:
         self.runner = MoveRunner(store.table, store.tiers, store.device)  # moves, room, freed slots
         self.reader = BlockReader(self.runner, store.reads)  # fetch and scrub
         self.resizer = Resizer(self.runner, store.resize)  # live budget changes
+        self.writes = store.writes  # puts, admissions and promotions run here, over the store's write bookkeeping
 
     # --- the parts' operations, as the one mover's contract --------------------------------------
     def fetch(self, keys: list[BlockKey], device: torch.device | None = None,
@@ -79,11 +81,11 @@ class Mover:
         """Plan ``tier`` copies of ``keys`` from their fastest copies: the blocks are pinned (making room
         never evicts what is being promoted), room is made (demotions run now, in this thread), destination
         slots reserved. Run the returned moves with ``run_moves`` (any thread) and ``complete_moves``."""
-        want = self.store.pin_for_promotion(keys, tier)
+        want = self.writes.pin_for_promotion(keys, tier)
         if not want:
             return []
         self.runner.make_room(tier, len(want))
-        return self.store.reserve_promotions(want, tier)
+        return self.writes.reserve_promotions(want, tier)
 
     def promote(self, keys: list[BlockKey], tier: TierName = "gpu") -> int:
         """Give ``keys`` a ``tier`` copy now (prepare, run and complete in this thread); returns how many."""
@@ -108,7 +110,7 @@ class Mover:
                 self.put(keys[i : i + cap], blocks[i : i + cap], tier, needed, persistent, pin_wait_s)
             return
         try:
-            rows = self.store.rows_to_write(keys, needed, persistent)
+            rows = self.writes.rows_to_write(keys, needed, persistent)
         finally:
             self.runner.settle_freed()
         if not rows:
@@ -119,7 +121,7 @@ class Mover:
                 self._add_copies([keys[i] for i in rows], blocks, rows, tier, needed, persistent, strict=True)
                 return
             except CacheFullError:
-                if time.monotonic() > deadline or not self.store.any_pinned():
+                if time.monotonic() > deadline or not self.writes.any_pinned():
                     raise
             time.sleep(0.002)
 
@@ -128,12 +130,12 @@ class Mover:
         """Add a ``tier`` copy of stored blocks from bytes already read (blocks [n, block_bytes], e.g. from
         ``fetch``): inclusive promotion without a second read. Blocks already in ``tier``, gone, or for
         which no slot can be freed are skipped. Returns how many copies were added."""
-        rows = self.store.rows_to_admit(keys, tier)
+        rows = self.writes.rows_to_admit(keys, tier)
         if not rows:
             return 0
         added = self._add_copies([keys[i] for i in rows], blocks, rows, tier, True, False, strict=False)
         if src is not None:
-            self.store.count_admitted([src[i] for i in added], tier)
+            self.writes.count_admitted([src[i] for i in added], tier)
         return len(added)
 
     def _add_copies(self, keys: list[BlockKey], blocks: torch.Tensor, rows: list[int], tier: TierName,
@@ -141,10 +143,10 @@ class Mover:
         """Write blocks[rows[i]] as the ``tier`` copy of keys[i]: make room, reserve, write (no lock),
         publish. ``strict``: all or nothing (CacheFullError); else the blocks that got no slot are skipped.
         Returns the rows written."""
-        store = self.store
+        writes = self.writes
         self.runner.make_room(tier, len(keys))
         try:
-            todo = store.reserve_writes(keys, rows, tier, needed, persistent, strict)
+            todo = writes.reserve_writes(keys, rows, tier, needed, persistent, strict)
         finally:
             self.runner.settle_freed()
         if not todo:
@@ -152,15 +154,15 @@ class Mover:
         src = blocks if [r for r, _, _ in todo] == list(range(blocks.shape[0])) else \
             gather_rows(blocks, [r for r, _, _ in todo])
         try:
-            store.tiers[tier].write([s for _, _, s in todo], src, [b.key for _, b, _ in todo],
-                                    [b.persistent for _, b, _ in todo])
+            self.store.tiers[tier].write([s for _, _, s in todo], src, [b.key for _, b, _ in todo],
+                                         [b.persistent for _, b, _ in todo])
         except TierIOError:
-            store.abort_writes(todo, tier)
+            writes.abort_writes(todo, tier)
             self.runner.settle_freed()
             if strict:
                 raise
             return []
-        store.publish_writes(todo, tier)
+        writes.publish_writes(todo, tier)
         return [r for r, _, _ in todo]
 
     # --- sliding-window snapshots (``kvcache.windows``) -----------------------------------------------

@@ -1,10 +1,12 @@
-"""The three tiers (gpu, dram, ssd) and the block table over them: what is stored where (``kvcache`` stores).
+"""The store: the tiers (gpu, dram, ssd) and what they hold, its bookkeeping in parts over one block table.
 
-``BlockStore`` builds the tiers and keeps their bookkeeping: the block table (``BlockTable``), the read and
-resize halves of it (``ReadBook``, ``ResizeBook``), queries, flags and page references. It never moves a
-byte: ``kvdrive.runtime.kvcache.mover.Mover`` runs every put, read, promotion, demotion and resize as prepare
-(here, under the lock) -> run (the Mover, no lock held) -> complete (here, under the lock). Placement
-decides which tier (``kvdrive.runtime.kvcache.placement``).
+``build_tiers`` builds the tiers; ``BlockStore`` keeps their bookkeeping, composed of parts that share one
+``BlockTable`` (block -> copies per tier, pins, slot owners): ``ReadBook`` (reads), ``WriteBook`` (puts,
+admissions, promotions), ``ResizeBook`` (live budgets); it answers queries itself (where a block is, usage,
+health) and keeps flags and page references. It never moves a byte: ``kvcache.mover.Mover`` runs every put,
+read, promotion, demotion and resize as prepare (a part, under the lock) -> run (the Mover, no lock held) ->
+complete (a part, under the lock), as ``kvcache.contract`` states. Placement decides which tier
+(``kvcache.placement``; its ``Eviction`` is passed in).
 
 Guarantees the bookkeeping keeps:
 - a copy being written is invisible until its write completed (``ready``); readers skip it;
@@ -26,12 +28,12 @@ from typing import Any
 
 import torch
 
-from kvdrive.runtime.kvcache.contract import Block, Copy, Eviction, Move
+from kvdrive.runtime.kvcache.contract import Copy, Eviction
 from kvdrive.runtime.kvcache.store.block_index import BlockIndex
 from kvdrive.runtime.kvcache.store.budgets import TierBudgets, TierName, TierUsage
 from kvdrive.runtime.kvcache.store.compression import Int8Codec
 from kvdrive.runtime.kvcache.store.keys import BlockKey
-from kvdrive.runtime.kvcache.store.layout import CacheFullError, KVLayout
+from kvdrive.runtime.kvcache.store.layout import KVLayout
 from kvdrive.runtime.kvcache.store.page_events import PageEvents
 from kvdrive.runtime.kvcache.store.reads import ReadBook
 from kvdrive.runtime.kvcache.store.resize import ResizeBook
@@ -41,6 +43,7 @@ from kvdrive.runtime.kvcache.store.tiers.base import Tier
 from kvdrive.runtime.kvcache.store.tiers.device import DeviceTier
 from kvdrive.runtime.kvcache.store.tiers.dram import DramTier
 from kvdrive.runtime.kvcache.store.tiers.ssd import SsdTier
+from kvdrive.runtime.kvcache.store.writes import WriteBook
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,7 @@ class BlockStore:
         self.index = index if index is not None else BlockIndex(layout.num_layers, self.device)
         self.table = BlockTable(tiers, self.index, eviction, layout.block_bytes)  # shared by the parts below
         self.reads = ReadBook(self.table)
+        self.writes = WriteBook(self.table)
         self.resize = ResizeBook(self.table, budgets)
         self.dram_tier = dram = tiers["dram"]
         assert isinstance(dram, DramTier)
@@ -218,110 +222,6 @@ class BlockStore:
         digest = self.index.digests[pid]
         assert digest is not None, f"page id {pid} is not in use"
         return BlockKey(digest, layer)
-
-    # --- writing: the bookkeeping of ``Mover.put`` / ``Mover.admit`` ----------------------------------
-    def rows_to_write(self, keys: list[BlockKey], needed: bool, persistent: bool) -> list[int]:
-        """Which of ``keys`` a put writes: a persistent (content-addressed) key already stored is only touched,
-        unless placement (``Eviction.replaces``) says its fastest tier's copy must be replaced by the fresh bytes; any
-        other stored key has its copies dropped (its new bytes replace them)."""
-        rows: list[int] = []
-        with self.table.lock:
-            for i, key in enumerate(keys):
-                b = self.table.blocks.get(key)
-                fastest = self.table.fastest(b) if b is not None else None
-                if b is not None and persistent and b.persistent and fastest \
-                        and not self.table.eviction.replaces(self.tiers[fastest]):
-                    self.table.mark_needed(b, b.needed or needed)
-                    self.table.touch(b)
-                    continue
-                if b is not None:
-                    if b.pins:
-                        raise RuntimeError(f"{key} is pinned (being read); cannot overwrite it")
-                    for t in list(b.copies):
-                        self.table.drop(b, t)
-                rows.append(i)
-        return rows
-
-    def any_pinned(self) -> bool:
-        with self.table.lock:
-            return bool(self.table.pinned)
-
-    def rows_to_admit(self, keys: list[BlockKey], tier: TierName) -> list[int]:
-        """Which of ``keys`` are stored and have no ``tier`` copy yet."""
-        with self.table.lock:
-            return [i for i, k in enumerate(keys) if k in self.table.blocks and tier not in self.table.blocks[k].copies]
-
-    def count_admitted(self, src: list[TierName | None], tier: TierName) -> None:
-        with self.table.lock:
-            for origin in src:
-                if origin is not None:
-                    self.table.count_transfer(origin, tier, 1)
-
-    def reserve_writes(self, keys: list[BlockKey], rows: list[int], tier: TierName, needed: bool, persistent: bool,
-                       strict: bool) -> list[tuple[int, Block, int]]:
-        """Reserve a ``tier`` slot for each key (new blocks are created with ``needed`` and ``persistent``) and
-        pin its block: (row, block, slot) per reservation. ``strict``: all or nothing (CacheFullError, nothing
-        reserved); else keys gone meanwhile or past the last free slot are skipped."""
-        todo: list[tuple[int, Block, int]] = []
-        with self.table.lock:
-            for key, row in zip(keys, rows, strict=True):
-                b = self.table.blocks.get(key)
-                if b is None:
-                    if not strict:
-                        continue  # gone meanwhile: nothing to admit
-                    b = self.table.new_block(key, needed, persistent)
-                elif tier in b.copies:
-                    continue
-                slot = self.table.reserve_slot(b, tier)
-                if slot is None:
-                    if strict:
-                        self.abort_writes(todo, tier)
-                        if not b.copies:
-                            self.table.forget(b)
-                        raise CacheFullError(f"{tier} tier: no slot for {key}: every block is pinned or needed")
-                    break
-                self.table.pin(b)
-                self.table.touch(b)
-                todo.append((row, b, slot))
-        return todo
-
-    def publish_writes(self, todo: list[tuple[int, Block, int]], tier: TierName) -> None:
-        with self.table.lock:
-            for _, b, slot in todo:
-                self.table.unpin(b)
-                self.table.publish(b, tier, slot)
-
-    def abort_writes(self, todo: list[tuple[int, Block, int]], tier: TierName) -> None:
-        """Give up reserved (never published) copies."""
-        with self.table.lock:
-            for _, b, _ in todo:
-                self.table.unpin(b)
-                self.table.drop(b, tier)
-
-    # --- promotion: the bookkeeping of ``Mover.prepare_promote`` -------------------------------------
-    def pin_for_promotion(self, keys: list[BlockKey], tier: TierName) -> list[Block]:
-        """The stored blocks of ``keys`` without a ``tier`` copy, pinned (making room never evicts them)."""
-        with self.table.lock:
-            want = [b for k in keys if (b := self.table.blocks.get(k)) is not None and tier not in b.copies
-                    and self.table.fastest(b) is not None]
-            for b in want:
-                self.table.pin(b)
-            return want
-
-    def reserve_promotions(self, want: list[Block], tier: TierName) -> list[Move]:
-        """A reserved ``tier`` slot for each pinned block of ``pin_for_promotion``, as moves from its fastest
-        copy (each keeps its pin until ``complete``); the blocks that got none are unpinned."""
-        moves: list[Move] = []
-        with self.table.lock:
-            for b in want:
-                src = self.table.fastest(b)
-                slot = self.table.reserve_slot(b, tier) if src is not None and tier not in b.copies \
-                    and b.key in self.table.blocks else None
-                if src is None or slot is None:
-                    self.table.unpin(b)  # not promoted: released now
-                    continue
-                moves.append(Move(b, src, b.copies[src].slot, tier, slot, demote=False))
-        return moves
 
     def close(self) -> None:
         """Close the tiers (the Mover waits for its background work first)."""
