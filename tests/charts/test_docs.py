@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
 import subprocess
 import sys
@@ -12,16 +11,13 @@ from types import ModuleType
 
 import pytest
 import yaml
+from scriptkit import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_cr_reference", REPO / "scripts" / "gen_cr_reference.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gen_cr_reference")
 
 
 def test_cr_reference_is_generated_from_the_current_crd() -> None:

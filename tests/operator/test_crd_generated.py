@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from types import ModuleType
 
 import yaml
 from crdcheck import CRD_PATH, load_crd, version_schema
+from scriptkit import load_script
 
 from kvdrive.operator.api.spec import KVDriveSpec
 
@@ -18,11 +18,7 @@ CHART_CRD = REPO / "charts" / "kvdrive-operator" / "crds" / "kvdrivedeployment.y
 
 
 def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_crd", REPO / "scripts" / "gen_crd.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gen_crd")
 
 
 def test_the_committed_crd_is_generated_from_the_types() -> None:
