@@ -344,8 +344,8 @@ class KVCache:
     def prefetch(self, layers: torch.Tensor, pids: torch.Tensor) -> None:
         """Move the predicted blocks (layers[i], pids[i]) of the next step up where placement admits them:
         prepared here (room made, slots reserved), run by the transfer workers."""
-        for dst, keys in self.placer.prefetch_plan(layers, pids).items():
-            moves = self.mover.prepare_promote(keys, dst)
+        for plan in self.placer.prefetch_plan(layers, pids):
+            moves = self.mover.prepare_promote(list(plan.keys), plan.dst)
             if moves:
                 self.placer.ledger.issued([m.block.key for m in moves], self.transfers.run(moves))
 

@@ -16,8 +16,9 @@ Read this file first: every movement of KV bytes, in any direction, runs in thre
    so a slot is never rewritten while its old record could be replayed.
 
 Which tier, which victim, demote or drop, how many at once: none of that is the store's or the Mover's
-choice. Placement (``kvcache.placement``) decides, and passes its decisions in at construction as an
-``Eviction`` (below); the store applies it while it prepares.
+choice. Placement (``kvcache.placement``) decides: what a read earns and what to prefetch as ``CopyPlan``s the
+Mover carries out, and a full tier's victims as an ``Eviction`` (below) passed in when the store is built,
+which the store applies while it prepares.
 
 Thread rule: a *published* copy in a memory tier is dropped only by the thread bound with
 ``BlockTable.bind_owner`` (the engine's), because the decode loop reads memory-tier slots without the lock.
@@ -89,6 +90,17 @@ class Victims:
     targets: list[TierName]
     dropped: int
     free_before: int
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Placement's decision (``Placer.promotion``, ``Placer.prefetch_plan``): give each of ``keys`` a copy in
+    ``dst``. ``rows``: where each key sits in what the caller passed (for bytes already read). The Mover carries
+    it out (``Mover.admit``, ``Mover.prepare_promote``)."""
+
+    dst: TierName
+    keys: tuple[BlockKey, ...]
+    rows: tuple[int, ...] = ()
 
 
 ReadPlan = dict["TierName", list[tuple[int, int]]]  # prepared: tier -> (key index, slot) of the copies it serves

@@ -68,10 +68,10 @@ class PromotionQueue:
             return
         keys, served = self._keys, self._served
         raw = self._raw[0] if len(self._raw) == 1 else torch.cat(self._raw)
-        decided = self.placer.promotion(keys, self._pids, served)
+        plans = self.placer.promotion(keys, self._pids, served)
         self.drop_unplanned()
-        self._planned += [Promotion(dst, [keys[i] for i in rows], gather_rows(raw, rows), [served[i] for i in rows])
-                          for dst, rows in decided.items()]
+        self._planned += [Promotion(p.dst, list(p.keys), gather_rows(raw, list(p.rows)), [served[i] for i in p.rows])
+                          for p in plans]
 
     def run(self) -> int:
         """The load phase of the next step: the Mover makes the planned copies (blocks gone meanwhile are

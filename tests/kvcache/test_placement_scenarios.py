@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from kvstore_helpers import BB, LAYOUT, blocks_for, make_keys, tiers_of
 
+from kvdrive.runtime.kvcache.contract import CopyPlan
 from kvdrive.runtime.kvcache.mover import Mover
 from kvdrive.runtime.kvcache.placement import (
     Placer,
@@ -97,7 +98,8 @@ def test_a_hot_block_read_from_the_ssd_is_admitted_over_a_cold_resident(tmp_path
     _attend(placer, s, [hot], [2.0])
     placer.begin_step(s.drain_freed())
     pids = [s.index.find(k.digest) for k in (hot, cold)]
-    assert placer.promotion([hot, cold], pids, ["ssd", "ssd"]) == {"gpu": [0], "dram": [1]}
+    assert placer.promotion([hot, cold], pids, ["ssd", "ssd"]) == [CopyPlan("gpu", (hot,), (0,)),
+                                                                   CopyPlan("dram", (cold,), (1,))]
 
 
 def test_promotion_puts_a_demoted_hot_block_back_and_keeps_its_lower_copy(tmp_path: Path) -> None:

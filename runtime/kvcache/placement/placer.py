@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvdrive.runtime.kvcache.contract import Block
+from kvdrive.runtime.kvcache.contract import Block, CopyPlan
 from kvdrive.runtime.kvcache.placement.admission import Admission
 from kvdrive.runtime.kvcache.placement.eviction import TierEviction
 from kvdrive.runtime.kvcache.placement.policy import PlacementPolicy
@@ -201,22 +201,22 @@ class Placer:
             adm = self._admission[tier] = Admission(alloc.free_count, coldest, margin, gain)
         return adm
 
-    def promotion(self, keys: list[BlockKey], pids: list[int], served: list[TierName | None]) -> dict[TierName, list[int]]:
-        """Blocks a step just read from lower tiers (rows of ``keys``): where each gets a copy, if anywhere.
-        Returns destination tier -> rows."""
+    def promotion(self, keys: list[BlockKey], pids: list[int], served: list[TierName | None]) -> list[CopyPlan]:
+        """Blocks a step just read from lower tiers (``keys``, their page ids, the tier each came from): where each
+        gets a copy, if anywhere, one plan per destination (its ``rows`` index ``keys``)."""
         if not self.policy.promote_on_read or not keys:
-            return {}
+            return []
         if not self.policy.hotness_eviction:  # lru: everything read goes to the device tier
             rows = [i for i, t in enumerate(served) if t is not None and t != "gpu"]
-            return {"gpu": rows} if rows else {}
+            return [_plan("gpu", keys, rows)] if rows else []
         rows = [i for i, t in enumerate(served) if t in self.promote_from]
         if not rows:
-            return {}
+            return []
         dev = self.scores.device
         layers = torch.tensor([keys[i].layer for i in rows], dtype=torch.int64, device=dev)
         ids = torch.tensor([pids[i] for i in rows], dtype=torch.int64, device=dev)
         from_ssd = torch.tensor([served[i] == "ssd" for i in rows], dtype=torch.bool, device=dev)
-        return {t: [rows[j] for j in js] for t, js in self._admit(layers, ids, from_ssd).items()}
+        return [_plan(t, keys, [rows[j] for j in js]) for t, js in self._admit(layers, ids, from_ssd).items()]
 
     def _admit(self, layers: torch.Tensor, pids: torch.Tensor, from_ssd: torch.Tensor) -> dict[TierName, list[int]]:
         """Where candidate blocks (layers[i], pids[i]) from DRAM or (``from_ssd``) the SSD get a copy: hottest
@@ -242,11 +242,11 @@ class Placer:
     def prefetch_allowed(self) -> bool:
         return self.policy.prefetch and self.throttle.allow(self.ledger.counts(), self.decode_steps)
 
-    def prefetch_plan(self, layers: torch.Tensor, pids: torch.Tensor) -> dict[TierName, list[BlockKey]]:
-        """The predicted blocks (layers[i], pids[i]) of the next step not yet in a tier worth reading from:
-        destination tier -> keys, as admission allows (hottest first)."""
+    def prefetch_plan(self, layers: torch.Tensor, pids: torch.Tensor) -> list[CopyPlan]:
+        """The predicted blocks (layers[i], pids[i]) of the next step not yet in a tier worth reading from: one
+        plan per destination tier, as admission allows (hottest first)."""
         if not self.policy.prefetch or pids.numel() == 0:
-            return {}
+            return []
         gpu, dram = self.index.slots("gpu"), self.index.slots("dram")
         width = gpu.shape[1]
         flat = torch.unique(layers * width + pids)
@@ -256,18 +256,18 @@ class Placer:
             away &= ~in_dram
         flat, in_dram = flat[away], in_dram[away]
         if flat.numel() == 0:
-            return {}
+            return []
         ls, ps = flat // width, flat % width
         plan = self._admit(ls, ps, ~in_dram)
         chosen = sorted({i for js in plan.values() for i in js})
         if not chosen:
-            return {}
+            return []
         lsl, psl = ls.tolist(), ps.tolist()
-        out: dict[TierName, list[BlockKey]] = {}
+        out: list[CopyPlan] = []
         for t, js in plan.items():
-            keys = [BlockKey(d, lsl[j]) for j in js if (d := self.index.digests[psl[j]]) is not None]
+            keys = tuple(BlockKey(d, lsl[j]) for j in js if (d := self.index.digests[psl[j]]) is not None)
             if keys:
-                out[t] = keys
+                out.append(CopyPlan(t, keys))
         return out
 
     def settle_prefetch(self, selected: torch.Tensor) -> None:
@@ -283,3 +283,7 @@ class Placer:
                              for k in issued], dtype=torch.int64, device=dev)
         hit = selected.view(-1)[layers * selected.shape[1] + pids].tolist()
         self.ledger.settle({k for k, h in zip(issued, hit, strict=True) if h})
+
+
+def _plan(dst: TierName, keys: list[BlockKey], rows: list[int]) -> CopyPlan:
+    return CopyPlan(dst, tuple(keys[i] for i in rows), tuple(rows))
