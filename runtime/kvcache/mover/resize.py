@@ -23,6 +23,7 @@ from kvdrive.runtime.kvcache.store.tiers.ssd import SsdTier
 log = logging.getLogger(__name__)
 
 SHRINK_ROUNDS = 200  # rounds of a shrink's eviction or compaction waiting for busy slots (10 ms apart)
+EVICTION_TRIES = 10  # eviction rounds in a row that leave the tier short before a shrink is refused
 
 
 class Resizer:
@@ -76,10 +77,19 @@ class Resizer:
         sort) until at most ``n`` slots are used; a ceiling; the survivors above ``n`` copied below; the cut."""
         book = self.book
         try:
+            short = 0  # rounds in a row whose eviction left the tier short
             for _ in range(SHRINK_ROUNDS):
                 used, cap = book.used(tier), book.capacity(tier)
                 if used > n and not self.runner.make_room(tier, cap - n, batch=False):
-                    raise BudgetError(f"{tier} tier: cannot evict below {book.used(tier)} pages (all needed or pinned)")
+                    # every block needed or pinned, or writers beside the shrink took the slots it freed (a put
+                    # from the engine thread while the SSD tier shrinks on another): try again, then refuse
+                    short += 1
+                    if short >= EVICTION_TRIES:
+                        raise BudgetError(f"{tier} tier: cannot evict below {book.used(tier)} pages (all needed or "
+                                          "pinned)")
+                    time.sleep(0.01)
+                    continue
+                short = 0
                 if book.cap(tier, n):  # others may have taken freed slots meanwhile: then evict again
                     break
             else:
