@@ -24,11 +24,11 @@ from kvdrive.router.metrics import RouterMetrics
 from kvdrive.router.proxy import error, forward
 from kvdrive.runtime.prompt import Tokenizer, TokenizerError
 from kvdrive.runtime.prompt.digests import tenant_salt
-from kvdrive.runtime.server import schemas as s
-from kvdrive.runtime.server.prompts import chat_prompt, completion_prompt
+from kvdrive.runtime.protocol import request_schemas as r
+from kvdrive.runtime.protocol.prompts import chat_prompt, completion_prompt
 
-PROMPTED = {"completions": (s.CompletionRequest, completion_prompt),
-            "chat/completions": (s.ChatCompletionRequest, chat_prompt)}
+PROMPTED = {"completions": (r.CompletionRequest, completion_prompt),
+            "chat/completions": (r.ChatCompletionRequest, chat_prompt)}
 
 
 class BodyTooLarge(Exception):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvdrive.runtime.server.kv_events_wire import fold
+from kvdrive.runtime.protocol.kv_events_wire import fold
 
 
 class PrefixIndex:

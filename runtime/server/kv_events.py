@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvdrive.runtime.kvcache.page_events import PageChange, PageEvents
-from kvdrive.runtime.server.kv_events_wire import (
+from kvdrive.runtime.protocol.kv_events_wire import (
     END_SEQ,
     MEDIUM,
     AllBlocksCleared,

@@ -22,16 +22,19 @@ from kvdrive.runtime.engine import Request as EngineRequest
 from kvdrive.runtime.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec
 from kvdrive.runtime.prompt.digests import tenant_salt
 from kvdrive.runtime.prompt.tokenizer import TokenizerError
-from kvdrive.runtime.server import schemas as s
-from kvdrive.runtime.server.auth import ApiKey
+from kvdrive.runtime.protocol import request_schemas as r
+from kvdrive.runtime.protocol.output_schemas import ResponseFormat
+from kvdrive.runtime.protocol.prompts import chat_prompt, completion_prompts
+from kvdrive.runtime.protocol.secret_files import ApiKey
+from kvdrive.runtime.protocol.tool_prompt import active
+from kvdrive.runtime.server import response_schemas as s
 from kvdrive.runtime.server.errors import ERRORS, GENERATION_ERRORS, ApiError
 from kvdrive.runtime.server.fanout import Fanout
 from kvdrive.runtime.server.logprobs import LogprobRenderer
-from kvdrive.runtime.server.prompts import chat_prompt, completion_prompts
 from kvdrive.runtime.server.state import ServerState
 from kvdrive.runtime.server.streaming import collect, stream
-from kvdrive.runtime.server.structured import ResponseFormat, grammar_spec, tool_grammar
-from kvdrive.runtime.server.tools import ToolStream, active, parse
+from kvdrive.runtime.server.structured import grammar_spec, tool_grammar
+from kvdrive.runtime.server.tool_parsing import ToolStream, parse
 
 T = TypeVar("T")
 
@@ -67,7 +70,7 @@ def openai_routes(state: ServerState) -> APIRouter:
     cfg = state.config
     grammars = GrammarCompiler(state.tokenizer)
 
-    async def constraint(body: s._SamplingFields, response_format: ResponseFormat | None,
+    async def constraint(body: r.SamplingFields, response_format: ResponseFormat | None,
                          tool_spec: GrammarSpec | None = None) -> CompiledGrammar | None:
         """The request's output grammar (a format, or a forced tool call), compiled off the event loop; a bad
         one is a 400 naming its field."""
@@ -93,7 +96,7 @@ def openai_routes(state: ServerState) -> APIRouter:
             raise ApiError(404, f"model {name!r} is not served here (served: {cfg.model_id})", "not_found_error",
                            "model")
 
-    async def check_tools(body: s.ChatCompletionRequest) -> None:
+    async def check_tools(body: r.ChatCompletionRequest) -> None:
         """Each function's parameters must be a schema a call can follow (compiled, off the event loop)."""
         for i, tool in enumerate(body.tools or []):
             spec = GrammarSpec("json_schema", json.dumps(tool.function.parameters))
@@ -102,7 +105,7 @@ def openai_routes(state: ServerState) -> APIRouter:
             except GrammarError as exc:
                 raise ApiError(400, f"tools[{i}].function.parameters: {exc}", param="tools") from exc
 
-    def sampling(body: s._SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None,
+    def sampling(body: r.SamplingFields, max_tokens: int | None, prompt_len: int, logprobs: int | None,
                  prompt_logprobs: int | None = None, grammar: CompiledGrammar | None = None) -> SamplingParams:
         room = state.max_context - prompt_len
         wanted = max_tokens if max_tokens is not None else cfg.default_chat_max_tokens
@@ -182,7 +185,7 @@ def openai_routes(state: ServerState) -> APIRouter:
                                              max_model_len=state.request_limit())])
 
     @router.post("/v1/completions", response_model=s.CompletionResponse, responses=GENERATION_ERRORS)
-    async def completions(body: s.CompletionRequest, request: Request) -> Response:
+    async def completions(body: r.CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         try:
             prompts = completion_prompts(body, state.tokenizer)
@@ -222,7 +225,7 @@ def openai_routes(state: ServerState) -> APIRouter:
             for i, c in enumerate(done.choices)]).model_dump())
 
     @router.post("/v1/chat/completions", response_model=s.ChatCompletionResponse, responses=GENERATION_ERRORS)
-    async def chat(body: s.ChatCompletionRequest, request: Request) -> Response:
+    async def chat(body: r.ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         try:
             prompt_ids = chat_prompt(body, state.tokenizer)

@@ -21,12 +21,12 @@ from fastapi.responses import StreamingResponse
 
 from kvdrive.runtime.engine import RequestOutput
 from kvdrive.runtime.engine.sampling import TokenLogprob
-from kvdrive.runtime.server import schemas as s
+from kvdrive.runtime.server import response_schemas as s
 from kvdrive.runtime.server.errors import ApiError
 from kvdrive.runtime.server.fanout import Fanout
 from kvdrive.runtime.server.logprobs import LogprobRenderer
-from kvdrive.runtime.server.output_schemas import DeltaToolCall
-from kvdrive.runtime.server.tools import ToolStream
+from kvdrive.runtime.server.response_schemas import DeltaToolCall
+from kvdrive.runtime.server.tool_parsing import ToolStream
 
 KEEPALIVE = ": keep-alive\n\n"
 

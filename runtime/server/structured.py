@@ -1,15 +1,18 @@
 """What a request constrains its output to, read from its OpenAI fields: ``response_format`` (JSON mode, a
-JSON schema), vLLM's ``guided_choice`` / ``guided_regex``, and a forced tool call (``tools.py``). The engine's grammar (``engine/grammar.py``)
-then makes every sampled token continue it."""
+JSON schema), vLLM's ``guided_choice`` / ``guided_regex``, and a forced tool call (``tool_choice``, written as
+``kvdrive.runtime.protocol.tool_prompt`` describes). The engine's grammar (``engine/grammar.py``) then makes every
+sampled token continue it."""
 
 from __future__ import annotations
 
 import json
 
 from kvdrive.runtime.engine.grammar import GrammarSpec
-from kvdrive.runtime.server import schemas as s
-from kvdrive.runtime.server.output_schemas import ResponseFormat
-from kvdrive.runtime.server.tools import CLOSE, MAX_CALLS, OPEN, forced
+from kvdrive.runtime.protocol import request_schemas as r
+from kvdrive.runtime.protocol.output_schemas import ResponseFormat
+from kvdrive.runtime.protocol.tool_prompt import CLOSE, OPEN, forced
+
+MAX_CALLS = 8  # calls in one forced answer with parallel_tool_calls (a small model may repeat a call without end)
 
 
 def grammar_spec(response_format: ResponseFormat | None, guided_choice: list[str] | None,
@@ -47,7 +50,7 @@ def _call_schema(name: str, parameters: dict[str, object]) -> dict[str, object]:
     return schema
 
 
-def tool_grammar(body: s.ChatCompletionRequest) -> GrammarSpec | None:
+def tool_grammar(body: r.ChatCompletionRequest) -> GrammarSpec | None:
     """The Lark grammar of a forced answer: ``<tool_call>{"name": f, "arguments": <f's schema>}</tool_call>``,
     once or (parallel_tool_calls) up to MAX_CALLS times, one rule per function; None when the model decides."""
     must = forced(body)
