@@ -1,9 +1,9 @@
 """The router's HTTP face: the OpenAI endpoints proxied (``/v1/*``), ``/healthz``, ``/readyz``, ``/metrics``.
 
 Completions and chat requests are read (at most ``max_body_bytes``: 413 past it, as the runtime does),
-tokenized off the event loop with the replicas' tokenizer and turned into page digests; everything else
-under ``/v1`` goes to the least loaded replica. A body the router cannot read is still forwarded: the
-replica answers it with its own 4xx, so the router adds no error contract of its own.
+tokenized off the event loop with the replicas' tokenizer (``prompt_reading.py``) and turned into page
+digests; everything else under ``/v1`` goes to the least loaded replica. A body the router cannot read is still
+forwarded: the replica answers it with its own 4xx, so the router adds no error contract of its own.
 """
 
 from __future__ import annotations
@@ -17,18 +17,11 @@ from typing import Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
 
 from kvdrive.router.core import Router
 from kvdrive.router.metrics import RouterMetrics
+from kvdrive.router.prompt_reading import PROMPTED, bearer, prompt_tokens
 from kvdrive.router.proxy import error, forward
-from kvdrive.runtime.prompt import Tokenizer, TokenizerError
-from kvdrive.runtime.prompt.digests import tenant_salt
-from kvdrive.runtime.server import schemas as s
-from kvdrive.runtime.server.prompts import chat_prompt, completion_prompt
-
-PROMPTED = {"completions": (s.CompletionRequest, completion_prompt),
-            "chat/completions": (s.ChatCompletionRequest, chat_prompt)}
 
 
 class BodyTooLarge(Exception):
@@ -46,29 +39,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise BodyTooLarge
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def prompt_tokens(path: str, body: bytes, tokenizer: Tokenizer | None,
-                  tenant_key: str | None = None) -> tuple[list[int], str | None] | None:
-    """The prompt's token ids exactly as a replica will compute them, and its cache salt (a salted prompt's
-    pages are addressed apart): under ``--isolate-tenants`` derived from the caller's key, as the replica
-    derives it (``tenant_salt``); None when it cannot be read."""
-    kind = PROMPTED.get(path)
-    if kind is None or tokenizer is None:
-        return None
-    model, build = kind
-    try:
-        parsed = model.model_validate(json.loads(body))
-        salt = tenant_salt(tenant_key, parsed.cache_salt) if tenant_key is not None else parsed.cache_salt
-        return build(parsed, tokenizer), salt  # type: ignore[operator]
-    except (ValueError, ValidationError, TokenizerError):  # json.JSONDecodeError is a ValueError
-        return None
-
-
-def bearer(authorization: str | None) -> str | None:
-    """The credential of a ``Bearer`` Authorization header (the replica checks it; the router only hashes)."""
-    scheme, _, credential = (authorization or "").strip().partition(" ")
-    return credential.strip() if scheme.lower() == "bearer" and credential.strip() else None
 
 
 class Listener(Protocol):

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> None:
     from kvdrive.router.discovery import Discovery, EndpointSliceDiscovery, StaticDiscovery
     from kvdrive.router.extproc import ExtProcServer
     from kvdrive.router.selection import Policy
-    from kvdrive.runtime.server.auth import read_api_keys
+    from kvdrive.runtime.protocol.secret_files import read_api_keys
 
     if bool(args.backend) == bool(args.service):
         raise SystemExit("kvdrive route: error: give either --backend URL (one or more) or --service NAME")

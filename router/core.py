@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvdrive.router.backends import Backend, BackendPool, EventSource, Health, RoutingInfo
 from kvdrive.router.discovery import Discovery
 from kvdrive.router.index import PrefixIndex
-from kvdrive.router.kv_events import EventFeed
+from kvdrive.router.kv_event_feed import EventFeed
 from kvdrive.router.selection import Candidate, Decision, Policy, affinity_key, choose
 from kvdrive.runtime.prompt import DIGEST_BYTES, Tokenizer, TokenizerError, page_digests, salted_root
 

@@ -3,7 +3,7 @@
 A gateway (Envoy) streams each request's headers and body to ``ExternalProcessor.Process`` and routes it to
 the endpoint the picker names (GIE proposal 004). The picker is the same ``Router`` as the HTTP proxy (one
 prefix index, one load count, one policy), so the prompt is read and placed exactly as ``kvdrive route``
-places it: tokenized with the replicas' tokenizer (``app.prompt_tokens``), digested per page and chosen by
+places it: tokenized with the replicas' tokenizer (``prompt_reading.prompt_tokens``), digested per page and chosen by
 ``Router.pick``. Phase by phase:
 
 - request headers: kept (path, authorization, content-length); the gateway's subset hint read. In
@@ -47,10 +47,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdrive.router import extproc_wire as wire
-from kvdrive.router.app import PROMPTED, bearer, prompt_tokens
 from kvdrive.router.backends import host_port
 from kvdrive.router.core import Router
 from kvdrive.router.metrics import RouterMetrics
+from kvdrive.router.prompt_reading import PROMPTED, bearer, prompt_tokens
 from kvdrive.router.proxy import Sent
 from kvdrive.router.selection import NoReplicaError
 

@@ -12,7 +12,7 @@ wrong token):
   as learned then, and last ``recent_seconds`` unless a poll that started after that confirms them.
 A replica that restarted (a new instance id), left or failed is forgotten.
 
-A replica that publishes KV events (``kv_events``) is followed change by change instead: a page counts while
+A replica that publishes KV events (``kv_event_feed``) is followed change by change instead: a page counts while
 some tier (medium) holds it, and a ``BlockRemoved`` on its last tier forgets it at once. Events that start from
 the replica's ``AllBlocksCleared`` are its exact state and replace what a poll found; a page only a poll found
 (its tiers unknown: events joined late) is forgotten at its first ``BlockRemoved``.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvdrive.runtime.server.kv_events_wire import fold
+from kvdrive.runtime.protocol.kv_event_wire import fold
 
 
 class PrefixIndex:

@@ -349,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         import asyncio
 
         from kvdrive.runtime.bench import load_bench
-        from kvdrive.runtime.server.auth import read_secret
+        from kvdrive.runtime.protocol.secret_files import read_secret
 
         res = asyncio.run(load_bench.run_load(args.url, args.clients, args.seconds, args.max_tokens,
                                               read_secret(args.api_key_file), args.long_clients,

@@ -216,8 +216,8 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
 
 def _serve(args: argparse.Namespace) -> int:
     from kvdrive.runtime.engine import SchedulerConfig
-    from kvdrive.runtime.server.auth import read_api_keys, read_secret
-    from kvdrive.runtime.server.kv_events import KVEventsConfig
+    from kvdrive.runtime.protocol.secret_files import read_api_keys, read_secret
+    from kvdrive.runtime.server.kv_event_publisher import KVEventsConfig
     from kvdrive.runtime.server.serve import ServeOptions, serve
 
     if args.isolate_tenants and not args.api_key_file:

@@ -7,7 +7,7 @@ completion tokens/s, and from the replicas' own counters the prompt tokens recei
 so the prefill tokens computed; from the router, its decisions by reason.
 
 With ``kv_events`` one more prefix run has the replicas publish KV events, which the router follows instead
-of polling their page lists (``kvdrive.router.kv_events``): its reuse is compared with the polling run's.
+of polling their page lists (``kvdrive.router.kv_event_feed``): its reuse is compared with the polling run's.
 
 The fault run repeats the prefix run and, during it, kills one replica (SIGKILL: its in-flight requests
 are lost), restarts it, then kills and restarts the router; it reports the requests lost, how long the

@@ -1,7 +1,7 @@
 """Content addresses of a prompt's pages: a chain hash of the model fingerprint and every token up to each
 page end, so equal prefixes map to equal digests across requests, replicas and restarts.
 
-The runtime names its stored pages by them (``kvcache.keys.BlockKey``); the router computes them for a
+The runtime names its stored pages by them (``kvcache.store.keys.BlockKey``); the router computes them for a
 prompt it has not sent anywhere yet, from the root a replica reports, and looks them up in its index of
 what each replica holds.
 """

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from kvdrive.runtime.server.schemas import REQUEST, Int
+from kvdrive.runtime.protocol.fields import REQUEST, Int
 
 
 class Readiness(BaseModel):

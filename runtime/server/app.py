@@ -19,9 +19,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvdrive.runtime.server.disconnect import ClientGone
 from kvdrive.runtime.server.errors import ERRORS, ApiError, error_response
 from kvdrive.runtime.server.gate import Gate, GatePolicy
-from kvdrive.runtime.server.openai_api import ClientGone, openai_routes
+from kvdrive.runtime.server.openai_api import openai_routes
 from kvdrive.runtime.server.ops_api import ops_routes
 from kvdrive.runtime.server.routing_api import routing_routes
 from kvdrive.runtime.server.state import ServerState

@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from kvdrive.runtime.server import schemas as s
+from kvdrive.runtime.server import response_schemas as s
 
 
 class ApiError(Exception):

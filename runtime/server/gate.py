@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvdrive.runtime.server.auth import ApiKey
+from kvdrive.runtime.protocol.secret_files import ApiKey
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

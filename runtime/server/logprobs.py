@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from kvdrive.runtime.engine.sampling import TokenLogprob
 from kvdrive.runtime.prompt import Tokenizer
-from kvdrive.runtime.server import schemas as s
+from kvdrive.runtime.server import response_schemas as s
 
 
 class LogprobRenderer:

@@ -12,7 +12,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from kvdrive.runtime.server import admin_schemas as a
 from kvdrive.runtime.server.errors import ERRORS, GENERATION_ERRORS, ApiError
-from kvdrive.runtime.server.schemas import ErrorResponse
+from kvdrive.runtime.server.response_schemas import ErrorResponse
 from kvdrive.runtime.server.state import ServerState
 
 log = logging.getLogger(__name__)

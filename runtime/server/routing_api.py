@@ -8,7 +8,7 @@
   each (``application/octet-stream``), read between two engine steps.
 
 With KV events on (``--kv-events-endpoint`` bound on a TCP port), the routing info names the ports, so a
-router subscribes to the changes (``kv_events``) and polls the prefix list only to start over.
+router subscribes to the changes (``kvdrive.router.kv_event_feed``) and polls the prefix list only to start over.
 
 They are under ``/v1``: the API key protects them like the rest of the API. What the router learns is a
 hint: the runtime still checks every page it reuses, so a stale index costs a prefill, never a wrong token.

@@ -18,10 +18,10 @@ from kvdrive.runtime.kvcache import BudgetError, KVCache
 from kvdrive.runtime.kvcache.store.page_events import PageEvents
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.registry import DEMO_ALIAS, MODEL_ALIASES
+from kvdrive.runtime.protocol.secret_files import ApiKey
 from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
 from kvdrive.runtime.server.app import create_app
-from kvdrive.runtime.server.auth import ApiKey
-from kvdrive.runtime.server.kv_events import KVEventPublisher, KVEventsConfig, binds
+from kvdrive.runtime.server.kv_event_publisher import KVEventPublisher, KVEventsConfig, binds
 from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
 from kvdrive.runtime.server.routing_api import KVEventsInfo, RoutingSource
 from kvdrive.runtime.server.state import ServerConfig, ServerState

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from kvdrive.runtime.engine import AsyncEngine
 from kvdrive.runtime.prompt import Tokenizer
+from kvdrive.runtime.protocol.secret_files import ApiKey
 from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
-from kvdrive.runtime.server.auth import ApiKey
-from kvdrive.runtime.server.kv_events import KVEventPublisher
+from kvdrive.runtime.server.kv_event_publisher import KVEventPublisher
 from kvdrive.runtime.server.metrics import ServerMetrics
 from kvdrive.runtime.server.routing_api import RoutingSource
 

@@ -21,12 +21,12 @@ from fastapi.responses import StreamingResponse
 
 from kvdrive.runtime.engine import RequestOutput
 from kvdrive.runtime.engine.sampling import TokenLogprob
-from kvdrive.runtime.server import schemas as s
+from kvdrive.runtime.server import response_schemas as s
 from kvdrive.runtime.server.errors import ApiError
 from kvdrive.runtime.server.fanout import Fanout
 from kvdrive.runtime.server.logprobs import LogprobRenderer
-from kvdrive.runtime.server.output_schemas import DeltaToolCall
-from kvdrive.runtime.server.tools import ToolStream
+from kvdrive.runtime.server.response_schemas import DeltaToolCall
+from kvdrive.runtime.server.tool_parsing import ToolStream
 
 KEEPALIVE = ": keep-alive\n\n"
 
@@ -94,7 +94,7 @@ async def stream(rid: str, outputs: Fanout, chat: bool, model: str, include_usag
     then answer with SSE: each choice's chunks carry its index (and its tokens' log-probabilities when
     ``render`` is given). ``prefix``: a completion's echoed prompt per choice; sent at once, or with the first
     token when the prompt's log-probabilities come with it. ``tool_stream``: a chat answer's text is read for
-    tool calls (``tools.py``), sent as call deltas; such an answer ends with finish_reason "tool_calls".
+    tool calls (``tool_parsing.py``), sent as call deltas; such an answer ends with finish_reason "tool_calls".
     ``continuous_usage`` (vLLM's ``continuous_usage_stats``, with ``include_usage``): every chunk after the
     engine's first output carries the usage so far, as vLLM's do (load generators count tokens by it)."""
     it = outputs.__aiter__()

@@ -1,15 +1,23 @@
 """What a request constrains its output to, read from its OpenAI fields: ``response_format`` (JSON mode, a
-JSON schema), vLLM's ``guided_choice`` / ``guided_regex``, and a forced tool call (``tools.py``). The engine's grammar (``engine/grammar.py``)
-then makes every sampled token continue it."""
+JSON schema), vLLM's ``guided_choice`` / ``guided_regex``, and a forced tool call (``tool_choice``, written as
+``kvdrive.runtime.protocol.tool_prompt`` describes). The engine's grammar (``engine/grammar.py``) then makes every
+sampled token continue it. ``OutputConstraints`` compiles it; a constraint that does not compile is a 400 naming
+its field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from kvdrive.runtime.engine.grammar import GrammarSpec
-from kvdrive.runtime.server import schemas as s
-from kvdrive.runtime.server.output_schemas import ResponseFormat
-from kvdrive.runtime.server.tools import CLOSE, MAX_CALLS, OPEN, forced
+from kvdrive.runtime.engine.grammar import CompiledGrammar, GrammarError, GrammarSpec
+from kvdrive.runtime.protocol import request_schemas as r
+from kvdrive.runtime.protocol.output_schemas import ResponseFormat
+from kvdrive.runtime.protocol.tool_prompt import CLOSE, OPEN, forced
+from kvdrive.runtime.server.errors import ApiError
+
+MAX_CALLS = 8  # calls in one forced answer with parallel_tool_calls (a small model may repeat a call without end)
 
 
 def grammar_spec(response_format: ResponseFormat | None, guided_choice: list[str] | None,
@@ -47,7 +55,7 @@ def _call_schema(name: str, parameters: dict[str, object]) -> dict[str, object]:
     return schema
 
 
-def tool_grammar(body: s.ChatCompletionRequest) -> GrammarSpec | None:
+def tool_grammar(body: r.ChatCompletionRequest) -> GrammarSpec | None:
     """The Lark grammar of a forced answer: ``<tool_call>{"name": f, "arguments": <f's schema>}</tool_call>``,
     once or (parallel_tool_calls) up to MAX_CALLS times, one rule per function; None when the model decides."""
     must = forced(body)
@@ -60,3 +68,40 @@ def tool_grammar(body: s.ChatCompletionRequest) -> GrammarSpec | None:
     body_rule = "body: " + " | ".join(f"fn{i}" for i in range(len(tools)))
     lark = "\n".join([start, f'call: "{OPEN}" body "{CLOSE}"', body_rule, *rules])
     return GrammarSpec("lark", lark)
+
+
+@dataclass(frozen=True)
+class OutputConstraints:
+    """A request's output grammar compiled off the event loop (``compile``: ``GrammarCompiler.compile``)."""
+
+    compile: Callable[[GrammarSpec], CompiledGrammar]
+
+    async def of(self, body: r.SamplingFields, response_format: ResponseFormat | None,
+                 tool_spec: GrammarSpec | None = None) -> CompiledGrammar | None:
+        """The request's output grammar (a format, or a forced tool call: ``tool_spec``); None when its output
+        is free. A bad one is a 400 naming its field."""
+        try:
+            found = grammar_spec(response_format, body.guided_choice, body.guided_regex)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="response_format") from exc
+        if tool_spec is not None:
+            if found is not None:
+                raise ApiError(400, f"a forced tool call (tool_choice) cannot be combined with {found[1]}",
+                               param="tool_choice")
+            found = (tool_spec, "tools")
+        if found is None:
+            return None
+        spec, field = found
+        try:
+            return await asyncio.to_thread(self.compile, spec)
+        except GrammarError as exc:
+            raise ApiError(400, f"{field}: {exc}", param=field) from exc
+
+    async def check_tools(self, body: r.ChatCompletionRequest) -> None:
+        """Each function's parameters must be a schema a call can follow (compiled, off the event loop)."""
+        for i, tool in enumerate(body.tools or []):
+            spec = GrammarSpec("json_schema", json.dumps(tool.function.parameters))
+            try:
+                await asyncio.to_thread(self.compile, spec)
+            except GrammarError as exc:
+                raise ApiError(400, f"tools[{i}].function.parameters: {exc}", param="tools") from exc

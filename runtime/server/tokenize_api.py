@@ -14,9 +14,9 @@ from pydantic import BaseModel, Field, Strict
 
 from kvdrive.runtime.prompt import ChatMessage
 from kvdrive.runtime.prompt.tokenizer import TokenizerError
+from kvdrive.runtime.protocol.fields import REQUEST
+from kvdrive.runtime.protocol.request_schemas import ChatMessageIn
 from kvdrive.runtime.server.errors import ERRORS, ApiError
-from kvdrive.runtime.server.fields import REQUEST
-from kvdrive.runtime.server.schemas import ChatMessageIn
 from kvdrive.runtime.server.state import ServerState
 
 

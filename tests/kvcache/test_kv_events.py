@@ -25,8 +25,7 @@ from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.kvcache.store.page_events import PageEvents
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.prompt import page_digests
-from kvdrive.runtime.server.kv_events import KVEventPublisher, KVEventsConfig, to_events
-from kvdrive.runtime.server.kv_events_wire import (
+from kvdrive.runtime.protocol.kv_event_wire import (
     END_SEQ,
     MEDIUM,
     EventBatch,
@@ -37,6 +36,7 @@ from kvdrive.runtime.server.kv_events_wire import (
     seq_bytes,
     seq_of,
 )
+from kvdrive.runtime.server.kv_event_publisher import KVEventPublisher, KVEventsConfig, to_events
 
 
 @pytest.fixture

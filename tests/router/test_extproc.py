@@ -33,12 +33,12 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from routerkit import API_KEY, Process, free_port, start_replica, start_router
 
-from kvdrive.router.app import prompt_tokens
 from kvdrive.router.backends import host_port
 from kvdrive.router.core import Router, RouterConfig
 from kvdrive.router.discovery import StaticDiscovery
 from kvdrive.router.extproc import ExtProcServer
 from kvdrive.router.metrics import RouterMetrics
+from kvdrive.router.prompt_reading import prompt_tokens
 
 pytestmark = pytest.mark.slow
 AUTH = {"authorization": f"Bearer {API_KEY}"}

@@ -16,9 +16,9 @@ from routerkit import free_port
 
 from kvdrive.router.backends import EventSource
 from kvdrive.router.index import PrefixIndex
-from kvdrive.router.kv_events import EventFeed
-from kvdrive.runtime.kvcache.store.page_events import PageEvents
-from kvdrive.runtime.server.kv_events import KVEventPublisher, KVEventsConfig
+from kvdrive.router.kv_event_feed import EventFeed
+from kvdrive.runtime.kvcache import PageEvents
+from kvdrive.runtime.server.kv_event_publisher import KVEventPublisher, KVEventsConfig
 
 URL = "http://127.0.0.1:1"  # the replica's HTTP address: the feed takes its host
 

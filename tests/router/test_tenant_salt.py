@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
-from kvdrive.router.app import prompt_tokens
+from kvdrive.router.prompt_reading import prompt_tokens
 from kvdrive.runtime.prompt import Tokenizer
 from kvdrive.runtime.prompt.digests import tenant_salt
 

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvdrive.runtime.protocol.secret_files import ApiKey
 from kvdrive.runtime.server.app import create_app
-from kvdrive.runtime.server.auth import ApiKey
 from kvdrive.runtime.server.state import ServerState
 
 KEY = "k3y"
@@ -184,7 +184,7 @@ async def test_the_openapi_document_declares_what_the_server_answers(client: htt
 
 
 def test_a_world_readable_secret_file_is_used_with_a_warning(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
-    from kvdrive.runtime.server.auth import read_secret
+    from kvdrive.runtime.protocol.secret_files import read_secret
 
     path = tmp_path / "admin"
     path.write_text("t0ken\n")
@@ -199,7 +199,7 @@ def test_a_kubernetes_secret_volume_file_is_not_warned_about() -> None:
     """Found by the one-node cluster: every pod logged "chmod 600 it" for its admin token. A Secret
     volume with fsGroup gives the file to root, group = the pod's group, mode 0440: group read is
     the only way the server can read it, and the mount is read-only."""
-    from kvdrive.runtime.server.auth import secret_mode_problem
+    from kvdrive.runtime.protocol.secret_files import secret_mode_problem
 
     pod = {"uid": 0, "gid": 10001, "euid": 10001, "groups": (10001,)}
     assert secret_mode_problem(0o440, **pod) is None

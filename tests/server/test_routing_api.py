@@ -12,8 +12,8 @@ import json
 from fastapi.testclient import TestClient
 
 from kvdrive.runtime.prompt import ChatMessage, Tokenizer, page_digests
+from kvdrive.runtime.protocol.secret_files import ApiKey
 from kvdrive.runtime.server.app import create_app
-from kvdrive.runtime.server.auth import ApiKey
 from kvdrive.runtime.server.state import ServerState
 
 

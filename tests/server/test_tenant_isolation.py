@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvdrive.runtime.protocol.secret_files import ApiKey, read_api_keys
 from kvdrive.runtime.server.app import create_app
-from kvdrive.runtime.server.auth import ApiKey, read_api_keys
 from kvdrive.runtime.server.state import ServerState
 
 KEYS = (ApiKey("alice", "key-alice-1"), ApiKey("bob", "key-bob-2"))

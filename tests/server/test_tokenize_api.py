@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from kvdrive.runtime.prompt import ChatMessage
+from kvdrive.runtime.protocol.secret_files import ApiKey
 from kvdrive.runtime.server.app import create_app
-from kvdrive.runtime.server.auth import ApiKey
 from kvdrive.runtime.server.state import ServerState
 
 

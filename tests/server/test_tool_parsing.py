@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvdrive.runtime.server.tools import ToolStream, parse
+from kvdrive.runtime.server.tool_parsing import ToolStream, parse
 
 NAMES = {"get_weather"}
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'

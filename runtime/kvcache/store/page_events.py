@@ -1,7 +1,7 @@
 """What a KV-event stream tells consumers: which tiers hold each page, as it changes, with the page's tokens.
 
 ``PageEvents`` is the recorder between the block table and whoever publishes KV events (vLLM's ``kv_events``
-wire: ``kvdrive.runtime.server.kv_events``). The block table calls ``changed`` under its lock whenever a
+wire: ``kvdrive.runtime.server.kv_event_publisher``). The block table calls ``changed`` under its lock whenever a
 page's layer-0 block gains a readable copy in a tier or loses one (the same page identity the router's
 ``/v1/kvdrive/prefixes`` list uses: a page counts where its first layer's block is); the engine calls
 ``describe`` when a sequence seals a page, naming its parent page and tokens. The publisher's thread takes

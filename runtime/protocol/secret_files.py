@@ -2,8 +2,9 @@
 
 An API key file holds one key, or one per tenant: each line ``KEY`` or ``TENANT KEY`` (blank lines and ``#``
 comments skipped). The tenant names only label logs; under ``--isolate-tenants`` a request's prefix pages are
-keyed by a salt derived from its key (``prompt/digests.py:tenant_salt``). The checks themselves are the
-gate's (``gate.py``)."""
+keyed by a salt derived from its key (``prompt/digests.py:tenant_salt``). A replica (``kvdrive serve``) and the
+router (``kvdrive route``, which calls the replicas with its first key) read the same file; the checks
+themselves are the server's gate's (``kvdrive.runtime.server.gate``)."""
 
 from __future__ import annotations
 

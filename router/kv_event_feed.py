@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from kvdrive.router.backends import EventSource, host_port
 from kvdrive.router.index import PrefixIndex
-from kvdrive.runtime.server.kv_events_wire import (
+from kvdrive.runtime.protocol.kv_event_wire import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,

@@ -1,5 +1,5 @@
 """Publishing KV events: a replica tells routers and indexers (llm-d, Dynamo, ``kvdrive route``) what its tiers
-hold as it changes, on vLLM's ``kv_events`` wire (``kv_events_wire``).
+hold as it changes, on vLLM's ``kv_events`` wire (``kvdrive.runtime.protocol.kv_event_wire``).
 
 ``KVEventPublisher`` owns one thread and its two ZMQ sockets (sockets are used only from the thread that made
 them): a PUB socket on ``endpoint`` (bound when the address has a wildcard, ``ipc://`` or ``inproc://``, as vLLM
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvdrive.runtime.kvcache.store.page_events import PageChange, PageEvents
-from kvdrive.runtime.server.kv_events_wire import (
+from kvdrive.runtime.kvcache import PageChange, PageEvents
+from kvdrive.runtime.protocol.kv_event_wire import (
     END_SEQ,
     MEDIUM,
     AllBlocksCleared,

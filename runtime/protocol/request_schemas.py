@@ -1,4 +1,5 @@
-"""OpenAI-compatible request and response bodies (pydantic): the HTTP edge of the runtime.
+"""The OpenAI-compatible request bodies of completions and chat (pydantic): what a replica serves and what the
+router reads a prompt from.
 
 Requests are strict: a number is not a string or a boolean (``max_tokens: true`` is refused), floats
 are finite, unknown fields are refused, and the OpenAI fields this server does not implement are
@@ -7,19 +8,12 @@ refused by name when set to anything but their neutral value (rather than ignore
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from kvdrive.runtime.server.fields import REQUEST, Bool, Float, Int
-from kvdrive.runtime.server.output_schemas import (
-    DeltaToolCall,
-    NamedToolChoice,
-    ResponseFormat,
-    ToolCall,
-    ToolDef,
-)
+from kvdrive.runtime.protocol.fields import REQUEST, Bool, Float, Int
+from kvdrive.runtime.protocol.output_schemas import NamedToolChoice, ResponseFormat, ToolCall, ToolDef
 
 # OpenAI fields not implemented here, with the values that mean "not used"
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -35,7 +29,7 @@ def _refuse_unsupported(name: str, value: Any) -> Any:
     return value
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     model_config = REQUEST
 
     model: str = Field(description="served model id (see GET /v1/models); 'demo' is an alias of the demo model")
@@ -105,7 +99,7 @@ class StreamOptions(BaseModel):
 MAX_PROMPTS = 32  # prompts in one completions request
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[Int] | list[str] | list[list[Int]] = Field(description=(
         f"text, token ids, or a batch of either (at most {MAX_PROMPTS}): choice i * n + j is prompt i's sample j"))
     max_tokens: Int | None = Field(default=16, ge=1)
@@ -163,7 +157,7 @@ class ChatMessageIn(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: Bool | None = Field(default=None, description="each generated token's log-probability")
@@ -208,125 +202,3 @@ class ChatCompletionRequest(_SamplingFields):
         if v and not info.data.get("logprobs"):
             raise ValueError("set logprobs to true to get top_logprobs")
         return v
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens whose K/V came from stored prefix pages, not computed
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None  # the token's UTF-8 bytes (a token may hold part of a character)
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing predicts it)
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None
-    logprobs: CompletionLogprobs | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = "assistant"
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    finish_reason: str | None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDeltaChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    finish_reason: str | None = None
-    logprobs: ChatLogprobs | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatDeltaChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "kvdrive"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    code: int
-    param: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from kvdrive.runtime.server.fields import REQUEST, Bool
+from kvdrive.runtime.protocol.fields import REQUEST, Bool
 
 
 class JsonSchemaFormat(BaseModel):
@@ -76,17 +76,3 @@ class ToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: CallFunction
-
-
-class DeltaFunction(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(BaseModel):
-    """A streamed piece of a call: the first carries its id, type and name; the next, its arguments."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunction
