@@ -51,6 +51,10 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
+    def close(self) -> None:
+        """After ``shutdown``: the engine finishes its write-backs and closes the KV tiers (``LLMEngine.close``)."""
+        self.engine.close()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()

@@ -125,6 +125,15 @@ class LLMEngine:
         self.scheduler.waiting.append(seq)
         self._prompt_tokens += len(request.prompt_ids)
 
+    def close(self) -> None:
+        """Finish queued write-backs (prefix pages reach the SSD tier), flush the SSD index, close the tiers."""
+        self.runner.close()
+
+    @property
+    def kv_pages(self) -> int:
+        """Sealed pages all tiers can hold (the most one request may use)."""
+        return self.cache.num_pages
+
     def generate_tokens(self, prompt: Sequence[int], params: SamplingParams,
                         cache_salt: str | None = None) -> Iterator[int]:
         """One request to its end, stepping the engine in the calling thread: its token ids as they are sampled

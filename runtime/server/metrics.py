@@ -1,43 +1,24 @@
-"""Prometheus metrics of one server (its own registry; names as in ARCHITECTURE.md §4)."""
+"""Prometheus metrics of one server (its own registry; names and meanings in docs/metrics.md), rendered from the
+engine's stats, the tiers' usage and the KV cache's counters (``CacheCounters``) at scrape time."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvdrive.runtime.engine import EngineStats
-from kvdrive.runtime.kvcache.config import EnvelopeSplit
+from kvdrive.runtime.kvcache import CacheCounters, EnvelopeSplit
 from kvdrive.runtime.server.admin_schemas import TierUsageBody
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
-@dataclass(frozen=True)
-class TierCounters:
-    """Cumulative per-tier counters read at scrape time."""
-
-    page_reads: dict[str, int]  # tier -> pages read from that tier
-    transfer_bytes: dict[tuple[str, str], int]  # (src, dst) -> bytes
-    prefetch: dict[str, int]  # outcome (hit|late|wasted) -> count
-    fetch_wait_seconds: float = 0.0  # time steps spent waiting for tier reads
-    decode_steps: int = 0
-    prefix_hit_pages: int = 0  # pages reused from the tiers instead of recomputed
-    misses: int = 0  # needed pages no tier could serve (recomputed)
-    prefetch_throttled: int = 0  # decode steps that skipped prefetching (recent prefetches mostly wasted)
-    faults: dict[tuple[str, str], int] = field(default_factory=dict)  # (tier, kind) -> faults since start
-    degraded: frozenset[str] | set[str] = frozenset()  # tiers degraded now
-    prompt_rereads: int = 0  # blocks prompt chunks read back from below the memory tiers
-    layer_kind_bytes: dict[str, int] = field(default_factory=dict)  # global | sliding -> bytes held now
-    split: EnvelopeSplit | None = None  # the device envelope's split now
-
-
 class _LiveCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], list[TierUsageBody]],
-                 counters: Callable[[], TierCounters]) -> None:
+                 counters: Callable[[], CacheCounters]) -> None:
         self._stats, self._tiers, self._counters = stats, tiers, counters
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -149,7 +130,7 @@ def _split_metrics(split: EnvelopeSplit) -> Iterator[GaugeMetricFamily]:
 
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats], tiers: Callable[[], list[TierUsageBody]],
-                 counters: Callable[[], TierCounters]) -> None:
+                 counters: Callable[[], CacheCounters]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_LiveCollector(stats, tiers, counters))
         self.ttft = Histogram("kvdrive_time_to_first_token_seconds", "time from request arrival to first token",

@@ -14,15 +14,14 @@ from dataclasses import asdict, dataclass, field, replace
 import uvicorn
 
 from kvdrive.runtime.engine import AsyncEngine, EngineConfig, LLMEngine, ModelRunner, SchedulerConfig
-from kvdrive.runtime.kvcache import BudgetError, KVCache
-from kvdrive.runtime.kvcache.store.page_events import PageEvents
+from kvdrive.runtime.kvcache import BudgetError, KVCache, PageEvents
 from kvdrive.runtime.model import load_model
 from kvdrive.runtime.model.registry import DEMO_ALIAS, MODEL_ALIASES
 from kvdrive.runtime.protocol.secret_files import ApiKey
 from kvdrive.runtime.server.admin_schemas import EnvelopeSplitBody, TiersUpdate, TierUsageBody
 from kvdrive.runtime.server.app import create_app
 from kvdrive.runtime.server.kv_event_publisher import KVEventPublisher, KVEventsConfig, binds
-from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
+from kvdrive.runtime.server.metrics import ServerMetrics
 from kvdrive.runtime.server.routing_api import KVEventsInfo, RoutingSource
 from kvdrive.runtime.server.state import ServerConfig, ServerState
 
@@ -93,18 +92,10 @@ def build_state(opts: ServeOptions) -> ServerState:
             out.append(TierUsageBody(tier="ssd", budget_bytes=0, capacity_bytes=0, used_bytes=0, backing="disabled"))
         return out
 
-    def counters() -> TierCounters:
-        c = cache.counters()
-        return TierCounters(page_reads=c.page_reads, transfer_bytes=c.transfer_bytes, prefetch=c.prefetch,
-                            fetch_wait_seconds=c.fetch_wait_seconds, decode_steps=c.decode_steps,
-                            prefix_hit_pages=c.prefix_hit_pages, misses=c.misses,
-                            prefetch_throttled=c.prefetch_throttled, faults=c.faults, degraded=c.degraded,
-                            prompt_rereads=c.prompt_rereads, layer_kind_bytes=c.layer_kind_bytes, split=c.split)
-
     admin = asyncio.Lock()  # one budget change at a time
 
     def split() -> EnvelopeSplitBody:
-        now = cache.envelope.split()
+        now = cache.split()
         return EnvelopeSplitBody(**asdict(now), reserve_bytes=now.reserve_bytes)
 
     async def set_tiers(update: TiersUpdate) -> None:
@@ -126,9 +117,10 @@ def build_state(opts: ServeOptions) -> ServerState:
                     raise BudgetError(f"{exc} (the gpu and dram budgets were applied; the ssd tier kept "
                                       "its size)") from exc
 
-    metrics = ServerMetrics(engine.stats, tiers, counters)
+    metrics = ServerMetrics(engine.stats, tiers, cache.counters)
     publisher, events_info = kv_events_of(cache, opts.kv_events, loaded.model_id)
     async_engine = AsyncEngine(engine, metrics.engine_step.observe)
+    log.info("KV: %d pages of %d tokens over the tiers", engine.kv_pages, opts.engine.page_size)
     config = ServerConfig(model_id=loaded.model_id, aliases=aliases, api_keys=opts.api_keys,
                           isolate_tenants=opts.isolate_tenants,
                           admin_token=opts.admin_token, protect_metadata=opts.protect_metadata,
@@ -172,9 +164,8 @@ def serve(opts: ServeOptions) -> None:
     state.engine.start()
     import torch
 
-    log.info("serving %s on http://%s:%d (KV: %d pages of %d tokens over the tiers; %d compute threads)",
-             state.config.model_id, opts.host, opts.port, state.engine.engine.runner.cache.num_pages,
-             opts.engine.page_size, torch.get_num_threads())
+    log.info("serving %s on http://%s:%d (%d compute threads)", state.config.model_id, opts.host, opts.port,
+             torch.get_num_threads())
     server = _Server(uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning",
                                     timeout_graceful_shutdown=max(1, round(opts.drain_seconds))))
     try:
@@ -182,7 +173,7 @@ def serve(opts: ServeOptions) -> None:
         log.info("shutting down: in-flight requests drained or aborted")
     finally:
         state.engine.shutdown()
-        state.engine.engine.runner.cache.close()  # finish write-backs, flush the SSD index
+        state.engine.close()  # finish write-backs, flush the SSD index
         if state.kv_events is not None:
             state.kv_events.close()
         log.info("stopped")

@@ -9,8 +9,9 @@ import threading
 
 import httpx
 
+from kvdrive.runtime.kvcache import CacheCounters
 from kvdrive.runtime.server.app import create_app
-from kvdrive.runtime.server.metrics import ServerMetrics, TierCounters
+from kvdrive.runtime.server.metrics import ServerMetrics
 from kvdrive.runtime.server.state import ServerState
 
 
@@ -24,7 +25,7 @@ def test_a_slow_scrape_does_not_stall_other_requests(tiny_state: ServerState) ->
         assert release.wait(30), "the scrape was never released"
         return real_tiers()
 
-    counters = TierCounters(page_reads={"gpu": 0, "dram": 0, "ssd": 0}, transfer_bytes={}, prefetch={})
+    counters = CacheCounters(page_reads={"gpu": 0, "dram": 0, "ssd": 0}, transfer_bytes={}, prefetch={})
     metrics = ServerMetrics(tiny_state.engine.engine.stats, held_up_tiers, lambda: counters)
     app = create_app(dataclasses.replace(tiny_state, metrics=metrics))
 
