@@ -100,6 +100,7 @@ class KVCache:
         self.placer = Placer(self.policy, index, tier_map)  # every tier choice ...
         self.store = BlockStore(layout, budgets, tier_map, self.placer.eviction, index)  # ... applied here
         self.mover = Mover(self.store)  # the only caller of the tiers' I/O
+        self.placer.begin_step(self.store.drain_freed())  # its scores cover the page ids the SSD index recovered
         # a hybrid model's prefix reuse restores the sliding layers' window from snapshots (``windows.snapshots``)
         self.snapshots = WindowSnapshots(
             WindowFiles(Path(tiers.ssd_dir) / "windows" if tiers.ssd_dir else None, writable=tiers.persist),

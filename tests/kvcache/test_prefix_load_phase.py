@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from enginekit import PAGE, run_dry, small_engine, tokens
+from enginekit import PAGE, run_dry, small_engine, tiered_runner, tokens
 
 from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.model import LoadedModel, load_model
@@ -172,3 +172,25 @@ def test_the_copies_a_steps_lower_tier_reads_earn_are_made_in_the_next_steps_loa
             in_step, planned = True, set()
         else:
             in_step, planned = False, set(keys)
+
+
+def test_a_restart_on_many_stored_pages_loads_a_prefix_through_a_full_device_tier(hf_model_factory,
+                                                                                 tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The SSD index recovers more pages than placement's first tensors cover (256 page ids); a prefix loaded at
+    open, before any step, makes room in a small device tier by placement's ranking of those pages. It must rank
+    them (found by the decode bench on a 7K-token SSD directory: an IndexError in the scores), and the reused
+    prefix must decode as the first server did."""
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
+    loaded = load_model(str(path), progress=False)
+    prompt = torch.randint(3, 250, (1400,), generator=torch.Generator().manual_seed(11)).tolist()  # 350 pages
+    first = tiered_runner(loaded, rows=1, hot_pages=8, ssd=tmp_path / "ssd", full_attention=True)
+    seq, _ = first.open_sequence(prompt)
+    want = first.prefill(seq, prompt)
+    first.release(seq)
+    first.close()
+    again = tiered_runner(loaded, rows=1, hot_pages=8, ssd=tmp_path / "ssd", full_attention=True)
+    assert again.cache.store.index.capacity > 256
+    seq, reused = again.open_sequence(prompt)  # load=True: the stored prefix is read now, evicting as it goes
+    assert reused == (len(prompt) - 1) // PAGE * PAGE  # every full page but the one holding the last token
+    torch.testing.assert_close(again.prefill(seq, prompt[reused:]), want, atol=1e-4, rtol=1e-4)
+    again.close()
