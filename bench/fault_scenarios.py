@@ -257,9 +257,10 @@ async def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--gpu-budget", default="8MiB")
+    ap.add_argument("--gpu-budget", default="16MiB",
+                    help="the device envelope: 4 rows' open pages and 4 decode step buffers take 9 MiB of it")
     ap.add_argument("--dram-budget", default="16MiB")
-    ap.add_argument("--max-running", type=int, default=4, help="8MiB of device tier fits the open pages of 4")
+    ap.add_argument("--max-running", type=int, default=4, help="sequences running at once (each reserves a step buffer)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=60.0, help="load per fault scenario (2, 3)")
     ap.add_argument("--clients", type=int, default=2)
