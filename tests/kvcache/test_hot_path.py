@@ -56,11 +56,11 @@ def _opened(gen: ModelRunner, n: int) -> tuple[int, int]:
 
 
 def _count_calls(store: BlockStore, mover: Mover) -> dict[str, int]:
-    """Spies on every store lookup and Mover call, on the part that owns it (the store's read bookkeeping, the
-    Mover's reader and runner), so a call made inside the store or the Mover is counted too."""
+    """Spies on every store lookup and Mover call, on the part that owns it (the store's read and write
+    bookkeeping, the Mover's reader and runner), so a call made inside the store or the Mover is counted too."""
     calls = dict.fromkeys(STORE_LOOKUPS + MOVER_CALLS, 0)
-    owner: dict[str, Any] = {"plan_reads": store.reads, "fetch": mover.reader, "run_moves": mover.runner,
-                             "make_room": mover.runner}
+    owner: dict[str, Any] = {"plan_reads": store.reads, "rows_to_write": store.writes, "pin_for_promotion": store.writes,
+                             "fetch": mover.reader, "run_moves": mover.runner, "make_room": mover.runner}
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*a: Any, **kw: Any) -> Any:
