@@ -369,7 +369,11 @@ class KVCache:
 
     def page_reads(self) -> dict[str, int]:
         """Needed pages read, by the tier they were found in (in place by the decode loop, or by the store)."""
-        reads = dict(self.store.counters().page_reads)
+        return self._page_reads(self.store.counters().page_reads)
+
+    def _page_reads(self, store_reads: dict[str, int]) -> dict[str, int]:
+        """``store_reads`` (the Mover's, per tier) plus the decode loop's reads in place."""
+        reads = dict(store_reads)
         for t, n in self.read_counters.hot_reads.items():
             reads[t] = reads.get(t, 0) + n
         return reads
@@ -419,7 +423,7 @@ class KVCache:
     def counters(self) -> CacheCounters:
         """Every counter of the cache's parts, read now."""
         store, reads = self.store.counters(), self.read_counters
-        found = self.page_reads()
+        found = self._page_reads(store.page_reads)  # the store's counters read once, at one instant
         return CacheCounters(
             page_reads={t: found.get(t, 0) for t in ("gpu", "dram", "ssd")}, transfer_bytes=store.transfer_bytes,
             prefetch=self.placer.ledger.counts(), fetch_wait_seconds=reads.fetch_wait_seconds,

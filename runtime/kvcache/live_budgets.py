@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 
-from kvdrive.runtime.kvcache.config import EnvelopeSplit
 from kvdrive.runtime.kvcache.envelope import Envelope
 from kvdrive.runtime.kvcache.mover import Mover, TransferQueue
 from kvdrive.runtime.kvcache.store import BlockStore, BudgetError, TierBudgets, TierUsage
@@ -47,9 +46,6 @@ class LiveBudgets:
         self.transfers.drain()
         self.store.bind_owner()
         self.mover.set_budgets(hot_bytes=hot_bytes)
-
-    def split(self) -> EnvelopeSplit:
-        return self.envelope.split()
 
     # --- budgets ----------------------------------------------------------------------------------
     def set_budgets(self, envelope_bytes: int, dram_bytes: int, ssd_bytes: int, defer_ssd_shrink: bool = False) -> bool:
