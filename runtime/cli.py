@@ -55,6 +55,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-backend", choices=["posix", "kvikio"], default="posix",
                    help="how the SSD tier does its I/O: posix (O_DIRECT preadv/pwritev) or kvikio (cuFile/GPUDirect "
                         "Storage; needs CUDA and the 'gpu' extra; experimental: docs/tiers.md#gpu-paths)")
+    p.add_argument("--shared-tier", default=None, metavar="URL",
+                   help="a KV tier shared by every replica: valkey://HOST:PORT[,HOST:PORT...] (a Valkey or Redis "
+                        "node or cluster; valkeys:// for TLS). Prompts' pages are published to it and fetched "
+                        "from it by any replica (docs/tiers.md#the-shared-tier)")
+    p.add_argument("--shared-tier-namespace", default="default",
+                   help="key namespace in the shared tier (keys are kvd:<namespace>:<page digest>)")
+    p.add_argument("--shared-tier-user", default=None, help="ACL user of the shared tier (default: none)")
+    p.add_argument("--shared-tier-auth-file", default=None,
+                   help="file holding the shared tier's password (a mounted Secret)")
+    p.add_argument("--shared-tier-ca-file", default=None, help="PEM CA bundle verifying the shared tier's TLS")
+    p.add_argument("--shared-tier-timeout-ms", type=int, default=500,
+                   help="time budget of one round trip to a shard of the shared tier (a slower shard is a miss)")
     p.add_argument("--token-budget", type=int, default=1024, help="tokens each decode query attends to")
     p.add_argument("--selection-radius", type=float, default=1.0,
                    help="weight of each page's key-box radius in its selection score: 1 is Quest's upper bound, "
@@ -198,15 +210,24 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
                   max_running: int | None = None):
     """The engine's KV configuration from the model/tier flags."""
     from kvdrive.runtime.engine import EngineConfig, TierConfig
+    from kvdrive.runtime.kvcache import SharedTierConfig
+    from kvdrive.runtime.protocol.secret_files import read_secret
 
     if not 0.0 <= args.selection_radius <= 1.0:
         raise ValueError(f"--selection-radius {args.selection_radius}: expected a number from 0 to 1")
     if args.token_budget < 2 * args.page_size:
         raise ValueError(f"--token-budget {args.token_budget} is below two pages of {args.page_size} tokens")
     ssd_budget = args.ssd_budget if args.ssd_budget is not None else (1 << 30 if args.ssd_dir else 0)
+    shared = None
+    if args.shared_tier is not None:
+        shared = SharedTierConfig.parse(args.shared_tier, args.shared_tier_namespace, args.shared_tier_user,
+                                        read_secret(args.shared_tier_auth_file), args.shared_tier_ca_file,
+                                        args.shared_tier_timeout_ms)
+    elif args.shared_tier_auth_file or args.shared_tier_ca_file or args.shared_tier_user:
+        raise ValueError("--shared-tier-user, --shared-tier-auth-file and --shared-tier-ca-file need --shared-tier")
     tiers = TierConfig(envelope_bytes=args.gpu_budget, dram_bytes=args.dram_budget, ssd_dir=args.ssd_dir,
                        ssd_bytes=ssd_budget, hugetlbfs_dir=args.dram_hugepage_dir, ssd_codec=args.ssd_compression,
-                       ssd_backend=args.ssd_backend)
+                       ssd_backend=args.ssd_backend, shared=shared)
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
                         full_attention=args.full_attention, token_budget=args.token_budget,
                         selection_radius=args.selection_radius, selection_carry=args.selection_carry,

@@ -62,6 +62,9 @@ class EngineStats:
     gpu_pages: int = 0  # pages the device tier holds
 
 
+WARMUP_POLL_S = 0.005  # an idle step waits this long for a shared-tier prefix fetch before turning again
+
+
 class LLMEngine:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None) -> None:
         """``config``: None runs one request at a time as the runner's KV cache was configured (its running
@@ -120,6 +123,8 @@ class LLMEngine:
             tokens=list(request.prompt_ids),
             matcher=request.params.grammar.matcher() if request.params.grammar is not None else None,
         )
+        if request.params.prompt_logprobs is None:  # (a request asking for them computes its whole prompt)
+            seq.warmup = self.cache.warm_prefix(list(request.prompt_ids), request.cache_salt)
         self._seqs[request.request_id] = seq
         self._tick_queue()
         self.scheduler.waiting.append(seq)
@@ -203,6 +208,7 @@ class LLMEngine:
                                    sum(c.decode for c in chunks))
         chunks = self._load(chunks)
         if not chunks:
+            self._await_warmup()
             return outputs
         hidden = self._run(chunks, outputs)
         self.last_step = dataclasses.replace(self.last_step, forward_s=time.perf_counter() - t1)
@@ -210,6 +216,14 @@ class LLMEngine:
             return outputs
         self.pacer.observe(self.last_step.forward_s, self.last_step.prompt_tokens)
         return outputs + self._postprocess(chunks, hidden)
+
+    def _await_warmup(self, timeout: float = WARMUP_POLL_S) -> None:
+        """Nothing could run: when a waiting request's prefix is still being fetched from the shared tier,
+        wait a little for it rather than turn again at once."""
+        for seq in self.scheduler.waiting:
+            if seq.warmup is not None and not seq.warmup.done():
+                seq.warmup.wait(timeout)
+                return
 
     def _load(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The step's load phase: read the stored prefix pages that the plan's newly opened sequences matched

@@ -30,6 +30,8 @@ class PageAllocator:
         self._reserved = 0
 
     def can_admit(self, seq: SequenceState) -> bool:
+        if seq.warmup is not None and not seq.warmup.done():
+            return False  # its prefix is still being fetched from the shared tier
         cache = self.cache
         if cache.pages_needed(None, len(seq.pending) + 1) + self._reserved > cache.free_pages:
             return False
@@ -48,6 +50,9 @@ class PageAllocator:
             # phase) need no compute; a salted request matches only its own salt's pages
             # a request asking for its prompt's log-probabilities computes all of it (prompt_logprobs.py)
             reuse = seq.request.params.prompt_logprobs is None
+            if seq.warmup is not None:  # pages fetched from the shared tier join the stored ones first
+                self.cache.land_prefix(seq.warmup)
+                seq.warmup = None
             seq.seq_id, reused = self.runner.open_sequence(seq.tokens if reuse else (), load=False,
                                                            salt=seq.request.cache_salt)
             seq.num_computed += reused

@@ -9,6 +9,7 @@ import torch
 from kvdrive.runtime.engine.detokenize import TextStream
 from kvdrive.runtime.engine.grammar import Matcher
 from kvdrive.runtime.engine.sampling import SamplingParams, TokenLogprob
+from kvdrive.runtime.kvcache import PrefixWarmup
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class SequenceState:
     prompt_lps: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. so far (prompt_logprobs)
     prompt_lps_sent: bool = False
     matcher: Matcher | None = None  # where its output stands in its grammar (structured output)
+    warmup: PrefixWarmup | None = None  # its prefix being fetched from the shared tier (admitted once done)
 
     @property
     def prefill_left(self) -> int:

@@ -30,10 +30,13 @@ from kvdrive.runtime.kvcache.counters import CacheCounters
 from kvdrive.runtime.kvcache.envelope import Envelope, step_columns
 from kvdrive.runtime.kvcache.live_budgets import LiveBudgets, store_budgets
 from kvdrive.runtime.kvcache.mover import Mover, TransferQueue
+from kvdrive.runtime.kvcache.mover.shared import SharedMoves
+from kvdrive.runtime.kvcache.mover.transfer import Priority
 from kvdrive.runtime.kvcache.placement import PlacementPolicy, Placer, policy_for
 from kvdrive.runtime.kvcache.prefix import PrefixPages
 from kvdrive.runtime.kvcache.promotions import PromotionQueue
 from kvdrive.runtime.kvcache.sequence import PageLostError, SeqKV, StepSeq
+from kvdrive.runtime.kvcache.shared_prefix import PrefixWarmup, SharedPrefix
 from kvdrive.runtime.kvcache.step_reads import ReadCounters, StepReadParts
 from kvdrive.runtime.kvcache.store import (
     BlockIndex,
@@ -45,6 +48,7 @@ from kvdrive.runtime.kvcache.store import (
     device_tier,
 )
 from kvdrive.runtime.kvcache.store.page_events import PageEvents
+from kvdrive.runtime.kvcache.store.shared import PageFormat, SharedTier, cache_identity
 from kvdrive.runtime.kvcache.store.tiers.window_files import WindowFiles
 from kvdrive.runtime.kvcache.windows.ring import SlidingWindows
 from kvdrive.runtime.kvcache.windows.snapshots import WindowKeeper, WindowSnapshots
@@ -125,6 +129,17 @@ class KVCache:
         self._rows = list(range(config.max_sequences))  # free rows, lowest first
         self.page_events: PageEvents | None = None  # KV events on: sealed pages are described to it
         self.decode_steps = 0
+        # the fleet's shared tier (Valkey / Redis), with its own transfer queue: network round trips never
+        # queue behind local write-backs
+        self.shared_tier: SharedTier | None = None
+        self.shared: SharedPrefix | None = None
+        self._exact_pages: set[bytes] = set()  # pages begun by exact (not sparse) KV since the last finish_step
+        if tiers.shared is not None:
+            self.shared_tier = SharedTier(tiers.shared, PageFormat(cache_identity(fingerprint), layout.num_layers,
+                                                                   layout.block_bytes))
+            self.shared_queue = TransferQueue(self.mover, workers=2)
+            self.shared = SharedPrefix(layout, self.store, SharedMoves(self.mover, self.shared_tier, layout.num_layers),
+                                       self.placer, self.shared_queue, tiers.shared.stage_bytes)
         log.info("KV tiers: %s; placement %s, %s attention (token budget %d)",
                  ", ".join(f"{u.tier} {u.capacity_bytes >> 20} MiB ({u.backing})" for u in self.store.usage()),
                  self.policy.name, "sparse" if self.policy.sparse else "full", config.token_budget)
@@ -137,6 +152,8 @@ class KVCache:
         """Turn KV events on: ``events`` hears of every page a tier gains or loses, with its tokens."""
         self.page_events = events
         self.store.watch_pages(events)
+        if self.shared_tier is not None:
+            self.shared_tier.watch(events)
 
     def _table(self, rows: int, pages: int) -> torch.Tensor:
         with torch.inference_mode(False):
@@ -226,6 +243,18 @@ class KVCache:
         seq.unloaded = len(digests)
         return len(digests)
 
+    def warm_prefix(self, prompt: list[int], salt: str | None = None) -> PrefixWarmup | None:
+        """Start fetching ``prompt``'s stored prefix from the shared tier, ahead of its prefill (None: no shared
+        tier, or nothing to fetch). Admit the request once ``done()``, after ``land_prefix``."""
+        if self.shared is None:
+            return None
+        return self.shared.warm(prompt, salted_root(self.root, salt))
+
+    def land_prefix(self, warmup: PrefixWarmup) -> None:
+        """Store what a done warm-up fetched, before the request's prefix lookup (engine thread)."""
+        if self.shared is not None:
+            self.shared.land(warmup)
+
     def load_prefix(self, seq_id: int) -> bool:
         """Read the pages ``add_sequence`` matched and did not read (``PrefixPages.load``). False when some
         could not be read: the sequence is cut back to the pages before it, and its caller must treat the
@@ -283,6 +312,8 @@ class KVCache:
             self.page_events.describe(
                 (d, (new[i - 1] if i else seq.digests[-1] if seq.digests else None),
                  tuple(seq.tokens[(first_page + i) * s : (first_page + i + 1) * s])) for i, d in enumerate(new))
+        if new and not seq.inexact and self.shared is not None:
+            self._exact_pages.update(new)
         pids = [self.prefix.ref(d) for d in new]
         first = len(seq.digests)
         seq.digests.extend(new)
@@ -338,6 +369,10 @@ class KVCache:
         dst = self.placer.write_through_tier(self.config.tiers.persist)
         if sealed and dst is not None:
             self.transfers.replicate(sealed, dst)
+        if self.shared is not None:
+            exact, self._exact_pages = self._exact_pages, set()
+            if sealed:
+                self.shared.publish(self.placer.shared_publish([k.digest for k in sealed if k.layer == 0], exact))
         if decoded:
             self.decode_steps += 1
             self.placer.end_decode_step()
@@ -409,8 +444,16 @@ class KVCache:
         return tier in self.store.tiers
 
     def health(self) -> dict[str, str]:
-        """The degraded tiers and why (empty when every tier is healthy)."""
-        return dict(self.store.health())
+        """The degraded tiers and why (empty when every tier is healthy). A failing shared tier is probed
+        again in the background (its breakers' cooldowns over)."""
+        out = dict(self.store.health())
+        if self.shared_tier is not None:
+            why = self.shared_tier.degraded()
+            if why is not None:
+                out["shared"] = why
+                tier = self.shared_tier
+                self.shared_queue.submit(tier.probe, Priority.PREFETCH, dedupe=("probe",))
+        return out
 
     def page_digests(self) -> list[bytes]:
         """Digests of the pages some tier holds (what a router indexes)."""
@@ -429,9 +472,14 @@ class KVCache:
             prefetch=self.placer.ledger.counts(), fetch_wait_seconds=reads.fetch_wait_seconds,
             decode_steps=self.decode_steps, prefix_hit_pages=self.prefix.hit_pages, misses=store.misses,
             pages_lost=reads.pages_lost, prefetch_throttled=self.placer.throttle.throttled, faults=self.store.faults(),
-            degraded=frozenset(self.store.health()), prompt_rereads=reads.prompt_store_reads,
-            layer_kind_bytes=self.bytes_by_layer_kind(), split=self.envelope.split())
+            degraded=frozenset(self.health()), prompt_rereads=reads.prompt_store_reads,
+            layer_kind_bytes=self.bytes_by_layer_kind(), split=self.envelope.split(),
+            shared=self.shared_tier.counters() if self.shared_tier is not None else None,
+            shared_prefix_pages=self.shared.warmed_pages if self.shared is not None else 0)
 
     def close(self) -> None:
         self.transfers.close()
+        if self.shared_tier is not None:
+            self.shared_queue.close()  # queued publishes finish first
+            self.shared_tier.close()
         self.mover.close()

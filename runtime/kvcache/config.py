@@ -2,9 +2,58 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
+
+NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}  # scheme -> TLS
+
+
+@dataclass(frozen=True)
+class SharedTierConfig:
+    """Where the shared tier is (a Valkey / Redis node or cluster every replica reaches) and how to talk to it."""
+
+    endpoints: tuple[tuple[str, int], ...]  # (host, port): one node, or seeds of a cluster
+    namespace: str = "default"  # keys are kvd:<namespace>:<page digest hex>
+    tls: bool = False
+    user: str | None = None
+    password: str | None = None
+    ca_file: str | None = None
+    timeout_s: float = 0.5  # time budget of one round trip to a shard (a fetch, a publish)
+    stage_bytes: int = 512 << 20  # the most fetched bytes one request's prefix load holds before landing
+
+    @classmethod
+    def parse(cls, url: str, namespace: str = "default", user: str | None = None, password: str | None = None,
+              ca_file: str | None = None, timeout_ms: int = 500) -> SharedTierConfig:
+        """From ``valkey://HOST:PORT[,HOST:PORT...]`` (``valkeys://`` for TLS; ``redis://``, ``rediss://`` too).
+        ValueError naming what is wrong."""
+        scheme, sep, rest = url.partition("://")
+        if not sep or scheme not in SCHEMES:
+            raise ValueError(f"shared tier {url!r}: expected valkey://HOST:PORT[,HOST:PORT...] "
+                             f"(schemes: {', '.join(SCHEMES)})")
+        endpoints = []
+        for part in rest.rstrip("/").split(","):
+            host, colon, port = part.strip().rpartition(":")
+            host = host.strip("[]")
+            if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"shared tier {url!r}: endpoint {part!r} is not HOST:PORT")
+            endpoints.append((host, int(port)))
+        if not NAMESPACE.fullmatch(namespace):
+            raise ValueError(f"shared tier namespace {namespace!r}: 1-63 letters, digits, '.', '_' or '-', "
+                             "starting with a letter or digit")
+        if not 10 <= timeout_ms <= 10_000:
+            raise ValueError(f"shared tier timeout {timeout_ms} ms: expected 10..10000")
+        tls = SCHEMES[scheme]
+        if ca_file is not None and not tls:
+            raise ValueError("a shared tier CA file needs TLS: use valkeys:// (or rediss://)")
+        return cls(tuple(endpoints), namespace, tls, user, password, ca_file, timeout_ms / 1000)
+
+    def describe(self) -> str:
+        """The endpoints as the user gave them, without secrets."""
+        hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return f"{'valkeys' if self.tls else 'valkey'}://{hosts} (namespace {self.namespace})"
 
 
 @dataclass(frozen=True)
@@ -21,6 +70,7 @@ class TierConfig:
     ssd_backend: str = "posix"  # posix | kvikio (asked for explicitly: see kvikio_backend)
     persist: bool = True  # write sealed pages through to the SSD tier (prefix reuse across restarts)
     io_threads: int = 4
+    shared: SharedTierConfig | None = None  # the fleet's shared tier (Valkey / Redis), when given
 
 
 @dataclass(frozen=True)

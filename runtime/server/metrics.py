@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvdrive.runtime.engine import EngineStats
 from kvdrive.runtime.kvcache import CacheCounters, EnvelopeSplit
+from kvdrive.runtime.kvcache.counters import LATENCY_BOUNDS, SharedCounters
 from kvdrive.runtime.server.admin_schemas import TierUsageBody
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -83,7 +84,7 @@ class _LiveCollector(Collector):
             faults.add_metric([tier, kind], n)
         degraded = GaugeMetricFamily("kvdrive_tier_degraded", "1 while a tier is unavailable or saw a fault in the "
                                      "last minute (see /readyz for why)", labels=["tier"])
-        for t in ("gpu", "dram", "ssd"):
+        for t in ("gpu", "dram", "ssd") + (("shared",) if c.shared is not None else ()):
             degraded.add_metric([t], 1.0 if t in c.degraded else 0.0)
         yield from (running, waiting, generated, prompt, preempt, cap, budget, used, cached, reads, moved, prefetch,
                     wait, steps, hits, misses, throttled, rereads, kinds, faults, degraded)
@@ -93,6 +94,48 @@ class _LiveCollector(Collector):
         yield queued
         if c.split is not None:
             yield from _split_metrics(c.split)
+        if c.shared is not None:
+            yield from _shared_metrics(c.shared, c.shared_prefix_pages)
+
+
+def _shared_metrics(c: SharedCounters, prefix_pages: int) -> Iterator[GaugeMetricFamily | CounterMetricFamily
+                                                                      | HistogramMetricFamily]:
+    """The shared tier's (docs/metrics.md#the-shared-tier)."""
+    hits = CounterMetricFamily("kvdrive_shared_tier_hits", "pages fetched from the shared tier and verified")
+    hits.add_metric([], c.hits)
+    misses = CounterMetricFamily("kvdrive_shared_tier_misses", "pages asked of the shared tier and not served "
+                                 "(absent, refused, or their shard failing): recomputed")
+    misses.add_metric([], c.misses)
+    moved = CounterMetricFamily("kvdrive_shared_tier_bytes", "value bytes read from and written to the shared tier",
+                                labels=["direction"])
+    moved.add_metric(["read"], c.read_bytes)
+    moved.add_metric(["write"], c.written_bytes)
+    published = CounterMetricFamily("kvdrive_shared_tier_published_pages", "pages this replica wrote to the shared tier")
+    published.add_metric([], c.published)
+    prefix = CounterMetricFamily("kvdrive_shared_tier_prefix_pages", "prompt pages fetched from the shared tier "
+                                 "ahead of their prefill")
+    prefix.add_metric([], prefix_pages)
+    errors = CounterMetricFamily("kvdrive_shared_tier_errors", "keys whose shard failed: timeout, connection, "
+                                 "refused (its breaker open) or error (a reply naming one)", labels=["kind"])
+    for kind in ("timeout", "connection", "refused", "error"):
+        errors.add_metric([kind], c.errors.get(kind, 0))
+    verify = CounterMetricFamily("kvdrive_shared_tier_verify_failures", "values refused by cause (truncated, magic, "
+                                 "version, digest, identity, layout, checksum): each a miss, recomputed",
+                                 labels=["cause"])
+    for cause, n in c.verify_failures.items():
+        verify.add_metric([cause], n)
+    latency = HistogramMetricFamily("kvdrive_shared_tier_fetch_seconds", "time of one fetch batch (one round trip "
+                                    "per shard, the shards in parallel)")
+    latency.add_metric([], [(str(b), n) for b, n in zip(LATENCY_BOUNDS, c.fetch_buckets, strict=True)]
+                       + [("+Inf", c.fetches)], c.fetch_seconds)
+    degraded = GaugeMetricFamily("kvdrive_shared_tier_degraded", "1 while a shard of the shared tier is failing "
+                                 "(its breaker open) or no endpoint answered")
+    degraded.add_metric([], 1.0 if c.degraded else 0.0)
+    shards = GaugeMetricFamily("kvdrive_shared_tier_shards", "shards of the shared tier, and those failing now",
+                               labels=["state"])
+    shards.add_metric(["all"], c.shards)
+    shards.add_metric(["failing"], c.failing_shards)
+    yield from (hits, misses, moved, published, prefix, errors, verify, latency, degraded, shards)
 
 
 def _pool_metrics(s: EngineStats, tiers: list[TierUsageBody]) -> Iterator[GaugeMetricFamily]:

@@ -81,6 +81,21 @@ class Placer:
         when the server persists and has one."""
         return "ssd" if persist and "ssd" in self.tiers else None
 
+    # --- the shared tier --------------------------------------------------------------------------
+    @staticmethod
+    def shared_publish(digests: list[bytes], exact: set[bytes]) -> list[bytes]:
+        """Which sealed pages go to the shared tier: those whose KV was computed exactly (prompt pages and
+        full-attention decode), written through as they seal. Pages of a sparse decode are addressed apart
+        and never reused by another prompt: not published."""
+        return [d for d in digests if d in exact]
+
+    def shared_landing_tier(self) -> TierName:
+        """Where pages fetched from the shared tier land before the prefix load reads them: the SSD tier when
+        there is one (the largest: a long prefix fits), else the DRAM tier, else the device."""
+        if "ssd" in self.tiers:
+            return "ssd"
+        return "dram" if "dram" in self.tiers and self.tiers["dram"].allocator.capacity else "gpu"
+
     # --- the store's eviction order ---------------------------------------------------------------
     def victim_order(self, tier: TierName, cands: list[Block]) -> list[Block]:
         """Coldest first (a stable sort: ties keep the store's least-recently-used order)."""
@@ -101,7 +116,11 @@ class Placer:
     def _rank(self, layers: torch.Tensor, pids: torch.Tensor) -> torch.Tensor:
         """Scores of blocks (layers[i], pids[i]) with held pages ranked above everything: [n] float32."""
         self._grow_held()
-        return torch.where(self._held.index_select(0, pids) > 0, torch.inf, self.scores.of(layers, pids))
+        # page ids made since the step began (the scores follow them in begin_step) rank as new pages: cold
+        cap = self.scores.scratch
+        known = pids < cap
+        scores = self.scores.of(layers, torch.where(known, pids, cap))
+        return torch.where(self._held.index_select(0, pids) > 0, torch.inf, torch.where(known, scores, 0.0))
 
     # --- prompts in progress ---------------------------------------------------------------------
     @staticmethod
