@@ -135,7 +135,8 @@ def field_schema(field: FieldInfo, defaults: bool) -> dict[str, Any]:
     for meta in field.metadata:
         for kind, attribute, key in _BOUNDS:
             if isinstance(meta, kind):
-                schema[key] = getattr(meta, attribute)
+                schema["minItems" if key == "minLength" and schema.get("type") == "array" else key] = \
+                    getattr(meta, attribute)
                 if kind is annotated_types.Gt:
                     schema["exclusiveMinimum"] = True
         if isinstance(meta, annotated_types.MaxLen):

@@ -102,11 +102,26 @@ def test_defaults_are_the_same() -> None:
 
 def test_model_defaults_match_crd_defaults_field_by_field() -> None:
     crd = _crd_fields(version_schema(load_crd())["properties"]["spec"])
-    dumped = KVDriveSpec.model_validate({"model": {"source": "demo"}}).model_dump(by_alias=True)
-    for path, sub in crd.items():
-        if "default" not in sub or sub.get("type") == "object" and sub["default"] == {}:
-            continue
-        node: Any = dumped
-        for key in path.split("."):
-            node = node[key]
-        assert node == sub["default"], path
+    defaulted = {path for path, sub in crd.items()
+                 if "default" in sub and not (sub.get("type") == "object" and sub["default"] == {})}
+    # an optional object (the shared tier, its Secrets) shows its fields' defaults only where it is set
+    specs = [{"model": {"source": "demo"}},
+             {"model": {"source": "demo"}, "tiers": {"shared": {"service": {"name": "valkey"},
+                                                                "authSecretRef": {"name": "auth"}}}},
+             {"model": {"source": "demo"}, "tiers": {"shared": {"endpoints": ["valkey:6379"], "tls": {
+                 "enabled": True, "caSecretRef": {"name": "ca"}}}}}]
+    checked = set()
+    for spec in specs:
+        dumped = KVDriveSpec.model_validate(spec).model_dump(by_alias=True)
+        for path in defaulted:
+            node: Any = dumped
+            given: Any = spec
+            for key in path.split("."):
+                node = node.get(key) if isinstance(node, dict) else None
+                given = given.get(key) if isinstance(given, dict) else None
+            if node is None or given is not None:  # not there in this spec, or not a default
+                continue
+            assert node == crd[path]["default"], path
+            checked.add(path)
+    assert checked == defaulted
+    assert {"tiers.shared.namespace", "tiers.shared.service.port", "tiers.shared.tls.caSecretRef.key"} <= checked
