@@ -62,6 +62,9 @@ _PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
      "(autoscaling.mode operator).", "jsonPath": ".status.autoscaling.desiredReplicas", "priority": 1},
     {"name": "Router", "type": "string", "description": "Status of the RouterReady condition (spec.routing.mode "
      "prefix or inferencepool).", "jsonPath": '.status.conditions[?(@.type=="RouterReady")].status', "priority": 1},
+    {"name": "Shared-Degraded", "type": "string", "description": "Status of the SharedTierDegraded condition "
+     "(spec.tiers.shared): True while a pod reports its shared-tier circuit breaker open.",
+     "jsonPath": '.status.conditions[?(@.type=="SharedTierDegraded")].status', "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )
 _BOUNDS = ((annotated_types.Ge, "ge", "minimum"), (annotated_types.Le, "le", "maximum"),

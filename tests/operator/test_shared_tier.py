@@ -1,5 +1,7 @@
 """spec.tiers.shared, the KV tier every pod of a CR shares on a Valkey/Redis cluster the user runs: what the pods
-get (the ``kvdrive serve --shared-tier*`` flags, the Secrets' keys as files, never the password itself)."""
+get (the ``kvdrive serve --shared-tier*`` flags, the Secrets' keys as files, never the password itself), and what
+the status shows of it (where the pods reach it, which pods report it degraded, the condition
+``SharedTierDegraded`` the live loop owns beside the reconciler's)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,16 @@ import yaml
 from crdcheck import load_example
 
 from kvdrive.operator.api.cr import KVDriveDeployment, parse_cr
+from kvdrive.operator.api.podmetrics import PodMetrics, Scrape, TierState, parse_metrics
+from kvdrive.operator.api.status import KVDriveStatus
+from kvdrive.operator.decide.conditions import Observed, build_status, merge_conditions, status_differs
+from kvdrive.operator.decide.livestatus import (
+    live_status_differs,
+    pod_entry,
+    shared_tier_condition,
+    shared_tier_status,
+)
+from kvdrive.operator.decide.tuning import PodHistory
 from kvdrive.operator.render.manifests import render
 
 SERVICE = {"service": {"name": "valkey"}, "namespace": "fleet", "user": "kvdrive",
@@ -91,3 +103,75 @@ def test_without_a_shared_tier_the_pods_are_as_before_and_adding_one_rolls_them(
     assert "shared_tier" not in yaml.safe_load(plain["ConfigMap"]["data"]["config.yaml"])
     after = shared["StatefulSet"]["spec"]["template"]["metadata"]["annotations"]
     assert pod["metadata"]["annotations"]["kvdrive.io/config-hash"] != after["kvdrive.io/config-hash"]
+
+
+# status
+
+GAUGE = """# TYPE kvdrive_requests_waiting gauge
+kvdrive_requests_waiting 0.0
+kvdrive_tier_budget_bytes{tier="gpu"} 8.388608e+06
+"""
+
+
+def test_a_pods_metrics_say_whether_its_shared_tier_is_degraded() -> None:
+    assert parse_metrics(GAUGE).shared_tier_degraded is None  # no shared tier (or a runtime without one)
+    assert parse_metrics(GAUGE + "# TYPE kvdrive_shared_tier_degraded gauge\nkvdrive_shared_tier_degraded 1.0\n"
+                         ).shared_tier_degraded is True
+    assert parse_metrics(GAUGE + "kvdrive_shared_tier_degraded 0\n").shared_tier_degraded is False
+
+
+def _entry(name: str, degraded: bool | None) -> dict[str, Any]:
+    metrics = PodMetrics(tiers={"gpu": TierState(budget=1, used=0)}, shared_tier_degraded=degraded)
+    history = PodHistory().add(Scrape(1.0, metrics), keep=4)
+    return pod_entry(name, history.scrapes[-1], history, "t", None)
+
+
+def test_status_names_the_degraded_pods_and_the_condition_says_they_keep_serving() -> None:
+    entries = [_entry("chat-0", False), _entry("chat-1", True), _entry("chat-2", True)]
+    assert [e["sharedTier"] for e in entries] == ["ok", "degraded", "degraded"]
+    shared = _cr(SERVICE).spec.tiers.shared
+    assert shared is not None
+    assert shared_tier_status(shared, "inference", entries) == {
+        "url": "valkeys://valkey.inference.svc:6379", "namespace": "fleet", "tls": True,
+        "degradedPods": ["chat-1", "chat-2"]}
+    condition = shared_tier_condition(entries)
+    assert (condition.type, condition.status, condition.reason) == ("SharedTierDegraded", "True", "CircuitOpen")
+    assert condition.message.startswith("2/3 pods report the shared tier degraded")
+    assert condition.message.endswith(": chat-1, chat-2") and "keep serving" in condition.message
+    healthy = shared_tier_condition(entries[:1])
+    assert (healthy.status, healthy.reason, healthy.message) == ("False", "Reachable", "1/1 pods reach the shared tier")
+    # a pod that does not report it (an older runtime) is neither; none reporting is Unknown
+    assert "sharedTier" not in _entry("chat-3", None)
+    assert shared_tier_condition([_entry("chat-3", None)]).status == "Unknown"
+    assert shared_tier_condition([]).status == "Unknown"
+
+
+def _live(conditions: list[dict[str, Any]] | None, shared: bool = True) -> dict[str, Any]:
+    status: dict[str, Any] = {"pods": [], "recommendations": [], "budgets": {"gpu": "1", "dram": "", "ssd": ""},
+                              "maxRunning": "16", "autoscaling": {"mode": "none"}}
+    if shared:
+        status["sharedTier"] = {"url": "valkey://v:1", "namespace": "default", "tls": False, "degradedPods": []}
+        status["conditions"] = conditions
+    return status
+
+
+def test_the_reconciler_and_the_live_loop_each_judge_only_their_own_conditions() -> None:
+    """status.conditions is a map list: the reconciler owns Ready/Progressing/Degraded (and RouterReady), the
+    live loop SharedTierDegraded. Neither rewrites the status for the other's items, and a status holding both
+    is the shape the CRD's status schema takes."""
+    reconciled = build_status(name="chat", namespace="ns", port=8000, observed=Observed(1, 1, 1), problem=None,
+                              previous={}, now="t0")
+    shared = merge_conditions([], [shared_tier_condition([_entry("chat-0", True)])], 1, "t0")
+    both = {**reconciled, **_live(shared), "conditions": reconciled["conditions"] + shared}
+    KVDriveStatus.model_validate(both)
+    again = build_status(name="chat", namespace="ns", port=8000, observed=Observed(1, 1, 1), problem=None,
+                         previous=both, now="t1")
+    assert not status_differs(both, again)  # the live loop's item is not the reconciler's to drop
+    assert not live_status_differs(both, _live(shared))  # nor the reconciler's the live loop's
+    # the tier recovers: the live loop writes its condition (lastTransitionTime moves with the status)
+    recovered = merge_conditions(shared, [shared_tier_condition([_entry("chat-0", False)])], 1, "t2")
+    assert live_status_differs(both, _live(recovered)) and recovered[0]["lastTransitionTime"] == "t2"
+    # the shared tier is removed from the spec: the live loop applies once more without its key and condition
+    # (server-side apply removes what its manager stops applying), then has nothing more to write
+    assert live_status_differs(both, _live(None, shared=False))
+    assert not live_status_differs(reconciled | _live(None, shared=False), _live(None, shared=False))

@@ -39,6 +39,9 @@ def _model_class(annotation: Any) -> type[BaseModel] | None:
 
 
 def _literal(annotation: Any) -> tuple[Any, ...] | None:
+    if get_origin(annotation) in (typing.Union, types.UnionType):  # an optional Literal
+        args = [arg for arg in get_args(annotation) if arg is not type(None)]
+        annotation = args[0] if len(args) == 1 else annotation
     return get_args(annotation) if get_origin(annotation) is Literal else None
 
 
@@ -76,10 +79,10 @@ def test_status_enums_are_the_same() -> None:
     model = _model_fields(KVDriveStatus)
     enums = {path: sub["enum"] for path, sub in crd.items() if "enum" in sub}
     literals = {path: list(_literal(ann)) for path, ann in model.items() if _literal(ann)}
-    # metav1.Condition types are open in the schema; the operator writes only its three
+    # metav1.Condition types are open in the schema; the operator writes only its own
     literals.pop("conditions[].type")
     assert enums == literals
-    assert enums["pods[].metrics"] == ["ok", "missing"]
+    assert enums["pods[].metrics"] == ["ok", "missing"] and enums["pods[].sharedTier"] == ["ok", "degraded"]
     assert enums["pods[].recommendations[].tier"] == enums["recommendations[].tier"] == ["dram", "ssd"]
 
 
