@@ -66,6 +66,12 @@ def _constraints(schema: dict[str, Any], required: bool) -> str:
         parts.append(f"length >= {schema['minLength']}")
     if "maxLength" in schema:
         parts.append(f"length <= {schema['maxLength']}")
+    if "minItems" in schema:
+        parts.append(f"items >= {schema['minItems']}")
+    if "maxItems" in schema:
+        parts.append(f"items <= {schema['maxItems']}")
+    if schema.get("x-kubernetes-list-type") == "set":
+        parts.append("items unique")
     if "pattern" in schema and not schema.get("x-kubernetes-int-or-string"):
         parts.append(f"pattern `{schema['pattern']}`")
     if schema.get("x-kubernetes-preserve-unknown-fields"):

@@ -62,6 +62,9 @@ _PRINTER_COLUMNS: tuple[dict[str, Any], ...] = (
      "(autoscaling.mode operator).", "jsonPath": ".status.autoscaling.desiredReplicas", "priority": 1},
     {"name": "Router", "type": "string", "description": "Status of the RouterReady condition (spec.routing.mode "
      "prefix or inferencepool).", "jsonPath": '.status.conditions[?(@.type=="RouterReady")].status', "priority": 1},
+    {"name": "Shared-Degraded", "type": "string", "description": "Status of the SharedTierDegraded condition "
+     "(spec.tiers.shared): True while a pod reports its shared-tier circuit breaker open.",
+     "jsonPath": '.status.conditions[?(@.type=="SharedTierDegraded")].status', "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )
 _BOUNDS = ((annotated_types.Ge, "ge", "minimum"), (annotated_types.Le, "le", "maximum"),
@@ -135,7 +138,8 @@ def field_schema(field: FieldInfo, defaults: bool) -> dict[str, Any]:
     for meta in field.metadata:
         for kind, attribute, key in _BOUNDS:
             if isinstance(meta, kind):
-                schema[key] = getattr(meta, attribute)
+                schema["minItems" if key == "minLength" and schema.get("type") == "array" else key] = \
+                    getattr(meta, attribute)
                 if kind is annotated_types.Gt:
                     schema["exclusiveMinimum"] = True
         if isinstance(meta, annotated_types.MaxLen):

@@ -29,6 +29,8 @@ scrape_error  # unused variable (operator/spec.py:259)
 observed_generation  # unused variable (operator/spec.py:295)
 ready_replicas  # unused variable (operator/spec.py:297)
 endpoint  # unused variable (operator/spec.py:299)
+shared_tier  # unused variable (operator/status.py:89)
+degraded_pods  # unused variable (operator/status.py:147)
 
 # counters and sizes read only by tests today (observation points of faults, restarts and recovery); issue 31 item 5 exports them as metrics
 _.polls  # unused attribute (router/core.py:48)

@@ -9,8 +9,9 @@ fixed device envelope) through ``PUT /admin/tiers`` and replicas on the Stateful
 every change and every new right-sizing recommendation with the numbers behind it (a change whose PUT got
 no answer in time is a Warning, then a ``ConcurrencyChanged`` once the pod's metrics show it), and write
 ``status.pods``, ``status.budgets``, ``status.maxRunning``, ``status.recommendations`` and
-``status.autoscaling``. The memory it keeps (metric histories, past recommendations) is per controller
-instance.
+``status.autoscaling``; with a shared tier also ``status.sharedTier`` and the condition ``SharedTierDegraded``
+(the pods are read for it even with tuning and autoscaling off). The memory it keeps (metric histories, past
+recommendations) is per controller instance.
 """
 
 from __future__ import annotations
@@ -41,15 +42,19 @@ from kvdrive.operator.clients.kubeclient import Conflict, KubeApi
 from kvdrive.operator.clients.opmetrics import OperatorMetrics
 from kvdrive.operator.clients.podclient import PodClient
 from kvdrive.operator.decide import autoscale, tuning
-from kvdrive.operator.decide.conditions import now_rfc3339
+from kvdrive.operator.decide.conditions import merge_conditions, now_rfc3339
 from kvdrive.operator.decide.livestatus import (
     agreed_recommendations,
     budget_event,
     budget_summary,
+    live_status_differs,
+    live_view,
     pod_entry,
     recommendation_event,
     running_summary,
     scale_event,
+    shared_tier_condition,
+    shared_tier_status,
 )
 from kvdrive.operator.render.childmeta import Names, selector_labels
 from kvdrive.operator.render.manifests import admin_token_of, runtime_settings
@@ -120,7 +125,7 @@ class LiveController:
             return IDLE_SECONDS  # the reconciler reports it (Degraded)
         memory = self._memory.setdefault((namespace, name), _Memory())
         status: dict[str, Any] = {"autoscaling": {"mode": spec.autoscaling.mode}}
-        if spec.tuning.enabled or spec.autoscaling.mode == "operator":
+        if spec.tuning.enabled or spec.autoscaling.mode == "operator" or spec.tiers.shared is not None:
             pods, existing = await self._ready_pods(api, namespace, name)
             gone = memory.failed_pods - existing
             self._drop_series(namespace, gone)
@@ -150,7 +155,12 @@ class LiveController:
                                                             "ssd": start["ssd_budget"]})
         status["maxRunning"] = running_summary(status["pods"], start["max_running"])
         previous = cr.get("status") or {}
-        if any(previous.get(key) != value for key, value in status.items()):  # an unchanged round writes nothing
+        if spec.tiers.shared is not None:
+            status["sharedTier"] = shared_tier_status(spec.tiers.shared, namespace, status["pods"])
+            status["conditions"] = merge_conditions(live_view(previous, "conditions") or [],
+                                                    [shared_tier_condition(status["pods"])],
+                                                    cr["metadata"].get("generation"), now_rfc3339())
+        if live_status_differs(previous, status):  # an unchanged round writes nothing
             body = {"apiVersion": cr["apiVersion"], "kind": cr["kind"], "metadata": {"name": name}, "status": status}
             await api.apply(CR, namespace, body, LIVE, force=True, subresource="status")
         return float(spec.tuning.interval_seconds)

@@ -63,6 +63,8 @@ class PodMetrics:
     reserve_bytes: int | None = None  # ... reserved for running sequences (open pages, step buffers)
     per_sequence_bytes: int | None = None  # what one more running sequence takes from the hot tier
     queue_wait_seconds: float | None = None  # requests x seconds spent queued for a running slot
+    # the shared tier's circuit breaker is open (None: the pod has no shared tier, or does not report it)
+    shared_tier_degraded: bool | None = None
 
     def budgets(self) -> dict[str, int]:
         return {tier: state.budget for tier, state in self.tiers.items()}
@@ -128,7 +130,7 @@ def parse_metrics(text: str) -> PodMetrics:
                           "kvdrive_generated_tokens_total", "kvdrive_requests_running", "kvdrive_requests_waiting",
                           "kvdrive_max_running", "kvdrive_max_sequences", "kvdrive_gpu_hot_bytes",
                           "kvdrive_sequence_reserve_bytes", "kvdrive_sequence_reserve_per_sequence_bytes",
-                          "kvdrive_queue_wait_seconds_total"):
+                          "kvdrive_queue_wait_seconds_total", "kvdrive_shared_tier_degraded"):
                 scalars[name] = value
     if "kvdrive_requests_waiting" not in scalars or not (budgets or capacities):
         raise MetricsFormatError("no kvdrive_requests_waiting or tier budgets: not a kvdrive serve /metrics")
@@ -154,11 +156,16 @@ def parse_metrics(text: str) -> PodMetrics:
         reserve_bytes=_int(scalars.get("kvdrive_sequence_reserve_bytes")),
         per_sequence_bytes=_int(scalars.get("kvdrive_sequence_reserve_per_sequence_bytes")),
         queue_wait_seconds=scalars.get("kvdrive_queue_wait_seconds_total"),
+        shared_tier_degraded=_flag(scalars.get("kvdrive_shared_tier_degraded")),
     )
 
 
 def _int(value: float | None) -> int | None:
     return None if value is None else int(value)
+
+
+def _flag(value: float | None) -> bool | None:
+    return None if value is None else value != 0
 
 
 def _deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float] | None:

@@ -20,7 +20,8 @@ ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 RESERVED_ENV = ("NVIDIA_VISIBLE_DEVICES", "KVDRIVE_POD_IP")  # the operator's: GPU-less pods, the KV-event topic
-RESERVED_VOLUMES = ("kv-ssd", "admin-token", "config", "tmp", "hugepages", "model")  # the pod's own volumes (manifests.py)
+# the pod's own volumes (manifests.py, sharedtier.py)
+RESERVED_VOLUMES = ("kv-ssd", "admin-token", "config", "tmp", "hugepages", "model", "shared-tier-auth", "shared-tier-ca")
 RESERVED_LABEL_PREFIX = "app.kubernetes.io/"  # the pods' selector and ownership labels
 RESERVED_ANNOTATION_PREFIX = "kvdrive.io/"
 HOST_PATH_REFUSED = "hostPath is not allowed: a CR must not give its pods the node's file system"

@@ -1,6 +1,7 @@
 """Pydantic models of the ``KVDriveDeployment`` spec (the CR's edge): the spec as a whole and what its runtime
 pods run with (model, image, resources, KV tiers, attention, concurrency, KV events); the live loop's settings
-are in ``tuningspec``, the routing's in ``routingspec``, the pod settings passed through in ``podsettings``.
+are in ``tuningspec``, the routing's in ``routingspec``, the shared KV tier's in ``sharedtierspec``, the pod
+settings passed through in ``podsettings``.
 
 Owns the meaning of those fields, their defaults, constraints and descriptions, and the CEL rules beside
 the validators that check the same: ``scripts/gen_crd.py`` generates ``crds/kvdrivedeployment.yaml`` from
@@ -30,6 +31,7 @@ from kvdrive.operator.api.podsettings import (
 )
 from kvdrive.operator.api.quantity import QUANTITY_PATTERN, QuantityError, parse_quantity
 from kvdrive.operator.api.routingspec import Routing, Service
+from kvdrive.operator.api.sharedtierspec import SharedTier
 from kvdrive.operator.api.specbase import IntOrString, Model, cel, cross, rules
 from kvdrive.operator.api.tuningspec import Autoscaling, Tuning
 
@@ -117,6 +119,12 @@ class Tiers(Model):
                            description=("Host DRAM tier, backed by hugepages (hugepages-2Mi or "
                                         "hugepages-1Gi requests and an emptyDir of medium HugePages)."))
     ssd: SsdTier = Field(default=SsdTier(), description="Local NVMe tier, one PersistentVolumeClaim per pod.")
+    shared: SharedTier | None = Field(default=None,
+                                      description=("A KV tier every pod of the CR shares, below or beside the SSD "
+                                                   "tier: a Valkey or Redis cluster (or single node) that you run "
+                                                   "(the operator does not deploy it). Unset: no shared tier. A "
+                                                   "slow or unreachable store degrades the tier (its pages are "
+                                                   "recomputed), never the serving."))
 
 
 class Attention(Model):
@@ -207,7 +215,8 @@ class KVDriveSpec(Model):
                                                                                        "others are "
                                                                                        "baselines)."))
     resources: Resources = Field(default=Resources(), description="Compute resources of each pod.")
-    tiers: Tiers = Field(default=Tiers(), description="Sizes of the three KV-cache tiers, per pod.")
+    tiers: Tiers = Field(default=Tiers(), description=("Sizes of the three KV-cache tiers, per pod, and the tier "
+                                                       "all pods share (optional)."))
     attention: Attention = Field(default=Attention(), description="Sparse attention settings of the runtime.")
     concurrency: Concurrency = Field(default=Concurrency(),
                                      description=("How many sequences each pod runs at once. The device "
@@ -276,7 +285,8 @@ class KVDriveSpec(Model):
     extra_volumes: list[Volume] = Field(default_factory=list, max_length=32,
                                         description=("Extra volumes of the runtime pods (core/v1 Volume); "
                                                      "the pod's own names (kv-ssd, admin-token, config, "
-                                                     "tmp, hugepages, model) are taken."),
+                                                     "tmp, hugepages, model, shared-tier-auth, shared-tier-ca) "
+                                                     "are taken."),
                                         json_schema_extra=extra_volumes_rules())
     extra_volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=32,
                                                    description=("Where the runtime container mounts "

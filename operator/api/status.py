@@ -1,7 +1,8 @@
 """Pydantic models of the ``KVDriveDeployment`` status (the CR's edge, as the operator writes it).
 
 Owns the shape of every status field: the reconciler's replicas and conditions, the live loop's per-pod
-budgets, right-sizing recommendations, autoscaling decision and the router's pods. The reconciler
+budgets, right-sizing recommendations, autoscaling decision, the shared KV tier as configured and as the pods
+report it (and its condition), and the router's pods. The reconciler
 validates what it writes against ``KVDriveStatus`` (a field that drifted from the CRD fails there, not at
 the API server).
 """
@@ -31,8 +32,9 @@ def _map_list(key: str) -> dict[str, object]:
 
 class Condition(Model):
     model_config = ConfigDict(**Model.model_config, json_schema_extra={"description": "A metav1.Condition."})
-    # metav1.Condition types are open in the CRD (maxLength as metav1's); the operator writes only these
-    type: Literal["Ready", "Progressing", "Degraded", "RouterReady"] = Field(
+    # metav1.Condition types are open in the CRD (maxLength as metav1's); the operator writes only these (the
+    # reconciler the first four, the live loop SharedTierDegraded)
+    type: Literal["Ready", "Progressing", "Degraded", "RouterReady", "SharedTierDegraded"] = Field(
         description="Condition type.", json_schema_extra={"enum": None, "maxLength": 316})
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
     # the CRD checks a reason's length only; the operator's reasons also match the pattern
@@ -84,6 +86,13 @@ class PodStatus(Model):
                                       description=("The device envelope's share reserved for running "
                                                    "sequences (open pages, decode step buffers), in bytes."),
                                       json_schema_extra=_int64())
+    shared_tier: Literal["ok", "degraded"] | None = Field(default=None,
+                                                         description=("The shared tier as the pod reports it "
+                                                                      "(kvdrive_shared_tier_degraded): degraded "
+                                                                      "while its circuit breaker is open (its "
+                                                                      "shared-tier reads are misses, recomputed; "
+                                                                      "it keeps serving). Only with "
+                                                                      "spec.tiers.shared."))
     recommendations: list[TierRecommendation] = Field(default_factory=list,
                                                       description=("This pod's right-sizing recommendations "
                                                                    "for the CR's DRAM and SSD tiers (while "
@@ -129,6 +138,17 @@ class RouterStatus(Model):
     desired: int = Field(default=0, description="Router pods requested (spec.routing.replicas).")
 
 
+class SharedTierStatus(Model):
+    """``spec.tiers.shared`` as the pods were given it, and which of them report it degraded."""
+
+    url: str = Field(description="The servers as the pods get them (--shared-tier; valkeys:// with TLS).")
+    namespace: str = Field(description="The key namespace (keys kvd:<namespace>:<page digest>).")
+    tls: bool = Field(description="Whether the pods connect over TLS.")
+    degraded_pods: list[str] = Field(default_factory=list,
+                                     description=("Ready pods whose last metrics report the shared tier degraded "
+                                                  "(circuit breaker open)."))
+
+
 class KVDriveStatus(Model):
     observed_generation: int | None = Field(default=None,
                                             description="The metadata.generation the status reflects.")
@@ -137,8 +157,9 @@ class KVDriveStatus(Model):
     selector: str = Field(default="", description="Label selector of the pods (for the scale subresource).")
     endpoint: str = Field(default="", description="URL of the OpenAI-compatible endpoint inside the cluster.")
     conditions: list[Condition] = Field(default_factory=list,
-                                        description=("Ready, Progressing and Degraded conditions, and "
-                                                     "RouterReady with routing on."),
+                                        description=("Ready, Progressing and Degraded conditions, "
+                                                     "RouterReady with routing on, and SharedTierDegraded "
+                                                     "with a shared tier."),
                                         json_schema_extra=_map_list("type"))
     budgets: BudgetSummary | None = Field(default=None,
                                           description=("Per-tier budgets across the pods (what kubectl get "
@@ -157,6 +178,10 @@ class KVDriveStatus(Model):
                                   description="Each ready pod as the last metrics round saw it.",
                                   json_schema_extra=_map_list("name"))
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
+    shared_tier: SharedTierStatus | None = Field(default=None,
+                                                 description=("The shared KV tier (only with spec.tiers.shared): "
+                                                              "where the pods reach it, and which report it "
+                                                              "degraded (condition SharedTierDegraded)."))
     router: RouterStatus | None = Field(default=None,
                                         description=("The router's pods (only with spec.routing.mode prefix "
                                                      "or inferencepool)."))

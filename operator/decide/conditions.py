@@ -21,6 +21,8 @@ from kvdrive.operator.render.childmeta import endpoint_url, selector_string
 MISSING_POOL_CRD_REASON = "InferencePoolCRDNotInstalled"
 # the status keys the reconciler writes; `router` only with routing on (a key it stops writing must go)
 RECONCILER_KEYS = ("observedGeneration", "replicas", "readyReplicas", "selector", "endpoint", "conditions", "router")
+# the items of status.conditions the reconciler owns (a map list: the live loop owns SharedTierDegraded)
+RECONCILER_CONDITIONS = ("Ready", "Progressing", "Degraded", "RouterReady")
 
 
 @dataclass(frozen=True)
@@ -161,9 +163,17 @@ def build_status(
     return status
 
 
+def _own(status: Mapping[str, Any], key: str) -> Any:
+    """The reconciler's part of ``status[key]``: its own conditions only."""
+    if key != "conditions":
+        return status.get(key)
+    return [c for c in status.get("conditions") or [] if c.get("type") in RECONCILER_CONDITIONS]
+
+
 def status_differs(previous: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    """Whether ``new`` (the reconciler's part) changes the status, a key it no longer writes included."""
-    return any(previous.get(key) != new.get(key) for key in {*new, *RECONCILER_KEYS})
+    """Whether ``new`` (the reconciler's part) changes the status, a key it no longer writes included; the
+    live loop's conditions are not its."""
+    return any(_own(previous, key) != _own(new, key) for key in {*new, *RECONCILER_KEYS})
 
 
 def degraded_changed(previous: Mapping[str, Any], problem: Problem | None) -> bool:

@@ -1,9 +1,9 @@
 """Pure rendering of a KVDriveDeployment into its child manifests.
 
 Owns what the runtime's children look like: the StatefulSet running ``kvdrive serve`` (GPU limits,
-hugepages sized from the DRAM tier, a local-NVMe claim for the SSD tier, probes, security
-context), the headless and client Services, the ConfigMap, the admin-token Secret and the
-PodDisruptionBudget, and ``render``: every child in creation order, the router's
+hugepages sized from the DRAM tier, a local-NVMe claim for the SSD tier, the shared tier's flags and files
+from ``sharedtier``, probes, security context), the headless and client Services, the ConfigMap, the
+admin-token Secret and the PodDisruptionBudget, and ``render``: every child in creation order, the router's
 (``router_manifests``) included when ``spec.routing.mode`` is ``prefix`` or ``inferencepool``, and the
 ``InferencePool`` (``inferencepool``) in mode ``inferencepool``. No Kubernetes API and no
 Kopf here: the same function backs ``kvdrive-operator render`` and the reconcile handlers.
@@ -22,7 +22,7 @@ import yaml
 from kvdrive.operator.api.cr import KVDriveDeployment
 from kvdrive.operator.api.quantity import to_bytes
 from kvdrive.operator.api.spec import KVDriveSpec
-from kvdrive.operator.render import inferencepool, router_manifests
+from kvdrive.operator.render import inferencepool, router_manifests, sharedtier
 from kvdrive.operator.render.childmeta import (
     CONTAINER_PORT,
     ENGINE_TYPE,
@@ -86,8 +86,8 @@ def runtime_settings(spec: KVDriveSpec) -> dict[str, Any]:
     }
 
 
-def serve_args(spec: KVDriveSpec) -> list[str]:
-    """``kvdrive serve`` flags (ARCHITECTURE.md §4)."""
+def serve_args(spec: KVDriveSpec, namespace: str) -> list[str]:
+    """``kvdrive serve`` flags (ARCHITECTURE.md §4); ``namespace``: the CR's (a shared tier's Service in it)."""
     s = runtime_settings(spec)
     args = ["serve", "--model", s["model"], "--device", s["device"], "--host", s["host"], "--port", str(s["port"])]
     args += ["--gpu-budget", str(s["gpu_budget"]), "--dram-budget", str(s["dram_budget"])]
@@ -106,11 +106,12 @@ def serve_args(spec: KVDriveSpec) -> list[str]:
         args += ["--kv-events-endpoint", f"tcp://*:{ev.port}", "--kv-events-replay-endpoint",
                  f"tcp://*:{ev.replay_port}", "--kv-events-topic", f"kv@$({POD_IP_ENV})@{{model}}",
                  "--kv-events-hashes", ev.hashes]
-    return args
+    return args + sharedtier.args(spec, namespace)
 
 
 def configmap(cr: KVDriveDeployment) -> dict[str, Any]:
     settings = {k: v for k, v in runtime_settings(cr.spec).items() if v is not None}
+    settings.update(sharedtier.settings(cr.spec, cr.metadata.namespace))
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -214,6 +215,9 @@ def _volumes(cr: KVDriveDeployment) -> tuple[list[dict[str, Any]], list[dict[str
         claim = spec.model.source.removeprefix("pvc://").split("/", 1)[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    shared_volumes, shared_mounts = sharedtier.volumes(spec)
+    volumes += shared_volumes
+    mounts += shared_mounts
     volumes += [v.model_dump(by_alias=True, exclude_none=True) for v in spec.extra_volumes]
     mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in spec.extra_volume_mounts]
     return volumes, mounts
@@ -236,7 +240,7 @@ def statefulset(cr: KVDriveDeployment, replicas: int | None = None) -> dict[str,
         "name": "kvdrive",
         "image": spec.image,
         "command": ["kvdrive"],
-        "args": serve_args(spec),
+        "args": serve_args(spec, cr.metadata.namespace),
         "ports": [{"name": "http", "containerPort": CONTAINER_PORT, "protocol": "TCP"}, *_event_ports(spec)],
         "resources": _resources(spec),
         "volumeMounts": mounts,

@@ -188,7 +188,8 @@ def test_the_values_schema_is_valid_json_schema_and_accepts_the_defaults() -> No
 def test_notes_say_what_to_do_next() -> None:
     notes = render_notes({})
     assert f"kubectl -n {NAMESPACE} rollout status deployment/{RELEASE}-kvdrive-operator" in notes
-    for hint in ("hugepages", "local-nvme", "kind: KVDriveDeployment", "kubectl get kvd", "troubleshooting"):
+    for hint in ("hugepages", "local-nvme", "kind: KVDriveDeployment", "kubectl get kvd", "troubleshooting",
+                 "spec.tiers.shared", "valkey-cluster"):  # the shared tier's store: the user's, one way named
         assert hint in notes
     assert "ServiceMonitor" not in notes and "ServiceMonitor" in render_notes(ALL_ON)
 

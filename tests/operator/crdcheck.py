@@ -1,7 +1,8 @@
 """What an API server does with a CR before storing it, emulated offline for tests.
 
 Structural defaulting, the openAPIV3Schema (jsonschema, OpenAPI 3.0 ~ draft 4), strict field
-validation (unknown fields rejected, as `kubectl apply` does by default) and the CEL
+validation (unknown fields rejected, as `kubectl apply` does by default), the items of a list of type
+set unique, and the CEL
 ``x-kubernetes-validations`` (cel-python, with the Kubernetes quantity library emulated).
 """
 
@@ -58,6 +59,8 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
         schema["properties"] = {k: _strict(v) for k, v in schema["properties"].items()}
     if isinstance(schema.get("items"), dict):
         schema["items"] = _strict(schema["items"])
+    if schema.get("x-kubernetes-list-type") == "set":  # the API server refuses a duplicate item of a set
+        schema["uniqueItems"] = True
     return schema
 
 

@@ -36,6 +36,7 @@ class ScriptedPod:
     per_sequence: int = 256 * KiB  # what one more running sequence takes from the hot tier
     fixed_reserve: int = 1 * MiB  # open pages of every row
     queued_seconds: float = 0.0  # requests x seconds queued (kvdrive_queue_wait_seconds_total)
+    shared_tier_degraded: bool | None = None  # kvdrive_shared_tier_degraded (None: no shared tier)
     hang: bool = False  # /metrics never answers (a timeout)
     refuse: str | None = None  # PUT /admin/tiers answers 422 with this reason
     apply_delay: float = 0.0  # a PUT applies (and answers) this late, as a runtime busy with a long step does
@@ -74,6 +75,8 @@ class ScriptedPod:
                       f"kvdrive_gpu_hot_bytes {self.hot_bytes}", f"kvdrive_sequence_reserve_bytes {self.reserve_bytes}",
                       f"kvdrive_sequence_reserve_per_sequence_bytes {self.per_sequence}",
                       f"kvdrive_queue_wait_seconds_total {self.queued_seconds}"]
+        if self.shared_tier_degraded is not None:
+            lines.append(f"kvdrive_shared_tier_degraded {int(self.shared_tier_degraded)}")
         return "\n".join(lines) + "\n"
 
     async def _metrics(self, _: web.Request) -> web.Response:

@@ -14,7 +14,11 @@ from kvdrive.operator.api.cr import SpecError, parse_cr
 # Spec fields that deliberately have no default (absence means something).
 NO_DEFAULT = {"model.source", "model.name", "replicas", "autoscaling.targets.tokensPerSecond",
               "serviceAccountName", "priorityClassName", "runtimeClassName", "securityContext.privileged",
-              "securityContext.allowPrivilegeEscalation", "securityContext.capabilities"}  # absent: not set on the pods
+              "securityContext.allowPrivilegeEscalation", "securityContext.capabilities",  # absent: not set on the pods
+              # no shared tier unless asked for; where it is, one of endpoints and service, each Secret only if named
+              "tiers.shared", "tiers.shared.endpoints", "tiers.shared.service", "tiers.shared.service.name",
+              "tiers.shared.service.namespace", "tiers.shared.user", "tiers.shared.authSecretRef",
+              "tiers.shared.authSecretRef.name", "tiers.shared.tls.caSecretRef", "tiers.shared.tls.caSecretRef.name"}
 NO_DEFAULT_PARENTS = {"model"}  # required objects
 
 
@@ -139,6 +143,17 @@ GOOD_VARIANTS = [
     ("minimal.yaml", "spec.routing", {"mode": "inferencepool"}),
     ("minimal.yaml", "spec.routing", {"mode": "inferencepool", "inferencePool": {"failureMode": "FailOpen"}}),
     ("minimal.yaml", "spec.routing", {"mode": "prefix", "inferencePool": {}}),  # ignored outside inferencepool
+    # a shared tier: some nodes of a cluster (or one node), or a Service; a key namespace; auth; TLS
+    ("minimal.yaml", "spec.tiers.shared", {"endpoints": ["valkey-0.valkey-headless:6379"]}),
+    ("minimal.yaml", "spec.tiers.shared", {"endpoints": ["10.0.0.5:7000", "10.0.0.6:7000", "Redis.example.com:65535"],
+                                           "namespace": "fleet_1.a-B", "timeoutMs": 10}),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey", "namespace": "valkey", "port": 7000},
+                                           "user": "kvdrive", "authSecretRef": {"name": "valkey-auth",
+                                                                                "key": "valkey-password"},
+                                           "tls": {"enabled": True, "caSecretRef": {"name": "valkey-ca"}},
+                                           "timeoutMs": 10000}),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "tls": {"enabled": True}}),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "namespace": "a" * 63}),
 ]
 
 # (base example, field, value, field the rejection must name, "schema" or "cel")
@@ -219,6 +234,39 @@ BAD_VARIANTS = [
      "spec.securityContext.capabilities", "cel"),
     ("minimal.yaml", "spec.extraVolumes", [{"name": "root", "hostPath": {"path": "/"}}], "spec.extraVolumes[0].hostPath",
      "cel"),
+    ("minimal.yaml", "spec.extraVolumes", [{"name": "shared-tier-auth", "emptyDir": {}}], "spec.extraVolumes", "cel"),
+    # the shared tier: where the servers are (exactly one way), each as HOST:PORT, a key namespace without ':'
+    ("minimal.yaml", "spec.tiers.shared", {"endpoints": ["valkey:6379"], "service": {"name": "valkey"}},
+     "spec.tiers.shared.service", "cel"),
+    ("minimal.yaml", "spec.tiers.shared", {"namespace": "fleet"}, "spec.tiers.shared", "cel"),
+    ("minimal.yaml", "spec.tiers.shared", {"endpoints": ["valkey-0.valkey"]}, "spec.tiers.shared.endpoints", "cel"),
+    ("minimal.yaml", "spec.tiers.shared", {"endpoints": ["valkey:6379", "valkey:65536"]}, "spec.tiers.shared.endpoints",
+     "cel"),
+    ("minimal.yaml", "spec.tiers.shared", {"endpoints": ["valkey://valkey:6379"]}, "spec.tiers.shared.endpoints", "cel"),
+    ("minimal.yaml", "spec.tiers.shared", {"endpoints": ["valkey:06379"]}, "spec.tiers.shared.endpoints", "cel"),
+    ("minimal.yaml", "spec.tiers.shared", {"endpoints": []}, "spec.tiers.shared.endpoints", "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"endpoints": ["valkey:6379", "valkey:6379"]}, "spec.tiers.shared.endpoints",
+     "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "namespace": "fleet:a"},
+     "spec.tiers.shared.namespace", "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "namespace": "a" * 64},
+     "spec.tiers.shared.namespace", "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "namespace": "-fleet"},
+     "spec.tiers.shared.namespace", "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey.valkey.svc"}}, "spec.tiers.shared.service.name",
+     "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey", "port": 0}}, "spec.tiers.shared.service.port",
+     "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "tls": {"caSecretRef": {"name": "valkey-ca"}}},
+     "spec.tiers.shared.tls.caSecretRef", "cel"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "authSecretRef": {"key": "password"}},
+     "spec.tiers.shared.authSecretRef", "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "timeoutMs": 9},
+     "spec.tiers.shared.timeoutMs", "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "timeoutMs": 10001},
+     "spec.tiers.shared.timeoutMs", "schema"),
+    ("minimal.yaml", "spec.tiers.shared", {"service": {"name": "valkey"}, "password": "hunter2"}, "spec.tiers.shared",
+     "schema"),  # a password only from a Secret
 ]
 
 

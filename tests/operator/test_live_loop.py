@@ -2,7 +2,8 @@
 
 Edge cases that real servers cannot be made to show on demand: a queue while the hot tier serves the
 steps, fetch waits with idle slots, a pod that does not answer, a pod that refuses a concurrency change,
-an idle tier, a queue of a given depth, external autoscaling.
+an idle tier, a queue of a given depth, external autoscaling, a shared tier whose circuit breaker opens on
+one pod.
 """
 
 from __future__ import annotations
@@ -274,3 +275,45 @@ async def test_external_autoscaling_never_writes_replicas(operator: Cluster, pod
     st = await eventually(reported, timeout=15, what="a metrics round")
     assert st["autoscaling"] == {"mode": "external"}
     await never(lambda: _replicas_at_least(operator, 2), 3.0, "the operator writing replicas in external mode")
+
+
+def _condition(st: dict, kind: str) -> dict | None:
+    return next((c for c in st.get("conditions") or [] if c["type"] == kind), None)
+
+
+async def test_a_degraded_shared_tier_is_a_condition_naming_the_pod_beside_the_reconcilers_and_goes_with_the_tier(
+        operator: Cluster, pods: list[ScriptedPod]) -> None:
+    """With tuning and autoscaling off the pods are still read for the shared tier. The live loop owns its
+    condition in the map list status.conditions beside the reconciler's (server-side apply keeps both), and
+    removes it and status.sharedTier when the CR drops the tier."""
+    ok, broken = pods
+    ok.shared_tier_degraded, broken.shared_tier_degraded = False, True
+    cr = live_cr(autoscaling={"mode": "none"}, enabled=False)
+    cr["spec"]["tiers"]["shared"] = {"service": {"name": "valkey"}, "namespace": "fleet"}
+    await deploy(operator, pods, cr)
+
+    async def shared_is(value: str) -> dict | None:
+        st = await status(operator)
+        found = _condition(st, "SharedTierDegraded")
+        return st if found and found["status"] == value and _condition(st, "Ready") else None
+
+    st = await eventually(lambda: shared_is("True"), timeout=15, what="SharedTierDegraded True")
+    degraded = _condition(st, "SharedTierDegraded")
+    assert degraded is not None and degraded["reason"] == "CircuitOpen"
+    assert degraded["message"].startswith("1/2 pods report the shared tier degraded") and degraded["message"].endswith(
+        ": chat-1")
+    assert st["sharedTier"] == {"url": f"valkey://valkey.{operator.namespace}.svc:6379", "namespace": "fleet",
+                                "tls": False, "degradedPods": ["chat-1"]}
+    assert (pod_status(st, "chat-0") or {})["sharedTier"] == "ok"
+    assert {c["type"] for c in st["conditions"]} == {"Ready", "Progressing", "Degraded", "SharedTierDegraded"}
+    broken.shared_tier_degraded = False  # the store answers again
+    st = await eventually(lambda: shared_is("False"), timeout=15, what="SharedTierDegraded False")
+    assert st["sharedTier"]["degradedPods"] == [] and _condition(st, "SharedTierDegraded")["reason"] == "Reachable"
+    await operator.patch(CR, "chat", {"spec": {"tiers": {"shared": None}}})
+
+    async def gone() -> dict | None:
+        st = await status(operator)
+        return st if "sharedTier" not in st and not _condition(st, "SharedTierDegraded") else None
+
+    st = await eventually(gone, timeout=15, what="the shared tier's status gone")
+    assert _condition(st, "Ready") is not None  # the reconciler's conditions stay

@@ -26,6 +26,13 @@ def test_pod_command_line_is_accepted_by_kvdrive_serve(example: str) -> None:
     # the envelope's split: the starting limit and the rows reserved for the tuner's ceiling
     assert args.max_running == cr.spec.concurrency.max_running
     assert args.max_sequences == cr.spec.max_sequences() >= args.max_running
+    shared = cr.spec.tiers.shared  # the shared KV tier (full.yaml): its flags as kvdrive serve reads them
+    if shared is not None:
+        assert args.shared_tier.startswith("valkeys://" if shared.tls.enabled else "valkey://")
+        assert (args.shared_tier_namespace, args.shared_tier_user) == (shared.namespace, shared.user)
+        assert int(args.shared_tier_timeout_ms) == shared.timeout_ms
+        assert bool(args.shared_tier_auth_file) == (shared.auth_secret_ref is not None)
+        assert bool(args.shared_tier_ca_file) == (shared.tls.ca_secret_ref is not None)
 
 
 @pytest.mark.parametrize(("gpus", "device"), [(0, "cpu"), (2, "cuda")])

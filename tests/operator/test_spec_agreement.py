@@ -39,6 +39,9 @@ def _model_class(annotation: Any) -> type[BaseModel] | None:
 
 
 def _literal(annotation: Any) -> tuple[Any, ...] | None:
+    if get_origin(annotation) in (typing.Union, types.UnionType):  # an optional Literal
+        args = [arg for arg in get_args(annotation) if arg is not type(None)]
+        annotation = args[0] if len(args) == 1 else annotation
     return get_args(annotation) if get_origin(annotation) is Literal else None
 
 
@@ -76,10 +79,10 @@ def test_status_enums_are_the_same() -> None:
     model = _model_fields(KVDriveStatus)
     enums = {path: sub["enum"] for path, sub in crd.items() if "enum" in sub}
     literals = {path: list(_literal(ann)) for path, ann in model.items() if _literal(ann)}
-    # metav1.Condition types are open in the schema; the operator writes only its three
+    # metav1.Condition types are open in the schema; the operator writes only its own
     literals.pop("conditions[].type")
     assert enums == literals
-    assert enums["pods[].metrics"] == ["ok", "missing"]
+    assert enums["pods[].metrics"] == ["ok", "missing"] and enums["pods[].sharedTier"] == ["ok", "degraded"]
     assert enums["pods[].recommendations[].tier"] == enums["recommendations[].tier"] == ["dram", "ssd"]
 
 
@@ -102,11 +105,26 @@ def test_defaults_are_the_same() -> None:
 
 def test_model_defaults_match_crd_defaults_field_by_field() -> None:
     crd = _crd_fields(version_schema(load_crd())["properties"]["spec"])
-    dumped = KVDriveSpec.model_validate({"model": {"source": "demo"}}).model_dump(by_alias=True)
-    for path, sub in crd.items():
-        if "default" not in sub or sub.get("type") == "object" and sub["default"] == {}:
-            continue
-        node: Any = dumped
-        for key in path.split("."):
-            node = node[key]
-        assert node == sub["default"], path
+    defaulted = {path for path, sub in crd.items()
+                 if "default" in sub and not (sub.get("type") == "object" and sub["default"] == {})}
+    # an optional object (the shared tier, its Secrets) shows its fields' defaults only where it is set
+    specs = [{"model": {"source": "demo"}},
+             {"model": {"source": "demo"}, "tiers": {"shared": {"service": {"name": "valkey"},
+                                                                "authSecretRef": {"name": "auth"}}}},
+             {"model": {"source": "demo"}, "tiers": {"shared": {"endpoints": ["valkey:6379"], "tls": {
+                 "enabled": True, "caSecretRef": {"name": "ca"}}}}}]
+    checked = set()
+    for spec in specs:
+        dumped = KVDriveSpec.model_validate(spec).model_dump(by_alias=True)
+        for path in defaulted:
+            node: Any = dumped
+            given: Any = spec
+            for key in path.split("."):
+                node = node.get(key) if isinstance(node, dict) else None
+                given = given.get(key) if isinstance(given, dict) else None
+            if node is None or given is not None:  # not there in this spec, or not a default
+                continue
+            assert node == crd[path]["default"], path
+            checked.add(path)
+    assert checked == defaulted
+    assert {"tiers.shared.namespace", "tiers.shared.service.port", "tiers.shared.tls.caSecretRef.key"} <= checked
