@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                    help="never route to a replica this many requests above the least loaded")
     p.add_argument("--affinity-share", type=float, default=0.5,
                    help="a replica holding this share of a prompt's pages keeps it unless an idle replica is faster")
+    p.add_argument("--shared-tier-weight", type=_fraction, default=0.5, help=(
+        "a prompt page a replica would fetch from the fleet's shared tier (announced by any replica in the KV "
+        "events' EXTERNAL medium) counts as this fraction of a page it holds itself, in [0, 1)"))
     p.add_argument("--api-key-file", type=Path, help="the replicas' API key, for the router's own polls")
     p.add_argument("--isolate-tenants", action="store_true", help=(
         "the replicas run --isolate-tenants: a prompt's pages are found under its caller's key"))
@@ -39,6 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--ext-proc-port", type=int, default=0, metavar="PORT", help=(
         "also serve Envoy ext_proc on this port (on --host), as the Gateway API Inference Extension's "
         "endpoint picker, with gRPC health; 0: off (GIE's usual port is 9002)"))
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1): a fetched page must count less than a held one")
+    return value
 
 
 def run(args: argparse.Namespace) -> None:
@@ -58,7 +68,8 @@ def run(args: argparse.Namespace) -> None:
     keys = read_api_keys(args.api_key_file)  # one key, or the replicas' per-tenant file: its first key
     api_key = keys[0].key if keys else None
     policy = Policy(mode=args.policy, load_tokens=args.load_tokens, recompute_weight=args.recompute_weight,
-                    max_imbalance=args.max_imbalance, affinity_share=args.affinity_share)
+                    max_imbalance=args.max_imbalance, affinity_share=args.affinity_share,
+                    shared_weight=args.shared_tier_weight)
     config = RouterConfig(policy=policy, api_key=api_key, max_body_bytes=args.max_body_bytes,
                           isolate_tenants=args.isolate_tenants,
                           poll_seconds=args.poll_seconds, kv_events=not args.ignore_kv_events)

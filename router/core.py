@@ -177,7 +177,8 @@ class Router:
             mine[b.url] = ds
             if ds and first is None:
                 first, page_size = affinity_key(ds), b.info.page_size
-            cands.append(Candidate(b.url, self.index.matched(b.url, ds), b.load, b.pending_tokens))
+            m = self.index.match(b.url, ds)
+            cands.append(Candidate(b.url, m.pages, b.load, b.pending_tokens, m.shared))
         self.turn += 1
         decision = choose(cands, self.config.policy, page_size, first, self.turn, readable=digests is not None,
                           prompt_tokens=prompt_tokens)

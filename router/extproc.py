@@ -139,7 +139,7 @@ class Picker:
             raise self._unavailable("no KVDrive replica of the gateway's subset is ready" if subset is not None
                                     else "no KVDrive replica can take this request now; retry later")
         if prompted:
-            self.metrics.decided(first.reason, first.matched_tokens, tokens)
+            self.metrics.decided(first.reason, first.matched_tokens, tokens, first.shared_tokens)
         choice = Choice(list(claims), claims)
         choice.move_to(choice.endpoints[0], self.router)
         return choice

@@ -146,6 +146,7 @@ class EventFeed:
         self.stale_seconds = stale_seconds
         self._ctx: zmq.asyncio.Context | None = None
         self._subs: dict[str, _Subscription] = {}
+        self._dropped: set[asyncio.Task[None]] = set()  # cancelled, their sockets not yet closed
 
     def follow(self, url: str, source: EventSource | None) -> None:
         """Subscribe to ``url``'s events (``source``: where, from its routing info; None: it publishes none)."""
@@ -164,6 +165,8 @@ class EventFeed:
         sub = self._subs.pop(url, None)
         if sub is not None and sub.task is not None:
             sub.task.cancel()
+            self._dropped.add(sub.task)  # until it has closed its socket (``stop`` waits for that)
+            sub.task.add_done_callback(self._dropped.discard)
 
     def live(self, url: str, now: float) -> bool:
         """Whether ``url``'s events are heard and in step (its page list need not be polled)."""
@@ -184,7 +187,7 @@ class EventFeed:
         return sub.batches if sub is not None else 0
 
     async def stop(self) -> None:
-        tasks = [s.task for s in self._subs.values() if s.task is not None]
+        tasks = [s.task for s in self._subs.values() if s.task is not None] + list(self._dropped)
         self._subs.clear()
         for t in tasks:
             t.cancel()

@@ -1,6 +1,6 @@
-"""The router's Prometheus metrics: decisions by reason, prefix tokens matched, retries, and per replica
-its in-flight requests, queue, errors, whether it is in service, how many pages the index holds and whether its
-KV events are followed."""
+"""The router's Prometheus metrics: decisions by reason, prefix tokens matched (and of those, fetched from the
+fleet's shared tier), pages known in the shared tier, retries, and per replica its in-flight requests, queue,
+errors, whether it is in service, how many pages the index holds and whether its KV events are followed."""
 
 from __future__ import annotations
 
@@ -19,16 +19,18 @@ class RouterMetrics(Collector):
     def __init__(self, router: Router) -> None:
         self.router = router
         self.decisions = dict.fromkeys(REASONS, 0)
-        self.matched_tokens = 0  # prompt tokens the chosen replica already held
+        self.matched_tokens = 0  # prompt tokens the chosen replica already held (or could fetch from the shared tier)
+        self.shared_tokens = 0  # of those, the tokens only the fleet's shared tier held
         self.prompt_tokens = 0  # prompt tokens of the requests routed with a readable prompt
         self.retries = 0  # attempts moved to another replica before anything was streamed
         self.unavailable = 0  # requests answered 503: no replica could take them
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
-    def decided(self, reason: str, matched_tokens: int, prompt_tokens: int) -> None:
+    def decided(self, reason: str, matched_tokens: int, prompt_tokens: int, shared_tokens: int = 0) -> None:
         self.decisions[reason] += 1
         self.matched_tokens += matched_tokens
+        self.shared_tokens += shared_tokens
         self.prompt_tokens += prompt_tokens
 
     def render(self) -> bytes:
@@ -40,8 +42,12 @@ class RouterMetrics(Collector):
         for reason, n in self.decisions.items():
             d.add_metric([reason], n)
         yield d
-        yield CounterMetricFamily("kvdrive_router_prefix_tokens_matched",
-                                  "prompt tokens the chosen replica already held", value=self.matched_tokens)
+        yield CounterMetricFamily("kvdrive_router_prefix_tokens_matched", "prompt tokens the chosen replica "
+                                  "already held or could fetch from the shared tier", value=self.matched_tokens)
+        yield CounterMetricFamily("kvdrive_router_prefix_tokens_shared", "of the prefix tokens matched, those only "
+                                  "the fleet's shared tier held", value=self.shared_tokens)
+        yield GaugeMetricFamily("kvdrive_router_shared_pages", "pages the index knows in the fleet's shared tier",
+                                value=self.router.index.shared())
         yield CounterMetricFamily("kvdrive_router_prompt_tokens", "prompt tokens of the requests routed",
                                   value=self.prompt_tokens)
         yield CounterMetricFamily("kvdrive_router_retries", "attempts moved to another replica (nothing streamed)",

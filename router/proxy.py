@@ -79,7 +79,7 @@ async def forward(router: Router, metrics: RouterMetrics, method: str, path_qs: 
             continue
         b.succeeded()
         if routed:
-            metrics.decided(decision.reason, decision.matched_tokens, prompt_tokens)
+            metrics.decided(decision.reason, decision.matched_tokens, prompt_tokens, decision.shared_tokens)
         relay = Relay(resp, sent, router)
         return StreamingResponse(relay.chunks(), status_code=resp.status, headers=_headers(resp.headers),
                                  background=BackgroundTask(relay.close))

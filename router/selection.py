@@ -16,6 +16,12 @@ Two rules, in this order:
    plus the prompt tokens still to compute of the requests already routed there (``pending``), plus
    ``load_tokens`` for every request it runs or queues (decode and overhead).
 
+What a replica holds of the prompt is its *credit*, in pages: the longest run of the prompt's leading pages it can
+reuse, each page it holds itself counting 1 and each it would fetch from the fleet's shared tier (a store every
+replica reads, docs/kv-events.md) counting ``shared_weight`` (below 1: a fetch costs what a local copy does not).
+So a replica holding a prefix itself outranks one that would fetch it, and a prefix only the shared tier holds
+gives every replica the same credit: it is common to all, like a system prompt, and load decides.
+
 Replicas more than ``max_imbalance`` requests above the least loaded are never picked, so one hot document
 spills over to other replicas (which then hold it too) instead of queueing on one. Exact ties (idle
 replicas, no prefix anywhere) are broken by rendezvous hashing of a digest that names the prompt's start
@@ -38,9 +44,10 @@ class NoReplicaError(RuntimeError):
 @dataclass(frozen=True)
 class Candidate:
     name: str  # the replica's base URL
-    matched_pages: int  # the longest run of the prompt's leading pages this replica holds
+    matched_pages: int  # the longest run of the prompt's leading pages this replica holds or can fetch
     load: int  # requests the replica is running or queueing
     pending_tokens: int = 0  # prompt tokens still to compute of the requests this router sent it
+    shared_pages: int = 0  # of matched_pages, those only the fleet's shared tier holds (it would fetch them)
 
 
 @dataclass(frozen=True)
@@ -50,13 +57,15 @@ class Policy:
     recompute_weight: float = 3.0  # a prompt token this replica would compute costs this many queued ones
     max_imbalance: int = 8  # never more than this many requests above the least loaded replica
     affinity_share: float = 0.5  # a replica holding this share of the prompt keeps it unless an idle one is faster
+    shared_weight: float = 0.5  # a page a replica would fetch from the shared tier counts this much of one it holds
 
 
 @dataclass(frozen=True)
 class Decision:
     name: str
     reason: str  # one of REASONS
-    matched_tokens: int
+    matched_tokens: int  # prompt tokens the replica will not compute: it holds them or fetches them
+    shared_tokens: int = 0  # of those, the tokens it fetches from the fleet's shared tier
 
 
 def _rendezvous(key: bytes, name: str) -> bytes:
@@ -74,7 +83,7 @@ def choose(candidates: Sequence[Candidate], policy: Policy, page_size: int, firs
     ordered = sorted(candidates, key=lambda c: c.name)
     if policy.mode == "round-robin":
         c = ordered[turn % len(ordered)]
-        return Decision(c.name, "round-robin", c.matched_pages * page_size)
+        return Decision(c.name, "round-robin", c.matched_pages * page_size, c.shared_pages * page_size)
     least = min(c.load for c in ordered)
     eligible = [c for c in ordered if c.load <= least + policy.max_imbalance]
     if not readable:
@@ -82,8 +91,11 @@ def choose(candidates: Sequence[Candidate], policy: Policy, page_size: int, firs
         c = idle[turn % len(idle)]
         return Decision(c.name, "fallback", 0)
 
+    def credit(c: Candidate) -> float:
+        return c.matched_pages - (1.0 - policy.shared_weight) * c.shared_pages
+
     def cost(c: Candidate) -> float:
-        computed = max(0, prompt_tokens - c.matched_pages * page_size)
+        computed = max(0.0, prompt_tokens - credit(c) * page_size)
         return policy.recompute_weight * computed + c.pending_tokens + policy.load_tokens * c.load
 
     def cheapest(cs: list[Candidate]) -> Candidate:
@@ -95,15 +107,16 @@ def choose(candidates: Sequence[Candidate], policy: Policy, page_size: int, firs
             return max(tied, key=lambda c: _rendezvous(first_page, c.name))
         return tied[turn % len(tied)]
 
-    shared = min(x.matched_pages for x in eligible)  # pages every replica holds (a common system prompt)
+    # what every replica has of the prompt (a common system prompt; a prefix only the shared tier holds)
+    common = min(credit(x) for x in eligible)
     prompt_pages = max(1, prompt_tokens // page_size)
-    holders = [c for c in eligible if c.matched_pages > shared
-               and c.matched_pages - shared >= policy.affinity_share * (prompt_pages - shared)]
+    holders = [c for c in eligible if credit(c) > common
+               and credit(c) - common >= policy.affinity_share * (prompt_pages - common)]
     best = cheapest(eligible)
     idle_spill = best not in holders and best.load == 0 and best.pending_tokens == 0
     c = cheapest(holders) if holders and not idle_spill else best
-    reason = "prefix" if c.matched_pages > shared else "load"
-    return Decision(c.name, reason, c.matched_pages * page_size)
+    reason = "prefix" if credit(c) > common else "load"
+    return Decision(c.name, reason, c.matched_pages * page_size, c.shared_pages * page_size)
 
 
 def affinity_key(digests: Sequence[bytes], depth: int = 16) -> bytes | None:

@@ -17,7 +17,10 @@ A block is one KVDrive page (``page_size`` tokens, every layer), named by the pa
 (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) the digest's low 64 bits, its last 8 bytes read big-endian, as an
 unsigned integer; otherwise the whole digest as msgpack bin. Both are sent here (``--kv-events-hashes``), int by
 default, and consumers fold either to the same 64 bits (``fold``). The medium names the tier: ``GPU`` (the
-device tier), ``CPU`` (host DRAM), ``DISK`` (the NVMe tier).
+device tier), ``CPU`` (host DRAM), ``DISK`` (the NVMe tier), and ``EXTERNAL`` (``SHARED_MEDIUM``) for the fleet's
+shared tier, a store every replica can read: the name SGLang gives its shared L3 pool (Mooncake and the like) and
+SGLang's router reads (vLLM names only ``GPU`` and ``CPU``). A page announced there is reachable from every
+replica of the fleet, not only from the one that announced it (docs/kv-events.md).
 
 The replay socket (ZMQ ROUTER) answers a request ``(identity, b"", start_seq 8 bytes big-endian)`` with every
 buffered batch from ``start_seq`` on, each ``(identity, b"", seq, payload)``, then ``(identity, b"", -1, b"")``.
@@ -29,7 +32,8 @@ from typing import Any
 
 import msgspec
 
-MEDIUM: dict[str, str] = {"gpu": "GPU", "dram": "CPU", "ssd": "DISK"}  # tier name -> medium
+SHARED_MEDIUM = "EXTERNAL"  # the shared tier's medium: held in a store every replica of the fleet can read
+MEDIUM: dict[str, str] = {"gpu": "GPU", "dram": "CPU", "ssd": "DISK", "shared": SHARED_MEDIUM}  # tier -> medium
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame
 ExternalBlockHash = int | bytes
 LOW_64 = (1 << 64) - 1

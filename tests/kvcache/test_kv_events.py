@@ -22,12 +22,15 @@ import zmq
 from enginekit import PAGE, run_dry, tiered_engine
 
 from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
-from kvdrive.runtime.kvcache.store.page_events import PageEvents
+from kvdrive.runtime.kvcache.store.page_events import PageEvents, PageInfo
 from kvdrive.runtime.model import LoadedModel, load_model
 from kvdrive.runtime.prompt import page_digests
 from kvdrive.runtime.protocol.kv_event_wire import (
     END_SEQ,
     MEDIUM,
+    SHARED_MEDIUM,
+    BlockRemoved,
+    BlockStored,
     EventBatch,
     as_map,
     decoder,
@@ -219,6 +222,81 @@ def test_the_wire_is_vllms_tagged_arrays() -> None:
     assert [(c.tier, c.stored) for c in events.take(0.0)] == [("ssd", False)]
     events.changed(a, "dram", True)  # ... so a copy that comes back later is announced without them
     assert [(c.tier, c.stored, c.info) for c in events.take(0.0)] == [("dram", True, None)]
+
+
+def test_the_shared_tier_is_announced_and_deduplicated_like_any_tier() -> None:
+    """The runtime's shared tier tells ``changed(digest, "shared", ...)``: a page published there is announced once
+    (with its tokens while a local tier holds it), a removal only for a page announced there, once."""
+    a, b, c = bytes(range(16)), bytes(range(16, 32)), bytes(range(32, 48))
+    events = PageEvents()
+    events.describe([(a, None, (1, 2, 3, 4)), (b, a, (5, 6, 7, 8))])
+    events.changed(a, "gpu", True)
+    events.changed(a, "shared", True)
+    events.changed(a, "shared", True)  # published again (or announced twice): one announcement
+    events.changed(b, "gpu", True)
+    events.changed(c, "shared", False)  # a miss on a page this replica never announced there: nothing
+    taken = events.take(0.0)
+    a_info = PageInfo(None, (1, 2, 3, 4))
+    assert [(ch.digest, ch.tier, ch.stored, ch.info) for ch in taken] == [
+        (a, "gpu", True, a_info), (a, "shared", True, a_info), (b, "gpu", True, PageInfo(a, (5, 6, 7, 8)))]
+    assert [e.medium for e in to_events(taken, 4)] == ["GPU", SHARED_MEDIUM, "GPU"]
+    events.changed(a, "gpu", False)  # off its last local tier: still held in the shared tier, so announced ...
+    assert [(ch.tier, ch.stored) for ch in events.take(0.0)] == [("gpu", False)]
+    events.changed(a, "dram", True)  # ... but its tokens are not kept alive by the shared tier
+    assert [(ch.tier, ch.stored, ch.info) for ch in events.take(0.0)] == [("dram", True, None)]
+    events.changed(b, "shared", True)
+    events.changed(a, "shared", False)  # learned gone from the store: announced once
+    events.changed(a, "shared", False)
+    events.changed(b, "gpu", False)  # b keeps its shared copy
+    assert [(ch.digest, ch.tier, ch.stored) for ch in events.take(0.0)] == [
+        (b, "shared", True), (a, "shared", False), (b, "gpu", False)]
+    events.changed(b, "shared", False)  # its last tier: gone
+    events.changed(b, "shared", False)
+    assert [(ch.digest, ch.tier, ch.stored) for ch in events.take(0.0)] == [(b, "shared", False)]
+
+
+def test_pages_known_only_in_the_shared_tier_are_bounded_oldest_forgotten_first() -> None:
+    """The store evicts without telling anyone, so a replica remembers at most ``shared_pages`` pages it announced
+    only there: past them the oldest is forgotten, silently (a removal of it is no longer announced; publishing it
+    again is)."""
+    pages = [bytes([i]) * 16 for i in range(4)]
+    events = PageEvents(shared_pages=2)
+    for d in pages[:3]:
+        events.changed(d, "shared", True)
+    events.changed(pages[3], "gpu", True)  # on a local tier too: not counted against the bound
+    events.changed(pages[3], "shared", True)
+    assert len(events.take(0.0)) == 5
+    for d in pages:
+        events.changed(d, "shared", False)
+    assert [ch.digest for ch in events.take(0.0)] == pages[1:]  # pages[0], the oldest, was forgotten
+    events.changed(pages[0], "shared", True)
+    assert [(ch.digest, ch.stored) for ch in events.take(0.0)] == [(pages[0], True)]
+
+
+def test_the_shared_medium_round_trips_on_the_wire() -> None:
+    """A page published to the shared tier is a ``BlockStored`` in the ``EXTERNAL`` medium, and its removal a
+    ``BlockRemoved`` there, as tagged arrays and as maps, read back whole by the decoder consumers use."""
+    a, b = bytes(range(16)), bytes(range(16, 32))
+    ia, ib = int.from_bytes(a[8:], "big"), int.from_bytes(b[8:], "big")
+    assert MEDIUM["shared"] == SHARED_MEDIUM == "EXTERNAL"
+    events = PageEvents()
+    events.describe([(a, None, (1, 2, 3, 4)), (b, a, (5, 6, 7, 8))])
+    for d in (a, b):
+        events.changed(d, "gpu", True)
+    for d in (a, b):
+        events.changed(d, "shared", True)
+    events.changed(a, "shared", False)
+    batch = EventBatch(ts=2.5, events=to_events(events.take(0.0), 4), data_parallel_rank=0)
+    assert msgspec.msgpack.decode(encoder().encode(batch))[1][1:] == [
+        ["BlockStored", [ia, ib], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "EXTERNAL", None],  # one chain, one event
+        ["BlockRemoved", [ia], "EXTERNAL"],
+    ]
+    for payload in (encoder().encode(batch), msgspec.msgpack.encode(as_map(batch))):
+        back = decoder().decode(payload)
+        assert back == batch
+        stored, removed = back.events[1], back.events[2]
+        assert isinstance(stored, BlockStored) and stored.medium == SHARED_MEDIUM
+        assert isinstance(removed, BlockRemoved) and removed.medium == SHARED_MEDIUM
 
 
 def test_an_address_that_cannot_be_bound_fails_at_start() -> None:

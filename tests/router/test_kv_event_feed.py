@@ -4,7 +4,8 @@ A replica's publisher announces pages stored and removed; the router's feed appl
 as they come. It joined after the first batches, so it replays them from 0 and knows the pages stored before
 it subscribed. When the publisher goes away the feed stops being live after its stale time (the router polls
 the page list again then); a new life of the publisher on the same address (its sequence starts over, with
-AllBlocksCleared) is followed again, and what the old life announced is forgotten.
+AllBlocksCleared) is followed again, and what the old life announced is forgotten. Pages it announces in the
+shared tier count for every replica.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from routerkit import free_port
 
 from kvdrive.router.backends import EventSource
-from kvdrive.router.index import PrefixIndex
+from kvdrive.router.index import Match, PrefixIndex
 from kvdrive.router.kv_event_feed import EventFeed
 from kvdrive.runtime.kvcache import PageEvents
 from kvdrive.runtime.server.kv_event_publisher import KVEventPublisher, KVEventsConfig
@@ -73,6 +74,36 @@ async def test_the_feed_follows_a_publisher_replays_what_it_missed_and_starts_ov
             assert feed.live(URL, time.monotonic()) and index.pages(URL) == 1
         finally:
             pub2.close()
+    finally:
+        await feed.stop()
+        pub.close()
+
+
+async def test_a_page_one_replica_announces_in_the_shared_tier_counts_for_every_replica() -> None:
+    """A replica's publisher announces pages published to the shared tier (EXTERNAL on the wire): the router's
+    index counts them for another replica it follows no events from, until one is announced gone; dropping the
+    announcing replica withdraws what it announced."""
+    port, replay = free_port(), free_port()
+    a, b = (bytes([i]) * 16 for i in (1, 2))
+    other = "http://127.0.0.1:2"  # a replica that publishes no events
+    events, pub = _publisher(port, replay)
+    index = PrefixIndex()
+    feed = EventFeed(index, stale_seconds=0.5)
+    try:
+        feed.follow(URL, EventSource(port, replay, ""))
+        await _until(lambda: feed.live(URL, time.monotonic()))
+        events.describe([(a, None, (1, 2, 3, 4)), (b, a, (5, 6, 7, 8))])
+        for d in (a, b):
+            events.changed(d, "gpu", True)
+            events.changed(d, "shared", True)
+        await _until(lambda: index.match(other, [a, b]).shared == 2)
+        assert index.match(URL, [a, b]) == Match(pages=2, shared=0)  # its own copies count as its own
+        events.changed(b, "shared", False)  # it fetched b and missed: the store evicted it
+        await _until(lambda: index.match(other, [a, b]).pages == 1)
+        assert index.match(URL, [a, b]).pages == 2
+        feed.drop(URL)
+        index.forget(URL)  # it left: what it announced goes with it
+        assert index.match(other, [a, b]).pages == 0
     finally:
         await feed.stop()
         pub.close()

@@ -1,13 +1,21 @@
 """Scenarios for the router's choice of replica (``kvdrive.router.selection.choose``): a pure function of
-what each replica holds of the prompt, the prefill already routed to it and how many requests it runs."""
+what each replica holds of the prompt (or could fetch from the fleet's shared tier), the prefill already routed
+to it and how many requests it runs; and the router's ``pick``, which feeds it from the prefix index."""
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 
 import pytest
 
+from kvdrive.router.backends import RoutingInfo
+from kvdrive.router.cli import add_parser
+from kvdrive.router.core import Router, RouterConfig
+from kvdrive.router.discovery import StaticDiscovery
+from kvdrive.router.index import Match
 from kvdrive.router.selection import Candidate, NoReplicaError, Policy, affinity_key, choose
+from kvdrive.runtime.protocol.kv_event_wire import SHARED_MEDIUM, fold
 
 PAGE = 16
 POLICY = Policy(load_tokens=128, max_imbalance=8)
@@ -145,3 +153,87 @@ def test_the_affinity_key_names_the_prompt_past_a_common_first_page() -> None:
     assert affinity_key(doc_a) != affinity_key(doc_b)
     assert affinity_key(doc_a + [b"question 1"]) == affinity_key(doc_a + [b"question 2"])
     assert affinity_key([b"p0", b"p1"]) == b"p1" and affinity_key([]) is None
+
+
+# --- the fleet's shared tier -------------------------------------------------------------------------------------
+def test_a_prefix_only_in_the_shared_tier_is_worth_something_and_less_than_a_local_copy() -> None:
+    # three idle replicas: a holds nothing, b could fetch the whole document from the shared tier, c holds it
+    fetch = Candidate("b", 125, 0, shared_pages=125)
+    assert choose([Candidate("a", 0, 0), fetch], POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC).name == "b"
+    d = choose([Candidate("a", 0, 0), fetch, Candidate("c", 125, 0)], POLICY, PAGE, first_page=b"doc",
+               prompt_tokens=DOC)
+    assert (d.name, d.reason, d.matched_tokens, d.shared_tokens) == ("c", "prefix", 2000, 0)
+    # at weight 0 the shared tier is ignored: a and b tie, and each document's hash decides
+    ignore = Policy(shared_weight=0.0)
+    picks = {choose([Candidate("a", 0, 0), fetch], ignore, PAGE, first_page=f"doc {i}".encode(),
+                    prompt_tokens=DOC).name for i in range(40)}
+    assert picks == {"a", "b"}
+
+
+def test_a_replica_holding_the_prefix_keeps_it_though_every_other_could_fetch_it() -> None:
+    # the document is in the shared tier, so every replica can reuse it; b also holds it itself and runs 3
+    # requests: it is still the holder, where the others would fetch 2,000 tokens first
+    cands = [Candidate("a", 125, 1, shared_pages=125), Candidate("b", 125, 3),
+             Candidate("c", 125, 1, shared_pages=125)]
+    d = choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
+    assert (d.name, d.reason) == ("b", "prefix")
+    # part local: b holds the first 10 pages and would fetch the rest, like everyone else: it still saves the most
+    part = [Candidate("a", 125, 0, shared_pages=125), Candidate("b", 125, 0, shared_pages=115)]
+    d = choose(part, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
+    assert (d.name, d.reason) == ("b", "prefix")
+
+
+def test_a_prefix_only_in_the_shared_tier_leaves_the_choice_to_load() -> None:
+    # every replica would fetch the same document: it is common to all, like a system prompt, so load decides
+    cands = [Candidate(n, 125, load, shared_pages=125) for n, load in (("a", 2), ("b", 0), ("c", 1))]
+    d = choose(cands, POLICY, PAGE, first_page=b"doc", prompt_tokens=DOC)
+    assert (d.name, d.reason, d.matched_tokens, d.shared_tokens) == ("b", "load", 2000, 2000)
+    idle = [Candidate(n, 125, 0, shared_pages=125) for n in ("a", "b", "c")]
+    spread = Counter(choose(idle, POLICY, PAGE, first_page=f"doc {i}".encode(), prompt_tokens=DOC).name
+                     for i in range(300))
+    assert set(spread) == {"a", "b", "c"}  # ties by the document's hash, as with no prefix anywhere
+
+
+def _router(roots: dict[str, bytes]) -> Router:
+    router = Router(RouterConfig(), StaticDiscovery(tuple(roots)))
+    router.pool.set_urls(roots)
+    for url, root in roots.items():
+        router.pool.backends[url].info = RoutingInfo("demo", root, PAGE, "i-" + url)
+    return router
+
+
+def test_the_router_s_pick_counts_shared_pages_for_every_replica_of_the_root() -> None:
+    """``Router.pick``, which the HTTP proxy and the ext_proc endpoint picker both call: pages a announced in the
+    shared tier count for b, which announced nothing, and not for c, a replica of another model (its prompt's
+    pages chain from another root)."""
+    root, other = bytes(16), bytes([1]) * 16
+    router = _router({"http://a": root, "http://b": root, "http://c": other})
+    tokens = list(range(3, 3 + 40 * PAGE))
+    digests = router.digests_for(tokens)
+    mine = digests[(root, PAGE)]
+    router.index.events_stored("http://a", [fold(d) for d in mine[:30]], SHARED_MEDIUM)
+    router.pool.backends["http://a"].in_flight = 1
+    router.pool.backends["http://c"].in_flight = 0
+    _, d, _ = router.pick(digests, exclude=set(), prompt_tokens=len(tokens))
+    assert (d.name, d.reason, d.matched_tokens, d.shared_tokens) == ("http://b", "prefix", 30 * PAGE, 30 * PAGE)
+    assert router.index.match("http://c", digests[(other, PAGE)]).pages == 0
+    # b holds the first 20 pages itself (say it fetched them): it is picked over a, which would fetch them all
+    router.index.events_stored("http://b", mine[:20], "GPU")
+    router.pool.backends["http://a"].in_flight = 0
+    router.pool.backends["http://b"].in_flight = 1
+    _, d, _ = router.pick(digests, exclude=set(), prompt_tokens=len(tokens))
+    assert (d.name, d.matched_tokens, d.shared_tokens) == ("http://b", 30 * PAGE, 10 * PAGE)
+    # gone from the store (some replica's fetch missed): nobody can reuse them; b keeps its own
+    router.index.events_removed("http://c", [fold(d) for d in mine[:30]], SHARED_MEDIUM)
+    assert [router.index.match(u, mine) for u in ("http://a", "http://b")] == [Match(0, 0), Match(20, 0)]
+
+
+def test_the_shared_tier_weight_is_a_flag_of_kvdrive_route_below_one() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["route", "--backend", "http://a"]).shared_tier_weight == 0.5
+    assert parser.parse_args(["route", "--shared-tier-weight", "0.25"]).shared_tier_weight == 0.25
+    assert parser.parse_args(["route", "--shared-tier-weight", "0"]).shared_tier_weight == 0.0
+    for bad in ("1", "1.5", "-0.1", "nan"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["route", "--shared-tier-weight", bad])
