@@ -164,3 +164,23 @@ def test_no_endpoint_answering_is_degraded_not_an_error() -> None:
     assert tier.shards.mode == "unknown" and "no endpoint" in (tier.degraded() or "")
     assert tier.fetch([b"x" * 16]) == [None] and tier.publish(_pages(1)) == 0
     tier.close()
+
+
+def test_published_and_found_pages_are_announced_and_their_loss_too(cluster: valkeykit.ValkeyDeployment) -> None:
+    from kvdrive.runtime.kvcache import PageEvents
+
+    a, b = _tier(cluster.url, "events"), _tier(cluster.url, "events")
+    ea, eb = PageEvents(), PageEvents()
+    a.watch(ea)
+    b.watch(eb)
+    pages = _pages(4, seed=7)
+    a.publish(pages)
+    assert {(c.digest, c.tier, c.stored) for c in ea.take(0.1)} == {(d, "shared", True) for d, _ in pages}
+    b.fetch([d for d, _ in pages])  # found by another replica: announced by it too
+    assert {(c.digest, c.stored) for c in eb.take(0.1)} == {(d, True) for d, _ in pages}
+    valkeykit.cluster_client(cluster).delete(a.key(pages[0][0]))  # evicted by the store
+    assert b.fetch([pages[0][0]]) == [None]
+    assert [(c.digest, c.tier, c.stored) for c in eb.take(0.1)] == [(pages[0][0], "shared", False)]
+    assert a.unpublished([pages[0][0]]) == []  # A has not looked: it still remembers publishing it
+    a.close()
+    b.close()

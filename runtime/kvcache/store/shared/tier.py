@@ -13,8 +13,8 @@ can outlive its data. What this class guarantees:
 - **never a 5xx**: nothing raises to the caller; ``degraded`` says why the tier is degraded (``/readyz``).
 
 It moves bytes only when the ``Mover`` asks (``fetch``, ``publish``); which pages to publish and fetch is
-placement's choice. Pages it publishes are announced to the KV-event recorder as held by the "shared"
-tier, and announced gone when a fetch finds one of them missing or bad.
+placement's choice. Pages it publishes or finds there are announced to the KV-event recorder as held by the
+"shared" tier (the wire's ``EXTERNAL`` medium), and announced gone when a fetch finds one missing or bad.
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ class SharedTier:
         if bad:  # a bad value is never served again: the next publish of the page writes a good one
             self.shards.delete([self.key(d) for d in bad])
         self._forget(gone)
+        if self._events is not None:  # a page found there is announced as held (so its later loss is too)
+            for d, g in zip(digests, out, strict=True):
+                if g is not None:
+                    self._events.changed(d, "shared", True)
         with self._lock:
             self._hits += hits
             self._misses += len(digests) - hits
@@ -146,13 +150,15 @@ class SharedTier:
         return len(stored)
 
     def _forget(self, digests: list[bytes]) -> None:
-        """Pages found absent or bad: no longer remembered as published (announced gone when they were)."""
+        """Pages found absent or bad: no longer remembered as published, and announced gone from the shared
+        tier (the recorder drops the announcement of a page it never announced there)."""
         if not digests:
             return
         with self._lock:
-            known = [d for d in digests if self._published.pop(d, 0) is None]
+            for d in digests:
+                self._published.pop(d, None)
         if self._events is not None:
-            for d in known:
+            for d in digests:
                 self._events.changed(d, "shared", False)
 
     # --- health --------------------------------------------------------------------------------------
