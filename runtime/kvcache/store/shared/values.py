@@ -10,7 +10,8 @@ it, and a reader trusts nothing but the bytes it got:
 - the cache identity: a digest of the model fingerprint (model, KV dtype, page size, layout), so a value
   written by another model or dtype is refused even under a colliding key;
 - the layers and the bytes of one layer's block, and the payload's length (a truncated value is refused);
-- a CRC-32 over the digest, the identity and the payload (a flipped byte is refused).
+- a CRC-32 over the digest, the identity and the payload (a flipped byte is refused): the SSD tier's CRC
+  (``store.tiers.checksum``: ISA-L's when installed, else zlib's; the same values).
 
 The payload is the page's blocks, layer-major: ``[num_layers, block_bytes]`` uint8, as the local tiers hold
 them. ``decode`` returns them or raises ``BadValue`` naming the cause (``CAUSES``), which callers count.
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
+
+from kvdrive.runtime.kvcache.store.tiers.checksum import CRC32
 
 MAGIC = b"KVDS"
 VERSION = 1
@@ -66,7 +68,7 @@ class PageFormat:
             raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype}: expected "
                              f"({self.num_layers}, {self.block_bytes}) uint8")
         payload = blocks.contiguous().cpu().numpy().tobytes()
-        crc = zlib.crc32(payload, zlib.crc32(self.identity, zlib.crc32(digest)))
+        crc = CRC32(payload, CRC32(digest + self.identity))
         return HEADER.pack(MAGIC, VERSION, digest, self.identity, self.num_layers, self.block_bytes,
                            len(payload), crc) + payload
 
@@ -89,7 +91,7 @@ class PageFormat:
             raise BadValue("truncated", f"{len(value) - HEADER.size} payload bytes, header says {length}, "
                            f"expected {self.payload_bytes}")
         payload = memoryview(value)[HEADER.size :]
-        if zlib.crc32(payload, zlib.crc32(identity, zlib.crc32(digest))) != crc:
+        if CRC32(payload, CRC32(digest + identity)) != crc:
             raise BadValue("checksum", "CRC-32 mismatch")
         blocks = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return blocks.view(self.num_layers, self.block_bytes)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from typing import Any
 
-Crc32 = Callable[[Any], int]
+Crc32 = Callable[..., int]  # (data, start value=0): zlib.crc32's signature
 
 
 def _pick() -> tuple[Crc32, str]:
