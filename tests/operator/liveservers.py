@@ -7,6 +7,8 @@ import re
 import socket
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +99,17 @@ async def wait_ready(server: Server, timeout: float = 180.0) -> None:
                 pass
             await asyncio.sleep(0.3)
     raise RuntimeError(f"server not ready in {timeout}s: {server.log.read_text()[-3000:]}")
+
+
+@asynccontextmanager
+async def all_ready(servers: list[Server]) -> AsyncIterator[list[Server]]:
+    """Started servers, once every one is ready; stopped when the block ends (also when one never was)."""
+    try:
+        await asyncio.gather(*(wait_ready(s) for s in servers))
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
 
 
 async def complete(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int) -> int:

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from kopfenv import Cluster, eventually
 from livekit import create_pod, events, live_cr, pod_status, scaled_earlier, status
-from liveservers import Server, complete, prompt, start, wait_ready
+from liveservers import Server, all_ready, complete, prompt, start
 
 from kvdrive.operator.act.objects import CHILDREN, CR, STATEFULSETS
 
@@ -38,13 +38,8 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture()
 async def servers(tmp_path: Path) -> AsyncIterator[list[Server]]:
-    started = [start(tmp_path / f"chat-{i}", TOKEN, *SERVER_FLAGS) for i in range(2)]
-    try:
-        await asyncio.gather(*(wait_ready(s) for s in started))
+    async with all_ready([start(tmp_path / f"chat-{i}", TOKEN, *SERVER_FLAGS) for i in range(2)]) as started:
         yield started
-    finally:
-        for server in started:
-            server.stop()
 
 
 async def workload(server: Server, stop: asyncio.Event, concurrency: int = 5) -> None:

@@ -15,25 +15,16 @@ from kvdrive.runtime.engine.grammar import CompiledGrammar, GrammarError, Gramma
 from kvdrive.runtime.prompt.digests import tenant_salt
 from kvdrive.runtime.protocol import request_schemas as r
 from kvdrive.runtime.protocol.secret_files import ApiKey
+from kvdrive.runtime.server import openai_params as op
 from kvdrive.runtime.server import response_schemas as s
 from kvdrive.runtime.server.disconnect import ClientGone, until_disconnect
 from kvdrive.runtime.server.errors import ApiError
 from kvdrive.runtime.server.generation import Generation
 from kvdrive.runtime.server.openai_api import Echo, chat_response, completion_response, usage_options
-from kvdrive.runtime.server.openai_params import (
-    Limits,
-    cache_salt,
-    chat_max_tokens,
-    check_length,
-    check_model,
-    check_prompt_ids,
-    sample_params,
-    sampling_params,
-)
 from kvdrive.runtime.server.streaming import Choice, Collected
 from kvdrive.runtime.server.structured import OutputConstraints
 
-LIMITS = Limits(max_context=100, vocab_size=50, default_max_tokens=30)
+LIMITS = op.Limits(max_context=100, vocab_size=50, default_max_tokens=30)
 CHAT = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 
@@ -56,27 +47,27 @@ def refused(call: Any, *args: Any, **kwargs: Any) -> ApiError:
 
 
 def test_a_model_is_served_by_its_id_or_an_alias_else_404_naming_the_field() -> None:
-    check_model("m", "m", ())
-    check_model("demo", "m", ("demo",))
-    e = refused(check_model, "other", "m", ("demo",))
+    op.check_model("m", "m", ())
+    op.check_model("demo", "m", ("demo",))
+    e = refused(op.check_model, "other", "m", ("demo",))
     assert (e.status, e.kind, e.param) == (404, "not_found_error", "model")
     assert e.message == "model 'other' is not served here (served: m)"
 
 
 def test_length_checks_name_the_prompt_or_max_tokens() -> None:
-    check_length(99, None, 100)
-    check_length(90, 10, 100)
-    e = refused(check_length, 100, None, 100)
+    op.check_length(99, None, 100)
+    op.check_length(90, 10, 100)
+    e = refused(op.check_length, 100, None, 100)
     assert (e.status, e.param) == (400, "prompt") and "the prompt has 100 tokens" in e.message
-    e = refused(check_length, 90, 11, 100)
+    e = refused(op.check_length, 90, 11, 100)
     assert (e.status, e.param) == (400, "max_tokens")
     assert e.message == "prompt (90 tokens) + max_tokens (11) exceeds this model's context of 100 tokens"
 
 
 def test_prompt_token_ids_must_be_in_the_vocabulary() -> None:
-    check_prompt_ids([[0, 49]], 50)
+    op.check_prompt_ids([[0, 49]], 50)
     for bad in ([[50]], [[1], [-1]]):
-        e = refused(check_prompt_ids, bad, 50)
+        e = refused(op.check_prompt_ids, bad, 50)
         assert (e.status, e.param, e.message) == (400, "prompt", "prompt: token ids must be in [0, 50)")
 
 
@@ -84,50 +75,50 @@ def test_sampling_params_carry_every_field() -> None:
     body = completion_body(temperature=0.5, top_p=0.9, top_k=-1, seed=3, stop=["x"], ignore_eos=True,
                            presence_penalty=0.1, frequency_penalty=0.2, repetition_penalty=1.3,
                            logit_bias={"7": -2.0}, min_tokens=2, stop_token_ids=[4])
-    p = sampling_params(body, 10, 5, LIMITS, logprobs=1, prompt_logprobs=2)
+    p = op.sampling_params(body, 10, 5, LIMITS, logprobs=1, prompt_logprobs=2)
     assert p == SamplingParams(max_tokens=10, temperature=0.5, top_p=0.9, top_k=0, seed=3, stop=("x",),
                                ignore_eos=True, presence_penalty=0.1, frequency_penalty=0.2,
                                repetition_penalty=1.3, logit_bias=((7, -2.0),), min_tokens=2,
                                stop_token_ids=(4,), logprobs=1, prompt_logprobs=2)
-    neutral = sampling_params(completion_body(), 10, 5, LIMITS, logprobs=None)
+    neutral = op.sampling_params(completion_body(), 10, 5, LIMITS, logprobs=None)
     assert (neutral.presence_penalty, neutral.frequency_penalty, neutral.repetition_penalty) == (0.0, 0.0, 1.0)
 
 
 def test_max_tokens_defaults_and_is_cut_to_the_context_left() -> None:
-    assert sampling_params(completion_body(), None, 5, LIMITS, None).max_tokens == 30  # the default
-    assert sampling_params(completion_body(), 80, 40, LIMITS, None).max_tokens == 60  # the room after the prompt
-    assert sampling_params(completion_body(), None, 99, LIMITS, None).max_tokens == 1
+    assert op.sampling_params(completion_body(), None, 5, LIMITS, None).max_tokens == 30  # the default
+    assert op.sampling_params(completion_body(), 80, 40, LIMITS, None).max_tokens == 60  # the room after the prompt
+    assert op.sampling_params(completion_body(), None, 99, LIMITS, None).max_tokens == 1
 
 
 def test_out_of_vocabulary_ids_and_min_tokens_past_the_limit_are_400s_naming_the_field() -> None:
-    e = refused(sampling_params, completion_body(logit_bias={"50": 1.0}), 4, 5, LIMITS, None)
+    e = refused(op.sampling_params, completion_body(logit_bias={"50": 1.0}), 4, 5, LIMITS, None)
     assert (e.param, e.message) == ("logit_bias", "logit_bias: token ids must be in [0, 50); got [50]")
-    e = refused(sampling_params, completion_body(stop_token_ids=[1, 60, 70]), 4, 5, LIMITS, None)
+    e = refused(op.sampling_params, completion_body(stop_token_ids=[1, 60, 70]), 4, 5, LIMITS, None)
     assert (e.param, e.message) == ("stop_token_ids", "stop_token_ids: token ids must be in [0, 50); got [60, 70]")
-    e = refused(sampling_params, completion_body(min_tokens=5), 4, 5, LIMITS, None)
+    e = refused(op.sampling_params, completion_body(min_tokens=5), 4, 5, LIMITS, None)
     assert (e.status, e.param) == (400, "min_tokens")
     assert e.message == "min_tokens (5) exceeds the tokens this request may generate (4)"
 
 
 def test_chat_max_tokens_prefers_max_completion_tokens_and_reads_max_tokens_only_when_set() -> None:
-    assert chat_max_tokens(chat_body()) is None
-    assert chat_max_tokens(chat_body(max_tokens=7)) == 7
-    assert chat_max_tokens(chat_body(max_tokens=7, max_completion_tokens=9)) == 9
+    assert op.chat_max_tokens(chat_body()) is None
+    assert op.chat_max_tokens(chat_body(max_tokens=7)) == 7
+    assert op.chat_max_tokens(chat_body(max_tokens=7, max_completion_tokens=9)) == 9
 
 
 def test_sample_j_seeds_with_seed_plus_j_and_only_sample_0_computes_prompt_logprobs() -> None:
     p = SamplingParams(seed=2**63 - 1, prompt_logprobs=1)
-    assert sample_params(p, 0) == p
-    assert (sample_params(p, 1).seed, sample_params(p, 1).prompt_logprobs) == (0, None)
+    assert op.sample_params(p, 0) == p
+    assert (op.sample_params(p, 1).seed, op.sample_params(p, 1).prompt_logprobs) == (0, None)
     unseeded = SamplingParams(prompt_logprobs=1)
-    assert sample_params(unseeded, 2) == SamplingParams(prompt_logprobs=None)
+    assert op.sample_params(unseeded, 2) == SamplingParams(prompt_logprobs=None)
 
 
 def test_the_cache_salt_derives_from_the_api_key_only_when_tenants_are_isolated() -> None:
     key = ApiKey("t", "secret")
-    assert cache_salt(key, "s", isolate_tenants=False) == "s"
-    assert cache_salt(None, "s", isolate_tenants=True) == "s"
-    assert cache_salt(key, "s", isolate_tenants=True) == tenant_salt("secret", "s")
+    assert op.cache_salt(key, "s", isolate_tenants=False) == "s"
+    assert op.cache_salt(None, "s", isolate_tenants=True) == "s"
+    assert op.cache_salt(key, "s", isolate_tenants=True) == tenant_salt("secret", "s")
 
 
 # ---- the output constraint

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 import torch
 import valkeykit
-from liveservers import Server, start, wait_ready
+from liveservers import Server, all_ready, start, wait_ready
 
 from kvdrive.runtime.kvcache.store.shared import PageFormat, cache_identity
 
@@ -80,13 +80,8 @@ def serve(folder: Path, dep: valkeykit.ValkeyDeployment, *extra: str) -> Server:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pair(cluster: valkeykit.ValkeyDeployment, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[list[Server]]:
     root = tmp_path_factory.mktemp("shared-live")
-    servers = [serve(root / "a", cluster), serve(root / "b", cluster)]
-    try:
-        await asyncio.gather(*(wait_ready(s) for s in servers))
+    async with all_ready([serve(root / "a", cluster), serve(root / "b", cluster)]) as servers:
         yield servers
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @pytest.mark.asyncio(loop_scope="module")
