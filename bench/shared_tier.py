@@ -15,7 +15,9 @@ processes on this host.
 2. ``rates``: pages of the model's size written and read through the shared tier (values encoded, written
    one pipeline per shard; read back and verified) against a plain client loop on the same values (the
    ``valkey`` package's cluster client, pipelined SET / GET of the raw payloads), legs alternated.
-3. ``fault`` (demo model, paced steps): one server publishes 16 documents (the reference outputs), a fresh
+3. ``capacity``: a working set twice a small cluster's maxmemory (3 x 32 MB) written and read back: no
+   errors, the hit rate.
+4. ``fault`` (demo model, paced steps): one server publishes 16 documents (the reference outputs), a fresh
    server streams them, 16 at once, arriving 0.75 s apart, from the shared tier; in the *fault* leg one shard
    is killed when the first tokens arrive (later arrivals fetch their prefix while it is gone) and started
    again when the streams end; the *clean* leg is the same load, no kill.
@@ -184,6 +186,30 @@ def part_rates(dep: valkeykit.ValkeyDeployment, args: argparse.Namespace) -> dic
                          for k, v in legs.items()}}
 
 
+def part_capacity(args: argparse.Namespace) -> dict[str, Any]:
+    """A working set twice the cluster's maxmemory, written then read back through the shared tier."""
+    layers, block = args.rate_layers, args.rate_block
+    fmt = PageFormat(cache_identity("bench-capacity"), layers, block)
+    per_shard = 32 << 20
+    with valkeykit.start(3, "32mb") as small:
+        tier = SharedTier(SharedTierConfig.parse(small.url, "capacity", timeout_ms=2000), fmt)
+        n = 2 * 3 * per_shard // fmt.value_bytes
+        g = torch.Generator().manual_seed(2)
+        digests = [bytes(torch.randint(0, 256, (16,), generator=g, dtype=torch.uint8).tolist()) for _ in range(n)]
+        blocks = torch.randint(0, 256, (layers, block), generator=g, dtype=torch.uint8)
+        written = sum(tier.publish([(d, blocks) for d in digests[i : i + 32]]) for i in range(0, n, 32))
+        got = [p for i in range(0, n, 32) for p in tier.fetch(digests[i : i + 32])]
+        c = tier.counters()
+        used = small.used_memory()
+        tier.close()
+    hits = sum(p is not None for p in got)
+    print(f"capacity: {n} pages ({n * fmt.value_bytes / MB:.0f} MB) into 3 x 32 MB: {written} written, {hits} read back "
+          f"(hit rate {hits / n:.2f}), errors {c.errors}, verify failures {sum(c.verify_failures.values())}", flush=True)
+    return {"pages": n, "value_bytes": fmt.value_bytes, "maxmemory_bytes": 3 * per_shard, "written": written,
+            "hits": hits, "hit_rate": hits / n, "errors": c.errors, "verify_failures": c.verify_failures,
+            "used_memory_bytes": used}
+
+
 async def _stream(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int) -> dict[str, Any]:
     body = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -305,6 +331,13 @@ def report(result: dict[str, Any], out: Path) -> None:
         for k, v in r["mb_per_s"].items():
             lines.append(f"| {k} | {v['median']:.0f} | {v['min']:.0f} | {v['max']:.0f} |")
         lines.append("")
+    if "capacity" in result:
+        c = result["capacity"]
+        lines += ["## A working set twice the cluster's memory", "",
+                  f"{c['pages']} values of {c['value_bytes']} bytes ({c['pages'] * c['value_bytes'] / MB:.0f} MB) written "
+                  f"into 3 shards of 32 MB (allkeys-lru): {c['written']} written, {c['hits']} read back whole and "
+                  f"verified (hit rate {c['hit_rate']:.2f}), errors {c['errors'] or 'none'}, verify failures "
+                  f"{sum(c['verify_failures'].values())}; the shards held {c['used_memory_bytes'] / MB:.0f} MB after.", ""]
     if "fault" in result:
         f = result["fault"]
         lines += [f"## A shard killed under {f['streams']} streams (demo model)", "",
@@ -319,7 +352,7 @@ def report(result: dict[str, Any], out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="ttft,rates,fault")
+    ap.add_argument("--parts", default="ttft,rates,capacity,fault")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--sentences", type=int, default=560, help="haystack sentences of the TTFT document (~7K tokens)")
@@ -342,6 +375,8 @@ def main() -> int:
                 result["rates"] = part_rates(dep, args)
             if "ttft" in parts:
                 result["ttft"] = part_ttft(dep, work, args)
+            if "capacity" in parts:
+                result["capacity"] = part_capacity(args)
             if "fault" in parts:
                 result["fault"] = part_fault(dep, work, args)
     finally:
