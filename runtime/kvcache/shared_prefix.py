@@ -113,7 +113,7 @@ class SharedPrefix:
         staged, warmup.staged = warmup.staged, []
         if not staged:
             return
-        tier = self.placer.shared_landing_tier()
+        tier = self.placer.shared_landing_tier(len(staged) * self.layout.num_layers)
         try:
             self.moves.land([d for d, _ in staged], [p for _, p in staged], tier)
         except CacheFullError:

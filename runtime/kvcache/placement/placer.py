@@ -89,12 +89,14 @@ class Placer:
         and never reused by another prompt: not published."""
         return [d for d in digests if d in exact]
 
-    def shared_landing_tier(self) -> TierName:
-        """Where pages fetched from the shared tier land before the prefix load reads them: the SSD tier when
-        there is one (the largest: a long prefix fits), else the DRAM tier, else the device."""
-        if "ssd" in self.tiers:
-            return "ssd"
-        return "dram" if "dram" in self.tiers and self.tiers["dram"].allocator.capacity else "gpu"
+    def shared_landing_tier(self, blocks: int) -> TierName:
+        """Where ``blocks`` fetched from the shared tier land before the prefix load reads them: DRAM when it
+        can hold them all (the load then reads them from memory), else the SSD tier (the largest), else the
+        device."""
+        for tier in ("dram", "ssd"):
+            if tier in self.tiers and self.tiers[tier].allocator.capacity >= blocks:
+                return tier
+        return "ssd" if "ssd" in self.tiers else "gpu"
 
     # --- the store's eviction order ---------------------------------------------------------------
     def victim_order(self, tier: TierName, cands: list[Block]) -> list[Block]:
