@@ -25,7 +25,6 @@ class Breaker:
         self._cooldown = COOLDOWN_S
         self._probing = False
         self.last_error = ""
-        self.opened = 0  # times it opened since start
 
     def allow(self) -> bool:
         """Whether a call may go to the shard now (closed, or the one probe of a half-open breaker)."""
@@ -51,7 +50,6 @@ class Breaker:
                 self._cooldown = min(2 * self._cooldown, MAX_COOLDOWN_S)
             elif self._opened_at is None and self._failures >= FAILURES:
                 self._opened_at = self._clock()
-                self.opened += 1
 
     @property
     def is_open(self) -> bool:
