@@ -6,6 +6,7 @@ of the host state that ``down`` must restore.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -139,8 +140,27 @@ def host_state() -> dict[str, list[str]]:
 POD_NETWORK = "10.88."  # scripts/cluster.sh's POD_CIDR, 10.88.0.0/16
 
 
-CLUSTER_PROCESSES = {"etcd", "kube-apiserver", "kubelet", "kube-proxy", "kube-scheduler", "kube-controller",
-                     "containerd", "containerd-shim", "pause"}
+# by name: only the one-node cluster runs these on a host. etcd, kube-apiserver and kube-controller(-manager)
+# are not among them: the operator tests' control planes (scripts/control-plane.sh), which another session
+# may start or stop meanwhile, run them too; the cluster's own are found by their arguments (cluster_processes)
+CLUSTER_PROCESSES = {"kubelet", "kube-proxy", "kube-scheduler", "containerd", "containerd-shim", "pause"}
+
+
+def cluster_processes(directory: Path) -> list[str]:
+    """"PID NAME" of every process whose arguments name the cluster's folder or its runtime folder under /run
+    (scripts/cluster.sh's RUN_DIR): all of its components."""
+    resolved = str(directory.resolve())
+    marks = (f"{resolved}/".encode(), f"/run/kvdrive-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}/".encode())
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                if any(mark in args for mark in marks):
+                    found.append(f"{pid} {Path(f'/proc/{pid}/comm').read_text().strip()}")
+            except OSError:  # gone meanwhile
+                pass
+    return sorted(found)
 
 
 def _process_names() -> set[str]:
