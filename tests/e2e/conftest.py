@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -92,11 +93,18 @@ def deployed(operator: Cluster) -> Cluster:
         c.kubectl("apply", "-f", str(GIE_CRD))
         c.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/inferencepools.inference.networking.k8s.io")
         started = time.monotonic()
-        c.kubectl("apply", "-f", str(CR_FILE))
+        c.kubectl("apply", "-f", "-", input=demo_cr(c))
         eventually(lambda: _cr_ready(c), 600, what="the CR's Ready condition")
         c.record("kubectl apply -> CR Ready (s)", round(time.monotonic() - started, 1))
     eventually(lambda: _cr_ready(c), 600, what="the CR's Ready condition")
     return c
+
+
+def demo_cr(c: Cluster) -> str:
+    """demo.yaml, its shared tier pointed at the Valkey shards this cluster's ``up`` started."""
+    cr = yaml.safe_load(CR_FILE.read_text())
+    cr["spec"]["tiers"]["shared"]["endpoints"] = c.shared_tier_endpoints
+    return yaml.safe_dump(cr)
 
 
 def _cr_ready(c: Cluster) -> bool:

@@ -1,6 +1,7 @@
 """Scene 5: a pod dies. The StatefulSet recreates it under the same name on the same claim, and
 the long prompt it had answered before is answered again from the prefix pages its SSD tier kept on
-the local NVMe volume: `usage.prompt_tokens_details.cached_tokens` > 0 on the first request.
+the local NVMe volume: `usage.prompt_tokens_details.cached_tokens` > 0 on the first request, none of
+them fetched from the shared tier (scene 5b), which the pod looks in only for pages no local tier holds.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ def _complete(c: Cluster, pod: str) -> dict:
                         json={"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
     assert answer.status_code == 200, answer.text
     return answer.json()
+
+
+def _metric(c: Cluster, pod: str, name: str) -> float:
+    ip = c.get("pod", pod, "-n", NAMESPACE)["status"]["podIP"]
+    text = httpx.get(f"http://{ip}:8000/metrics", timeout=30).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"{name} ")))
 
 
 def test_a_deleted_pod_comes_back_on_its_claim_with_its_prefix_pages(deployed: Cluster) -> None:
@@ -49,6 +56,7 @@ def test_a_deleted_pod_comes_back_on_its_claim_with_its_prefix_pages(deployed: C
     cached = after["usage"]["prompt_tokens_details"]["cached_tokens"]
     prompt_tokens = after["usage"]["prompt_tokens"]
     assert cached > 0, after["usage"]
+    assert _metric(c, "demo-0", "kvdrive_shared_tier_prefix_pages_total") == 0  # all of them from its own claim
     assert after["choices"][0]["text"] == before["choices"][0]["text"]  # same greedy answer from reused pages
     c.record("pod deleted -> recreated pod Ready (s)", back_after)
     c.record("after the restart: cached_tokens / prompt_tokens", f"{cached} / {prompt_tokens}")
