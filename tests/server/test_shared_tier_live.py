@@ -23,6 +23,7 @@ from kvdrive.runtime.kvcache.store.shared import PageFormat, cache_identity
 
 pytestmark = pytest.mark.timeout(900)
 
+PAGE = 16  # the servers' --page-size (the default)
 FLAGS = ("--gpu-budget", "64MiB", "--dram-budget", "32MiB", "--max-sequences", "4", "--max-running", "4",
          "--shared-tier-timeout-ms", "300")
 
@@ -31,7 +32,9 @@ def document(n: int, words: int = 500) -> str:
     return f"Document {n}. " + " ".join(f"alpha{n}x{j} beta{j % 13} gamma" for j in range(words)) + "\nSummary:"
 
 
-async def ask(server: Server, prompt: str, salt: str | None = None, max_tokens: int = 8) -> tuple[str, int]:
+async def ask(server: Server, prompt: str, salt: str | None = None, max_tokens: int = 8) -> tuple[str, int, int]:
+    """The greedy text, the prompt tokens reused (``cached_tokens``), and the most that could be: every full
+    page before the prompt's last token."""
     body: dict[str, object] = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                "ignore_eos": True}
     if salt is not None:
@@ -40,7 +43,9 @@ async def ask(server: Server, prompt: str, salt: str | None = None, max_tokens: 
         rsp = await client.post(f"{server.url}/v1/completions", json=body, timeout=600)
     assert rsp.status_code == 200, rsp.text
     out = rsp.json()
-    return out["choices"][0]["text"], int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+    usage = out["usage"]
+    return (out["choices"][0]["text"], int(usage["prompt_tokens_details"]["cached_tokens"]),
+            (int(usage["prompt_tokens"]) - 1) // PAGE * PAGE)
 
 
 async def metrics(server: Server, name: str) -> dict[str, float]:
@@ -51,10 +56,14 @@ async def metrics(server: Server, name: str) -> dict[str, float]:
     return {labels: float(value) for labels, value in found}
 
 
+async def published_pages(server: Server) -> int:
+    return int((await metrics(server, "kvdrive_shared_tier_published_pages_total")).get("", 0))
+
+
 async def published(server: Server, at_least: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (await metrics(server, "kvdrive_shared_tier_published_pages_total")).get("", 0) >= at_least:
+        if await published_pages(server) >= at_least:
             return
         await asyncio.sleep(0.2)
     raise AssertionError(f"fewer than {at_least} pages published in {timeout} s")
@@ -88,20 +97,21 @@ async def pair(cluster: valkeykit.ValkeyDeployment, tmp_path_factory: pytest.Tem
 async def test_a_document_asked_on_one_server_is_reused_by_another_and_salts_stay_apart(pair: list[Server]) -> None:
     a, b = pair
     doc = document(1)
-    text_a, cached = await ask(a, doc)
+    before = await published_pages(a)
+    text_a, cached, every = await ask(a, doc)
     assert cached == 0
-    await published(a, 30)
-    text_b, cached = await ask(b, doc)
-    assert text_b == text_a and cached >= 480  # every full page before the last token came from the shared tier
+    await published(a, before + every // PAGE)  # every full page of the prompt
+    text_b, cached, every = await ask(b, doc)
+    assert text_b == text_a and cached == every > 4000  # every full page before the last token: from the shared tier
     assert (await metrics(b, "kvdrive_shared_tier_hits_total"))[""] >= 30
     # a tenant's salt: never served another salt's (or no salt's) pages, on either server
-    before = (await metrics(b, "kvdrive_shared_tier_published_pages_total"))[""]
-    salted_b, cached = await ask(b, doc, salt="tenant-x")
+    before = await published_pages(b)
+    salted_b, cached, _ = await ask(b, doc, salt="tenant-x")
     assert cached == 0 and salted_b == text_a
-    await published(b, int(before) + 30)
-    _, cached = await ask(a, doc, salt="tenant-x")  # the same salt on the other server: shared
-    assert cached >= 480
-    _, cached = await ask(a, doc, salt="tenant-y")
+    await published(b, before + every // PAGE)
+    _, cached, every = await ask(a, doc, salt="tenant-x")  # the same salt on the other server: shared
+    assert cached == every
+    _, cached, _ = await ask(a, doc, salt="tenant-y")
     assert cached == 0
 
 
@@ -110,8 +120,9 @@ async def test_every_bad_value_is_refused_counted_and_recomputed_with_the_same_o
         pair: list[Server], cluster: valkeykit.ValkeyDeployment) -> None:
     a, b = pair
     doc = document(2)
-    clean, _ = await ask(a, doc)
-    await published(a, 60)
+    before = await published_pages(a)
+    clean, _, every = await ask(a, doc)
+    await published(a, before + every // PAGE)
     rc = valkeykit.cluster_client(cluster)
     keys = sorted(k for k in rc.scan_iter(match="kvd:live:*", count=1000))
     # the document's pages are the keys A published last: tamper with every value of the namespace, one way
@@ -133,7 +144,7 @@ async def test_every_bad_value_is_refused_counted_and_recomputed_with_the_same_o
         else:
             digest = bytes.fromhex(key.decode().rsplit(":", 1)[1])
             rc.set(key, other_model.encode(digest, torch.zeros(30, 24576, dtype=torch.uint8)))
-    text, cached = await ask(b, doc)
+    text, cached, _ = await ask(b, doc)
     assert text == clean and cached == 0
     failures = await metrics(b, "kvdrive_shared_tier_verify_failures_total")
     for cause in ("checksum", "truncated", "digest", "identity"):
@@ -145,15 +156,16 @@ async def test_a_server_killed_and_started_on_an_empty_ssd_warms_from_the_shared
         pair: list[Server], cluster: valkeykit.ValkeyDeployment, tmp_path: Path) -> None:
     a, _ = pair
     doc = document(3)
-    clean, _ = await ask(a, doc)
-    await published(a, 90)
+    before = await published_pages(a)
+    clean, _, every = await ask(a, doc)
+    await published(a, before + every // PAGE)
     a.process.kill()  # kill -9: nothing flushed, nothing said goodbye
     a.process.wait()
     fresh = serve(tmp_path / "a2", cluster)  # a new, empty SSD directory
     try:
         await wait_ready(fresh)
-        text, cached = await ask(fresh, doc)
-        assert text == clean and cached >= 480
+        text, cached, every = await ask(fresh, doc)
+        assert text == clean and cached == every > 4000
         assert (await metrics(fresh, "kvdrive_shared_tier_prefix_pages_total"))[""] >= 30
     finally:
         fresh.stop()
@@ -171,7 +183,7 @@ async def test_a_shard_killed_under_load_degrades_the_tier_and_it_recovers(
         # 4 streams (each a document new to the tier, so its pages are fetched and published while a shard is
         # gone): every answer is 200 and equals the reference
         outs = await asyncio.gather(*(ask(b, d, max_tokens=12) for d in docs))
-        assert [t for t, _ in outs] == [t for t, _ in refs]
+        assert [t for t, _, _ in outs] == [t for t, _, _ in refs]
         ready = await readiness(b)
         assert ready["status"] == "degraded" and "shared" in ready["degraded"]  # type: ignore[operator]
         assert (await metrics(b, "kvdrive_shared_tier_degraded"))[""] == 1.0
