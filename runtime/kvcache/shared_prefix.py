@@ -16,6 +16,7 @@ Nothing here blocks the engine thread on the network, and nothing raises to it: 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ import torch
 from kvdrive.runtime.kvcache.mover.shared import SharedMoves
 from kvdrive.runtime.kvcache.mover.transfer import Priority, TransferHandle, TransferQueue
 from kvdrive.runtime.kvcache.placement import Placer
-from kvdrive.runtime.kvcache.store import BlockKey, BlockStore, CacheFullError, KVLayout
+from kvdrive.runtime.kvcache.store import BlockStore, CacheFullError, KVLayout
 from kvdrive.runtime.prompt.digests import page_digests
 
 log = logging.getLogger(__name__)
@@ -44,16 +45,11 @@ class PrefixWarmup:
     def done(self) -> bool:
         return self.handle is None or self.handle.done()
 
-    def wait(self, timeout: float) -> bool:
-        if self.handle is None:
-            return True
-        try:
-            self.handle.wait(timeout)
-        except TimeoutError:
-            return False
-        except Exception:
-            return True
-        return True
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the fetch to end (a failed one ends too: the job logged it)."""
+        if self.handle is not None:
+            with contextlib.suppress(Exception):
+                self.handle.wait(timeout)
 
 
 class SharedPrefix:
@@ -61,7 +57,7 @@ class SharedPrefix:
                  queue: TransferQueue, stage_bytes: int) -> None:
         self.layout, self.store, self.moves, self.placer, self.queue = layout, store, moves, placer, queue
         self.stage_pages = max(1, stage_bytes // layout.page_bytes)
-        self.warmed_pages = 0  # pages fetched from the shared tier for prompts (landed or staged)
+        self.warmed_pages = 0  # pages fetched from the shared tier for prompts and landed (engine thread)
 
     # --- fetching a prompt's prefix ----------------------------------------------------------------
     def warm(self, prompt: Sequence[int], root: bytes) -> PrefixWarmup | None:
@@ -93,7 +89,6 @@ class SharedPrefix:
             fetched += good
             if good < len(batch):
                 break
-        self.warmed_pages += fetched
         if fetched:
             log.info("shared tier: %d of %d prompt pages fetched (%.1f MB, %.0f ms; %d stored locally)", fetched,
                      len(todo), fetched * self.layout.page_bytes / 1e6, 1e3 * (time.perf_counter() - t0), first)
@@ -102,7 +97,7 @@ class SharedPrefix:
     def _locally_stored(self, digests: list[bytes]) -> int:
         """How many leading pages of ``digests`` every layer of which some local tier holds."""
         L = self.layout.num_layers
-        where = self.store.where_many([BlockKey(d, layer) for d in digests for layer in range(L)])
+        where = self.store.where_many(self.moves.keys(digests))
         for p in range(len(digests)):
             if any(t is None for t in where[p * L : (p + 1) * L]):
                 return p
@@ -116,6 +111,7 @@ class SharedPrefix:
         tier = self.placer.shared_landing_tier(len(staged) * self.layout.num_layers)
         try:
             self.moves.land([d for d, _ in staged], [p for _, p in staged], tier)
+            self.warmed_pages += len(staged)
         except CacheFullError:
             log.warning("shared tier: no room in the %s tier for %d fetched pages; they are recomputed", tier,
                         len(staged))

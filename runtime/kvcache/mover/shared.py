@@ -4,8 +4,8 @@ The ``Mover``'s part for the shared tier (``store.shared.SharedTier``), the only
 ``publish``. Pages travel whole (every layer): ``publish`` reads a page's blocks from their fastest local
 copies and writes one value; ``fetch`` returns verified pages; ``land`` stores fetched pages as ordinary
 stored pages of a local tier (content addressed: a page already there is only touched), where the prefix
-lookup finds them. Which pages and which tier is placement's choice; when, the caller's (a transfer worker,
-except a landing into a memory tier, which runs on the engine thread: the contract's thread rule).
+lookup finds them. Which pages and which tier is placement's choice; when, the caller's: ``publish`` and
+``fetch`` on a transfer worker, ``land`` on the engine thread (the contract's thread rule).
 """
 
 from __future__ import annotations

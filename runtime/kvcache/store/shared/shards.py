@@ -50,9 +50,10 @@ class Shards:
         self.config = config
         self._lock = threading.Lock()
         self._clients: dict[Endpoint, valkey.Valkey] = {}
-        self.breakers: dict[Endpoint, Breaker] = {}
+        self._breakers: dict[Endpoint, Breaker] = {}  # every endpoint a client was made for
         self._slots: list[Endpoint] | None = None  # slot -> owning primary; None: not a cluster
         self._single: Endpoint | None = None
+        self._owners: list[Endpoint] = []  # the shards: the cluster's primaries, or the single node
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(config.endpoints)),
                                         thread_name_prefix="kvdrive-shared")
         self.mode = "unknown"  # cluster | single | unknown (no endpoint answered yet)
@@ -71,8 +72,22 @@ class Shards:
                     host=ep[0], port=ep[1], username=cfg.user, password=cfg.password,
                     socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
                     retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0, **kw)
-                self.breakers.setdefault(ep, Breaker())
+                self._breakers.setdefault(ep, Breaker())
             return c
+
+    def breaker(self, ep: Endpoint) -> Breaker:
+        self.client(ep)  # made with its client
+        with self._lock:
+            return self._breakers[ep]
+
+    def breakers(self) -> list[tuple[Endpoint, Breaker]]:
+        """Every endpoint's breaker, now (a copy: shards may appear meanwhile)."""
+        with self._lock:
+            return list(self._breakers.items())
+
+    def failing(self) -> list[tuple[Endpoint, Breaker]]:
+        """The shards whose breaker is open now."""
+        return [(ep, br) for ep, br in self.breakers() if br.is_open]
 
     def discover(self) -> bool:
         """Learn the deployment's shape from the first endpoint that answers; False when none did (the tier
@@ -83,7 +98,7 @@ class Shards:
             except valkey.ResponseError as exc:
                 if "cluster" in str(exc).lower():  # cluster support disabled: one node
                     with self._lock:
-                        self._slots, self._single, self.mode = None, ep, "single"
+                        self._slots, self._single, self._owners, self.mode = None, ep, [ep], "single"
                     log.info("shared tier: %s is a single node", f"{ep[0]}:{ep[1]}")
                     return True
                 log.warning("shared tier: %s:%d answered CLUSTER SLOTS with %s", ep[0], ep[1], exc)
@@ -92,24 +107,24 @@ class Shards:
                 log.warning("shared tier: %s:%d unreachable (%s)", ep[0], ep[1], exc)
                 continue
             table: list[Endpoint] = [ep] * SLOTS
-            owners = set()
+            owners: dict[Endpoint, None] = {}
             for entry in slots:
                 start, end, primary = int(entry[0]), int(entry[1]), entry[2]
                 host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
                 owner = (host or ep[0], int(primary[1]))
-                owners.add(owner)
+                owners[owner] = None
                 table[start : end + 1] = [owner] * (end - start + 1)
             for owner in owners:
                 self.client(owner)
             with self._lock:
-                self._slots, self._single, self.mode = table, None, "cluster"
+                self._slots, self._single, self._owners, self.mode = table, None, list(owners), "cluster"
             log.info("shared tier: a cluster of %d shards", len(owners))
             return True
         self.mode = "unknown"
         return False
 
     def _seeds(self) -> list[Endpoint]:
-        known = list(self.breakers) if self.mode == "cluster" else []
+        known = [ep for ep, _ in self.breakers()] if self.mode == "cluster" else []
         return list(dict.fromkeys(list(self.config.endpoints) + known))
 
     def shard_of(self, key: bytes) -> Endpoint | None:
@@ -121,9 +136,7 @@ class Shards:
     @property
     def shards(self) -> list[Endpoint]:
         with self._lock:
-            if self._slots is not None:
-                return list(dict.fromkeys(self._slots))
-            return [self._single] if self._single is not None else []
+            return list(self._owners)
 
     # --- batches ---------------------------------------------------------------------------------------
     def get(self, keys: Sequence[bytes]) -> list[Result]:
@@ -141,7 +154,7 @@ class Shards:
 
     def ping(self, ep: Endpoint) -> bool:
         """A probe of one shard (its breaker's half-open call): True when it answered."""
-        br = self.breakers.setdefault(ep, Breaker())
+        br = self.breaker(ep)
         try:
             self.client(ep).ping()
         except valkey.ValkeyError as exc:
@@ -173,7 +186,7 @@ class Shards:
         return out
 
     def _shard_batch(self, ep: Endpoint, keys: list[bytes], op: Any) -> tuple[list[Result], bool]:
-        br = self.breakers.setdefault(ep, Breaker())
+        br = self.breaker(ep)
         if not br.allow():
             return [ShardError("refused", f"{ep[0]}:{ep[1]} is failing ({br.last_error})")] * len(keys), False
         try:

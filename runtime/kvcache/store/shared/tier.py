@@ -32,7 +32,8 @@ import torch
 from kvdrive.runtime.kvcache.config import SharedTierConfig
 from kvdrive.runtime.kvcache.counters import LATENCY_BOUNDS, SharedCounters
 from kvdrive.runtime.kvcache.store.faults import FaultLog
-from kvdrive.runtime.kvcache.store.shared.shards import ShardError, Shards
+from kvdrive.runtime.kvcache.store.shared.breaker import Breaker
+from kvdrive.runtime.kvcache.store.shared.shards import Endpoint, ShardError, Shards
 from kvdrive.runtime.kvcache.store.shared.values import CAUSES, BadValue, PageFormat
 
 if TYPE_CHECKING:
@@ -168,16 +169,18 @@ class SharedTier:
         if self.shards.mode == "unknown":
             self.shards.discover()
             return
-        for ep, br in list(self.shards.breakers.items()):
+        for ep, br in self.shards.breakers():
             if br.probe_due() and br.allow():
                 if self.shards.ping(ep):
                     log.info("shared tier: %s:%d answers again", *ep)
 
     def degraded(self) -> str | None:
         """Why the shared tier is degraded now, or None."""
+        return self._why(self.shards.failing())
+
+    def _why(self, failing: list[tuple[Endpoint, Breaker]]) -> str | None:
         if self.shards.mode == "unknown":
             return f"shared tier: no endpoint of {self.config.describe()} answered"
-        failing = [(ep, br) for ep, br in self.shards.breakers.items() if br.is_open]
         if not failing:
             return None
         names = ", ".join(f"{h}:{p}" for (h, p), _ in failing)
@@ -188,9 +191,9 @@ class SharedTier:
             counts = SharedCounters(self._hits, self._misses, self._read, self._written, self._npub,
                                     dict(self._errors.counts), {c: self._bad.counts.get(c, 0) for c in CAUSES},
                                     self._fetches, self._fetch_s, tuple(self._buckets))
-        failing = sum(1 for br in self.shards.breakers.values() if br.is_open)
-        return dataclasses.replace(counts, degraded=self.degraded(), shards=len(self.shards.shards),
-                                   failing_shards=failing)
+        failing = self.shards.failing()
+        return dataclasses.replace(counts, degraded=self._why(failing), shards=len(self.shards.shards),
+                                   failing_shards=len(failing))
 
     def close(self) -> None:
         self.shards.close()
