@@ -1,8 +1,10 @@
 """Compiling, prebuilding and loading the CPU kernels' extension (``kernels/*.cpp``).
 
 The sources are compiled on first use with torch's extension builder (ninja and a C++ compiler; about
-40 s on 2 cores) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) and reused after
-that. A folder named by ``$KVDRIVE_KERNELS`` that holds a build made by ``prebuild`` (the runtime image's:
+40 s on 2 cores) into a folder under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) named by
+the Python version and ``build_digest()``, and reused after that. Builders take turns on an ``flock`` the
+kernel drops when a process dies, so a build killed half-way (which leaves torch's own ``lock`` file, on which
+every later start would wait forever) is cleared by the next one. A folder named by ``$KVDRIVE_KERNELS`` that holds a build made by ``prebuild`` (the runtime image's:
 it has no compiler) is loaded instead, when it was built from these sources, with these flags, against this
 torch. The kernels need AVX-512 (``torch.backends.cpu.get_cpu_capability()``). Without it, or without a
 build, ``unavailable_reason()`` says why (logged once a process) and every caller computes the same values
@@ -13,11 +15,13 @@ with torch ops.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +50,32 @@ def build_digest() -> str:
     return h.hexdigest()
 
 
+def build_directory() -> Path:
+    """Where ``_compile`` builds by default: one folder per Python version and ``build_digest()``."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
+    return Path(root) / f"{NAME}-py{sys.version_info.major}{sys.version_info.minor}-{build_digest()[:16]}"
+
+
 def _compile(directory: Path | None = None) -> Any:
-    """Compile (or reuse) the extension with torch's builder, into ``directory`` or its default cache."""
+    """Compile (or reuse) the extension with torch's builder, into ``directory`` or ``build_directory()``."""
     from torch.utils.cpp_extension import load
 
-    return load(NAME, [str(s) for s in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-                verbose=False, build_directory=None if directory is None else str(directory))
+    directory = build_directory() if directory is None else directory
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "kvdrive.flock", "a") as turn:
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build of the CPU kernels in %s", directory)
+            fcntl.flock(turn, fcntl.LOCK_EX)
+        # torch's builder takes its own turn by creating this file and waits while it exists; holding the
+        # flock, nobody else is building, so a file found now was left by a builder that was killed
+        baton = directory / "lock"
+        if baton.exists():
+            log.warning("removing %s, left behind by a build of the CPU kernels that was killed", baton)
+            baton.unlink(missing_ok=True)
+        return load(NAME, [str(s) for s in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+                    verbose=False, build_directory=str(directory))
 
 
 def prebuild(directory: Path) -> Path:

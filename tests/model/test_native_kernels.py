@@ -64,6 +64,21 @@ def test_a_prebuilt_folder_is_loaded_when_it_matches_and_refused_when_stale(tmp_
     assert module is None and "holds no build" in why
 
 
+def test_a_build_killed_half_way_does_not_hang_the_next_start() -> None:
+    """torch's builder waits while its ``lock`` file exists, and a build killed half-way leaves it behind. The
+    next start (here a fresh process over the built folder) finds it while holding the builders' flock, so it
+    knows the file is stale: it removes it, says so, and loads."""
+    baton = native.build.build_directory() / "lock"
+    baton.touch()
+    done = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(); "
+                           "from kvdrive.runtime import native; print(repr(native.unavailable_reason()))"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "''", done.stdout  # loaded
+    assert "left behind by a build of the CPU kernels that was killed" in done.stderr
+    assert not baton.exists()
+
+
 def _case(batch: int, dtype: torch.dtype, seed: int = 0, hkv: int = HKV, group: int = G,
           d: int = D) -> dict[str, torch.Tensor]:
     """A pool of 400 slots, 32 columns a sequence (the last the open page), two of them staged misses, a
