@@ -10,6 +10,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "operator"))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "kits"))
 
 from controlplane import control_plane
-from modelkit import demo, hf_model_factory
+from modelkit import demo, hf_model_factory, tiny
 
-__all__ = ["control_plane", "demo", "hf_model_factory"]
+__all__ = ["control_plane", "demo", "hf_model_factory", "tiny"]

@@ -2,8 +2,8 @@
 spec.
 
 Owns reconciliation of ``KVDriveDeployment`` objects: pre-flight checks of what the schema
-cannot see (the StorageClass, the model's PersistentVolumeClaim, children owned by someone
-else), then server-side apply of the children from ``manifests`` under the ``RECONCILER`` field
+cannot see (the StorageClass, the model's PersistentVolumeClaim, the shared tier's Secrets and their keys,
+children owned by someone else), then server-side apply of the children from ``manifests`` under the ``RECONCILER`` field
 manager, and the status' conditions from ``conditions``. A field the CR no longer sets leaves the
 child (SSA removes what its manager stops applying); a field another manager owns is left alone;
 a conflict is reported on the CR (Degraded, reason FieldConflict), never forced. StatefulSet
@@ -36,6 +36,7 @@ from kvdrive.operator.act.objects import (
     CR,
     PODS,
     RECONCILER,
+    SECRETS,
     STATEFULSETS,
     STORAGE_CLASSES,
     pod_ready,
@@ -53,6 +54,7 @@ from kvdrive.operator.decide.conditions import (
     current_problem,
     degraded_changed,
     missing_pool_crd_problem,
+    missing_secret_problem,
     now_rfc3339,
     status_differs,
 )
@@ -162,6 +164,11 @@ class Reconciler:
                     "ModelClaimNotFound",
                     f"spec.model.source: PersistentVolumeClaim {claim!r} does not exist in namespace {namespace!r}",
                 ), existing
+        for field, secret_name, key in spec.tiers.shared.secret_refs() if spec.tiers.shared is not None else ():
+            problem = missing_secret_problem(field, secret_name, key, namespace,
+                                             await api.get(SECRETS, namespace, secret_name))
+            if problem is not None:
+                return problem, existing
         for child in render(model, admin_token="-"):
             kind, child_name = child["kind"], child["metadata"]["name"]
             try:

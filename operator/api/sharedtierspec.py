@@ -132,3 +132,12 @@ class SharedTier(Model):
         if self.endpoints is None and self.service is None:
             raise ValueError("one of endpoints or service must be set (where the servers are)")
         return self
+
+    def secret_refs(self) -> list[tuple[str, str, str]]:
+        """The Secrets the pods mount, as (the field that names it, the Secret's name, its key)."""
+        found = []
+        if self.auth_secret_ref is not None:
+            found.append(("spec.tiers.shared.authSecretRef", self.auth_secret_ref.name, self.auth_secret_ref.key))
+        if self.tls.ca_secret_ref is not None:
+            found.append(("spec.tiers.shared.tls.caSecretRef", self.tls.ca_secret_ref.name, self.tls.ca_secret_ref.key))
+        return found

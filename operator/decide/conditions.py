@@ -3,7 +3,7 @@
 Owns what ``Ready``, ``Progressing``, ``Degraded`` and (with routing on) ``RouterReady`` mean and
 when ``lastTransitionTime`` moves (only when a condition's status changes), and the problems that only
 the reconciler can see (a field another manager owns, an API server that does not serve
-``InferencePool``). With routing on, clients reach the replicas through the router, so ``Ready`` also
+``InferencePool``, a shared tier's Secret that is missing). With routing on, clients reach the replicas through the router, so ``Ready`` also
 needs every router pod ready. No Kubernetes API, no Kopf.
 """
 
@@ -19,6 +19,7 @@ from kvdrive.operator.render import inferencepool
 from kvdrive.operator.render.childmeta import endpoint_url, selector_string
 
 MISSING_POOL_CRD_REASON = "InferencePoolCRDNotInstalled"
+MISSING_SECRET_REASON = "SharedTierSecretNotFound"
 # the status keys the reconciler writes; `router` only with routing on (a key it stops writing must go)
 RECONCILER_KEYS = ("observedGeneration", "replicas", "readyReplicas", "selector", "endpoint", "conditions", "router")
 # the items of status.conditions the reconciler owns (a map list: the live loop owns SharedTierDegraded)
@@ -31,6 +32,18 @@ class Problem:
 
     reason: str  # CamelCase, e.g. StorageClassNotFound
     message: str
+
+
+def missing_secret_problem(field: str, name: str, key: str, namespace: str,
+                           secret: Mapping[str, Any] | None) -> Problem | None:
+    """A Secret the pods would mount (``field`` names it) that is missing or lacks ``key``: the kubelet would
+    hold the pods in ContainerCreating, so nothing is applied until it is there."""
+    if secret is None:
+        return Problem(MISSING_SECRET_REASON, f"{field}: Secret {name!r} does not exist in namespace {namespace!r}")
+    if key not in (secret.get("data") or {}):
+        return Problem(MISSING_SECRET_REASON, f"{field}.key: Secret {name!r} in namespace {namespace!r} has no key "
+                                              f"{key!r}")
+    return None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Any
 from apicalls import Rule, granted, rules_of_audit
 from chartrender import render_chart
 from crdcheck import load_example
+from crkit import example_secrets
 from kopfenv import Cluster, eventually, run_operator
 
 from kvdrive.operator.act.objects import CHILDREN, CLAIMS, CR, PODS, STATEFULSETS
@@ -77,6 +78,7 @@ async def _exercise(cluster: Cluster) -> None:
     await cluster.storage_class()
     await cluster.create(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
                                   "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    await example_secrets(cluster)
     doc = copy.deepcopy(load_example("full.yaml"))
     doc["spec"]["tuning"] = {"enabled": True, "intervalSeconds": 1}
     await cluster.create(CR, doc)

@@ -6,21 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from enginekit import PAGE, run_dry, small_engine
 
 from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
-from kvdrive.runtime.model import LoadedModel, load_model
+from kvdrive.runtime.model import LoadedModel
 from kvdrive.runtime.prompt import page_digests, root_digest, salted_root
 
 DOC = tuple(torch.randint(3, 250, (40 * PAGE,), generator=torch.Generator().manual_seed(11)).tolist())
-
-
-@pytest.fixture
-def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
-    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
-    return load_model(str(path), progress=False)
 
 
 def _cached(engine: LLMEngine, rid: str, salt: str | None) -> int:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from enginekit import run_dry, small_engine, submit, tokens, with_reserve
 from gguf_builder import decoded_logits, written_reference
+from modelkit import random_tokens
 
 from kvdrive.runtime.engine import EngineConfig, LLMEngine, ModelRunner, SamplingParams, TierConfig
 from kvdrive.runtime.model import LoadedModel, load_model
@@ -23,11 +24,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 PAGE = 4
 CUDA = torch.device("cuda")
-
-
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 250, (n,), generator=g).tolist()
 
 
 def _runner(loaded: LoadedModel, hot_pages: int | None = None, dram_pages: int = 0, ssd: Path | None = None,
@@ -69,7 +65,7 @@ def test_the_model_and_its_device_tier_live_in_cuda_memory(tiny_path: Path) -> N
     gen = _runner(loaded)
     try:
         assert gen.cache.device.type == "cuda"
-        out = _greedy(gen, _prompt(40))
+        out = _greedy(gen, list(random_tokens(40)))
         assert len(out) == 12 and all(0 <= t < loaded.config.vocab_size for t in out)
     finally:
         gen.close()
@@ -79,7 +75,7 @@ def test_cuda_decodes_what_the_cpu_decodes_with_pages_on_every_tier(tiny_path: P
     """float32 on both devices: a 150-token prompt (38 pages) under a 4-page device tier and a 6-page DRAM
     tier (pinned) lives mostly on the SSD; full attention reads every page each step, so each step fetches
     from all three tiers. Greedy tokens equal the CPU's, and the logits agree to float32 rounding."""
-    prompt = _prompt(150)
+    prompt = list(random_tokens(150))
     cpu = load_model(str(tiny_path), device="cpu", progress=False)
     ref_gen = _runner(cpu, full_attention=True)
     ref = _greedy(ref_gen, prompt)
@@ -98,7 +94,7 @@ def test_cuda_decodes_what_the_cpu_decodes_with_pages_on_every_tier(tiny_path: P
 
 def test_sparse_attention_with_a_covering_budget_equals_full_attention_on_cuda(tiny_path: Path) -> None:
     loaded = load_model(str(tiny_path), device="cuda", dtype=torch.float32, progress=False)
-    prompt = _prompt(150)
+    prompt = list(random_tokens(150))
     full_gen = _runner(loaded, full_attention=True)
     ref = _greedy(full_gen, prompt)
     full = _logits(full_gen, prompt, ref)
@@ -112,7 +108,7 @@ def test_sparse_attention_with_a_covering_budget_equals_full_attention_on_cuda(t
 
 def test_prefix_pages_written_from_cuda_are_reused_after_a_restart(tiny_path: Path, tmp_path: Path) -> None:
     loaded = load_model(str(tiny_path), device="cuda", progress=False)
-    prompt = _prompt(120, seed=3)
+    prompt = list(random_tokens(120, seed=3))
     first = _runner(loaded, ssd=tmp_path / "ssd")
     try:
         expected = _greedy(first, prompt)
@@ -133,7 +129,7 @@ def test_the_engines_loop_on_cuda_gives_the_same_tokens_under_a_small_device_tie
     """The scheduler's loop on CUDA, two requests batched: under a 6-page device tier (pages spill to pinned
     DRAM and the SSD, preemption included) each request gets the tokens it gets with every page on the device."""
     loaded = load_model(str(tiny_path), device="cuda", dtype=torch.float32, progress=False)
-    prompts = [tuple(_prompt(60, seed=i)) for i in range(2)]
+    prompts = [tuple(list(random_tokens(60, seed=i))) for i in range(2)]
     results = []
     for gpu_pages, ssd in ((400, tmp_path / "roomy"), (6, tmp_path / "small")):
         engine = small_engine(loaded, ssd, gpu_pages=gpu_pages, dram_pages=8, token_budget_pages=4)

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from enginekit import plain_engine, run_dry, tokens
 
 from kvdrive.runtime.engine import Request, SamplingParams
 from kvdrive.runtime.engine.logit_controls import RowHistory, apply_controls
-from kvdrive.runtime.model import LoadedModel, load_model
+from kvdrive.runtime.model import LoadedModel
 
 V = 50
 EOS = frozenset({0})
@@ -73,12 +72,6 @@ def test_a_vanishing_repetition_penalty_keeps_masked_tokens_masked_and_the_rest_
     assert torch.isneginf(got[3]) and bool(torch.isfinite(got[[0, 1, 2, 4]]).all()), got
     assert got[0] > got[4] > got[2] >= got[1], got  # the seen positive one wins; unseen token 4 is unchanged
     assert got[4] == 1.0
-
-
-@pytest.fixture
-def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
-    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
-    return load_model(str(path), progress=False)
 
 
 def _answers(loaded: LoadedModel, params: list[SamplingParams]) -> list[list[int]]:

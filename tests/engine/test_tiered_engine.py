@@ -8,20 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from enginekit import page_bytes, tiered_runner
+from modelkit import random_tokens
 
 from kvdrive.runtime.engine import LLMEngine, ModelRunner, Request, SamplingParams, SchedulerConfig
-from kvdrive.runtime.model import LoadedModel, load_model
-
-
-@pytest.fixture
-def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
-    path, _ = hf_model_factory(arch="llama", max_position_embeddings=1024)
-    return load_model(str(path), progress=False)
-
-
-def _prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 250, (n,), generator=g).tolist()
+from kvdrive.runtime.model import LoadedModel
 
 
 def _greedy(gen: ModelRunner, prompt: list[int], n: int = 12) -> list[int]:
@@ -38,7 +28,7 @@ def _decode_logits(gen: ModelRunner, prompt: list[int], tokens: list[int]) -> to
 
 
 def test_sparse_attention_with_a_covering_budget_equals_full_attention(tiny: LoadedModel) -> None:
-    prompt = _prompt(150)
+    prompt = list(random_tokens(150))
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt)
     full = _decode_logits(tiered_runner(tiny, full_attention=True), prompt, ref)
     sparse = _decode_logits(tiered_runner(tiny, token_budget=1024), prompt, ref)
@@ -49,14 +39,14 @@ def test_a_small_token_budget_reads_only_the_selected_pages(tiny: LoadedModel) -
     """300 tokens = 75 pages; a 32-token budget attends to 7 sealed pages + the open one per layer."""
     gen = tiered_runner(tiny, token_budget=32)
     seq, _ = gen.open_sequence([])
-    gen.prefill(seq, _prompt(300))
+    gen.prefill(seq, list(random_tokens(300)))
     layers = tiny.config.num_layers
     before = gen.page_reads
     gen.decode([(seq, 5)])
     assert gen.page_reads - before == layers * gen.cache.selection.budget_pages == layers * 7
     full = tiered_runner(tiny, full_attention=True)
     s2, _ = full.open_sequence([])
-    full.prefill(s2, _prompt(300))
+    full.prefill(s2, list(random_tokens(300)))
     before = full.page_reads
     full.decode([(s2, 5)])
     assert full.page_reads - before == layers * 75
@@ -65,7 +55,7 @@ def test_a_small_token_budget_reads_only_the_selected_pages(tiny: LoadedModel) -
 def test_prefix_pages_are_shared_only_by_identical_token_prefixes(tiny: LoadedModel) -> None:
     """A second request with the same 40-token prefix reuses 10 pages and gets the same output as a
     fresh cache; a prompt that differs in its very first token reuses nothing."""
-    base = _prompt(40, seed=1)
+    base = list(random_tokens(40, seed=1))
     gen = tiered_runner(tiny)
     first = _greedy(gen, base + [7, 8, 9])
     assert gen.cache.prefix_hit_pages == 0
@@ -78,7 +68,7 @@ def test_prefix_pages_are_shared_only_by_identical_token_prefixes(tiny: LoadedMo
 
 
 def test_prefix_pages_survive_a_restart_on_the_same_ssd_dir(tiny: LoadedModel, tmp_path: Path) -> None:
-    prompt = _prompt(120, seed=2)
+    prompt = list(random_tokens(120, seed=2))
     g1 = tiered_runner(tiny, ssd=tmp_path, ssd_bytes=8 << 20)
     out1 = _greedy(g1, prompt)
     g1.close()
@@ -93,7 +83,7 @@ def test_every_placement_uses_all_three_tiers_and_changes_no_output(tiny: Loaded
                                                                      placement: str) -> None:
     """A 600-token sequence in a device tier of ~8 pages and a DRAM tier of ~16: pages are read from all
     three tiers and the greedy output equals the all-on-device reference (covering token budget)."""
-    prompt = _prompt(600, seed=3)
+    prompt = list(random_tokens(600, seed=3))
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 16)
     gen = tiered_runner(tiny, hot_pages=8, dram_pages=16, ssd=tmp_path,
                         ssd_bytes=64 << 20, placement=placement, token_budget=2048)
@@ -114,7 +104,7 @@ def test_full_attention_on_tight_tiers_equals_every_page_on_the_device(tiny: Loa
     must wait for the next step's load phase (an admission mid-step evicted pages a layer had located and
     was about to attend to in place; the logits drifted from the second decode step on, as tiered full
     attention did at 16K on Qwen2.5-Coder-0.5B)."""
-    prompt = _prompt(600, seed=3)
+    prompt = list(random_tokens(600, seed=3))
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 12)
     full = _decode_logits(tiered_runner(tiny, full_attention=True), prompt, ref)
     gen = tiered_runner(tiny, hot_pages=8, dram_pages=16, ssd=tmp_path, ssd_bytes=64 << 20,
@@ -128,7 +118,7 @@ def test_full_attention_on_tight_tiers_equals_every_page_on_the_device(tiny: Loa
 def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_path: Path) -> None:
     """Every SSD slab is scribbled over between two steps; the pages that lived only there fail their
     checksum, the engine recomputes the sequence and the output is unchanged."""
-    prompt = _prompt(200, seed=4)
+    prompt = list(random_tokens(200, seed=4))
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 20)
     gen = tiered_runner(tiny, hot_pages=4, ssd=tmp_path, ssd_bytes=16 << 20,
@@ -153,7 +143,7 @@ def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_pa
 
 
 def test_budgets_shrink_live_without_changing_outputs(tiny: LoadedModel, tmp_path: Path) -> None:
-    prompt = _prompt(300, seed=5)
+    prompt = list(random_tokens(300, seed=5))
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 24)
     page = page_bytes(tiny)
     gen = tiered_runner(tiny, hot_pages=118, dram_pages=60, ssd=tmp_path,
@@ -179,7 +169,7 @@ def test_pages_computed_by_sparse_decode_are_never_reused_as_exact(tiny: LoadedM
     """Generated tokens whose KV came from sparse decode (selection active) live in pages addressed apart
     from exact ones: a follow-up prompt that repeats the conversation reuses only the prompt's pages and
     computes the generated text's KV exactly, as a full-attention server would."""
-    prompt = _prompt(200, seed=6)  # 50 full pages; a 32-token budget selects 7 of them
+    prompt = list(random_tokens(200, seed=6))  # 50 full pages; a 32-token budget selects 7 of them
     gen = tiered_runner(tiny, token_budget=32)
     out = _greedy(gen, prompt, 40)
     follow = prompt + out + [5, 6, 7]

@@ -1,5 +1,6 @@
-"""The models tests run on: the demo model (loaded once per session) and tiny random-weight checkpoints in HF format
-(``make_hf_model``; the ``hf_model_factory`` fixture). Registered for every test folder by ``tests/conftest.py``."""
+"""The models tests run on: the demo model (loaded once per session), tiny random-weight checkpoints in HF format
+(``make_hf_model``; the ``hf_model_factory`` fixture; ``tiny``, one of them loaded), and the random prompts fed
+to them (``random_tokens``). The fixtures are registered for every test folder by ``tests/conftest.py``."""
 
 from __future__ import annotations
 
@@ -72,3 +73,15 @@ def hf_model_factory(tmp_path: Path) -> Callable[..., tuple[Path, torch.nn.Modul
         return d, make_hf_model(d, **kwargs)
 
     return build
+
+
+@pytest.fixture
+def tiny(hf_model_factory: Callable[..., tuple[Path, torch.nn.Module]]) -> LoadedModel:
+    """A tiny random-weight llama (``make_hf_model``'s shape) with 4,096 positions, loaded."""
+    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
+    return load_model(str(path), progress=False)
+
+
+def random_tokens(n: int, seed: int = 0) -> tuple[int, ...]:
+    """``n`` token ids in [3, 250) (inside every tiny model's vocabulary, past its special ids), from ``seed``."""
+    return tuple(torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist())

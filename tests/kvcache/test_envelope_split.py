@@ -15,15 +15,9 @@ from enginekit import PAGE, run_dry, submit, tiered_engine, tokens
 
 from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.kvcache import BudgetError
-from kvdrive.runtime.model import LoadedModel, load_model
+from kvdrive.runtime.model import LoadedModel
 
 ROWS = 4
-
-
-@pytest.fixture
-def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
-    path, _ = hf_model_factory(arch="llama", max_position_embeddings=1024)
-    return load_model(str(path), progress=False)
 
 
 def _engine(loaded: LoadedModel, ssd: Path, hot_pages: int, start: int) -> LLMEngine:

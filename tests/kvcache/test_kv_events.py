@@ -17,13 +17,13 @@ import time
 
 import msgspec
 import pytest
-import torch
 import zmq
 from enginekit import PAGE, run_dry, tiered_engine
+from modelkit import random_tokens
 
 from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.kvcache.store.page_events import PageEvents, PageInfo
-from kvdrive.runtime.model import LoadedModel, load_model
+from kvdrive.runtime.model import LoadedModel
 from kvdrive.runtime.prompt import page_digests
 from kvdrive.runtime.protocol.kv_event_wire import (
     END_SEQ,
@@ -42,19 +42,9 @@ from kvdrive.runtime.protocol.kv_event_wire import (
 from kvdrive.runtime.server.kv_event_publisher import KVEventPublisher, KVEventsConfig, to_events
 
 
-@pytest.fixture
-def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
-    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
-    return load_model(str(path), progress=False)
-
-
 def _engine(loaded: LoadedModel, gpu_pages: int, dram_pages: int) -> LLMEngine:
     return tiered_engine(loaded, rows=1, hot_pages=gpu_pages, dram_pages=dram_pages, placement="lru",
                          full_attention=True)
-
-
-def _prompt(n: int, seed: int) -> tuple[int, ...]:
-    return tuple(torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
 
 
 class Subscriber:
@@ -139,7 +129,7 @@ def test_a_subscriber_hears_pages_stored_within_100ms_and_removed_from_their_las
     sub = Subscriber(pub.address)  # type: ignore[arg-type]
     try:
         _wait(lambda: len(sub.messages) >= 2)  # heartbeats arrive: the subscription is live
-        first, second = _prompt(20 * PAGE, seed=1), _prompt(20 * PAGE, seed=2)
+        first, second = random_tokens(20 * PAGE, seed=1), random_tokens(20 * PAGE, seed=2)
         engine.add_request(Request("a", first, SamplingParams(max_tokens=2, ignore_eos=True), 0.0))
         run_dry(engine)
         digests = [fold(d) for d in page_digests(cache.root, first, PAGE)]

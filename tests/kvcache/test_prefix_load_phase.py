@@ -14,22 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from enginekit import PAGE, run_dry, small_engine, tiered_runner, tokens
+from modelkit import random_tokens
 
 from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.model import LoadedModel, load_model
-
-
-@pytest.fixture
-def tiny(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
-    path, _ = hf_model_factory(arch="llama", max_position_embeddings=4096)
-    return load_model(str(path), progress=False)
-
-
-def _prompt(n: int, seed: int) -> tuple[int, ...]:
-    return tuple(torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
 
 
 def _answer(engine: LLMEngine, rid: str, prompt: tuple[int, ...]) -> tuple[list[int], int]:
@@ -57,7 +47,7 @@ def _count_reads(engine: LLMEngine) -> list[int]:
 
 
 def test_planning_reads_nothing_and_the_load_phase_reads_the_prefix(tiny: LoadedModel, tmp_path: Path) -> None:
-    doc = _prompt(60 * PAGE, seed=1)
+    doc = random_tokens(60 * PAGE, seed=1)
     fresh, _ = _answer(small_engine(tiny, tmp_path / "cold", 64, 0, 16), "cold", doc)
     engine = small_engine(tiny, tmp_path / "ssd", 8, 8, 16)  # most of the stored pages sit on the SSD tier
     first, cached = _answer(engine, "a", doc)
@@ -88,7 +78,7 @@ def test_a_prefix_page_lost_before_the_load_is_computed_in_the_same_step_and_the
     near-uniform, a code rounded the other way can reorder pages that nearly tie: under the 8-bit sketch the
     third token differs (seen; the last-bit cause is inferred, not traced). The sketch on stored pages read
     back whole is exact: the first test."""
-    doc, other = _prompt(40 * PAGE, seed=2), _prompt(10 * PAGE, seed=3)
+    doc, other = random_tokens(40 * PAGE, seed=2), random_tokens(10 * PAGE, seed=3)
     engine = small_engine(tiny, tmp_path / "ssd", 8, 8, 16, selection_sketch=0)
     fresh, _ = _answer(engine, "a", doc)
     cache, store = engine.runner.cache, engine.runner.cache.store
@@ -121,7 +111,7 @@ def test_a_request_matching_pages_another_is_still_computing_answers_exactly(tin
     """Pages a running prompt has referenced count as stored at lookup before their KV is written: a second
     request on the same document, admitted while the first is still in its prefill, reads what is there,
     computes the rest in its own chunk, and both answer as from scratch."""
-    doc = _prompt(300 * PAGE, seed=4)
+    doc = random_tokens(300 * PAGE, seed=4)
     fresh, _ = _answer(small_engine(tiny, tmp_path / "cold", 64, 64, 16), "cold", doc)
     engine = small_engine(tiny, tmp_path / "ssd", 64, 64, 16)
     engine.add_request(Request("a", doc, SamplingParams(max_tokens=8, ignore_eos=True), 0.0))
@@ -158,7 +148,7 @@ def test_the_copies_a_steps_lower_tier_reads_earn_are_made_in_the_next_steps_loa
         events.append(("plan", [k for p in queue._planned for k in p.keys]))
 
     queue.plan = plan  # type: ignore[method-assign]
-    got, _ = _answer(engine, "doc", _prompt(120 * PAGE, seed=3))
+    got, _ = _answer(engine, "doc", random_tokens(120 * PAGE, seed=3))
     assert len(got) == 8
     admitted = [keys for name, keys in events if name == "admit"]
     assert admitted, "no step read a page that earned a copy"

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from enginekit import PAGE, tiered_engine
+from modelkit import random_tokens
 
 from kvdrive.runtime.engine import LLMEngine, Request, SamplingParams
 from kvdrive.runtime.model import LoadedModel, load_model
@@ -29,10 +29,6 @@ def _engine(loaded: LoadedModel, ssd: Path, step_tokens: int = 8, **sched: float
                          token_budget=8 * PAGE)
 
 
-def _prompt(seed: int, n: int) -> tuple[int, ...]:
-    return tuple(torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
-
-
 def _loaded(hf_model_factory) -> LoadedModel:  # type: ignore[no-untyped-def]
     path, _ = hf_model_factory(arch="llama", max_position_embeddings=512)
     return load_model(str(path), progress=False)
@@ -42,10 +38,10 @@ def _long_prompt_beside_a_hot_decode(engine: LLMEngine) -> list[int]:
     """A (12 pages) decodes for a while, so its pages carry attention mass; then B's 20-page prompt goes
     in 7 tokens a step beside A's decode. 32 pages do not fit the 24 of the memory tiers. B's tokens."""
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    engine.add_request(Request("A", _prompt(1, 48), params, 0.0))
+    engine.add_request(Request("A", random_tokens(48, 1), params, 0.0))
     for _ in range(12):
         engine.step()
-    engine.add_request(Request("B", _prompt(2, 80), SamplingParams(max_tokens=4, ignore_eos=True), 1.0))
+    engine.add_request(Request("B", random_tokens(80, 2), SamplingParams(max_tokens=4, ignore_eos=True), 1.0))
     out: list[int] = []
     while engine.has_work():
         out += [t for o in engine.step() if o.request_id == "B" for t in o.new_token_ids]
@@ -81,9 +77,9 @@ def _running_after_one_step(engine: LLMEngine, prompts: list[tuple[int, ...]]) -
 
 def test_prompts_in_progress_stay_within_their_share_of_the_memory_tiers(hf_model_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     loaded = _loaded(hf_model_factory)
-    two = [_prompt(3, 48), _prompt(4, 48)]  # 12 pages each: together past 3/4 of the 24 memory pages
+    two = [random_tokens(48, 3), random_tokens(48, 4)]  # 12 pages each: together past 3/4 of the 24 memory pages
     # a step's budget of 64 tokens would start both
     assert _running_after_one_step(_engine(loaded, tmp_path / "a", 64), two) == 1  # the second waits its turn
     assert _running_after_one_step(_engine(loaded, tmp_path / "b", 64, prompt_memory_share=1.0), two) == 2
     # one prompt always runs, even one larger than the memory tiers (its pages spill to the SSD)
-    assert _running_after_one_step(_engine(loaded, tmp_path / "c", 64), [_prompt(5, 4 * (MEMORY_PAGES + 6))]) == 1
+    assert _running_after_one_step(_engine(loaded, tmp_path / "c", 64), [random_tokens(4 * (MEMORY_PAGES + 6), 5)]) == 1

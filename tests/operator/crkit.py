@@ -12,7 +12,8 @@ from crdcheck import load_example
 from kopfenv import Cluster
 from livekit import EVENTS
 
-from kvdrive.operator.act.objects import CHILDREN, CLAIMS, CR, PODS
+from kvdrive.operator.act.objects import CHILDREN, CLAIMS, CR, PODS, SECRETS
+from kvdrive.operator.api.sharedtierspec import SharedTier
 
 CHILD_NAMES = {
     ("ConfigMap", "chat-config"), ("Secret", "chat-admin"), ("Service", "chat"), ("Service", "chat-headless"),
@@ -45,10 +46,19 @@ async def condition(cluster: Cluster, kind: str, name: str = "chat") -> dict[str
     return None
 
 
+async def example_secrets(cluster: Cluster) -> None:
+    """The Secrets the example CR's shared tier names (its password and its CA bundle), each with its key."""
+    for _, name, key in SharedTier.model_validate(chat_cr()["spec"]["tiers"]["shared"]).secret_refs():
+        await cluster.create(SECRETS, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name},
+                                       "stringData": {key: f"{name} {key}"}})
+
+
 async def ready_cluster(cluster: Cluster) -> None:
+    """What the example CR needs before it can reconcile: its StorageClass, its model claim, its Secrets."""
     await cluster.storage_class()
     await cluster.create(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
                                   "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "50Gi"}}}})
+    await example_secrets(cluster)
 
 
 async def all_children(cluster: Cluster) -> dict[tuple[str, str], dict[str, Any]] | None:

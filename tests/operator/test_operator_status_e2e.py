@@ -1,7 +1,7 @@
 """The real Kopf operator against a real kube-apiserver: the CR's status conditions and events.
 
 Ready and Progressing follow the pods' readiness (reported through the status subresource, as a kubelet
-would); a cluster that lacks what the CR needs (its StorageClass, its model claim) degrades the CR with a
+would); a cluster that lacks what the CR needs (its StorageClass, its model claim, its shared tier's Secrets) degrades the CR with a
 reason, a message naming the field and a Warning event, and makes no children until it is fixed; the
 operator's own ``/metrics`` count each reconcile under that reason. Each test has its own namespace.
 """
@@ -19,13 +19,14 @@ from crkit import (
     condition,
     condition_is,
     events_about,
+    example_secrets,
     ready_cluster,
     set_ready,
 )
 from kopfenv import Cluster, eventually, never, run_operator
 from liveservers import free_port
 
-from kvdrive.operator.act.objects import CLAIMS, CR, PODS
+from kvdrive.operator.act.objects import CLAIMS, CR, PODS, SECRETS
 
 
 async def test_conditions_follow_pod_readiness(operator: Cluster) -> None:
@@ -61,6 +62,7 @@ async def test_missing_storage_class_degrades_without_children(operator: Cluster
     storage_class = f"nvme-{operator.namespace}"  # StorageClasses are cluster-wide: one of this test's own
     await operator.create(CLAIMS, {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
                                    "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    await example_secrets(operator)
     doc = chat_cr()
     doc["spec"]["tiers"]["ssd"]["storageClassName"] = storage_class
     await operator.create(CR, doc)
@@ -86,6 +88,46 @@ async def test_missing_model_claim_degrades_without_children(operator: Cluster) 
     assert "spec.model.source" in degraded["message"] and "'models'" in degraded["message"]
     await eventually(lambda: events_about(operator, "ModelClaimNotFound"), what="a Warning event")
     await never(lambda: children(operator), 1.0, "children of a degraded CR")
+
+
+async def test_a_missing_shared_tier_secret_or_key_degrades_without_children(operator: Cluster) -> None:
+    """The pods would wait in ContainerCreating on a Secret that is not there: the CR says which one (or which
+    key) instead, and nothing is applied until both of its Secrets hold their keys."""
+    await ready_cluster(operator)
+    doc = chat_cr()
+    doc["spec"]["tiers"]["shared"] = {"endpoints": ["valkey-0.valkey:6379"], "authSecretRef": {"name": "valkey-auth"},
+                                      "tls": {"enabled": True, "caSecretRef": {"name": "valkey-ca"}}}
+    await operator.create(CR, doc)
+
+    async def degraded_saying(text: str) -> dict[str, Any] | None:
+        found = await condition_is(operator, "Degraded", "True")
+        return found if found is not None and text in found["message"] else None
+
+    degraded = await eventually(lambda: degraded_saying("authSecretRef"), what="Degraded=True for the password")
+    assert degraded["reason"] == "SharedTierSecretNotFound"
+    assert "Secret 'valkey-auth' does not exist" in degraded["message"]
+    await eventually(lambda: events_about(operator, "SharedTierSecretNotFound"), what="a Warning event")
+    await never(lambda: children(operator), 1.0, "children of a degraded CR")
+
+    def secret(name: str, **data: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name}, "stringData": data}
+
+    async def touch(budget: int) -> None:  # a spec update: the next reconcile, without waiting for the resync
+        await operator.patch(CR, "chat", {"spec": {"attention": {"tokenBudget": budget}}})
+
+    await operator.create(SECRETS, secret("valkey-auth", other="x"))  # the Secret, without the key
+    await touch(1024)
+    degraded = await eventually(lambda: degraded_saying("has no key 'password'"), what="the missing key named")
+    assert degraded["message"].startswith("spec.tiers.shared.authSecretRef.key:")
+    await operator.patch(SECRETS, "valkey-auth", {"stringData": {"password": "s3cret"}})
+    await touch(1536)
+    await eventually(lambda: degraded_saying("tls.caSecretRef: Secret 'valkey-ca' does not exist"),
+                     what="the CA bundle's Secret named next")
+    await never(lambda: children(operator), 1.0, "children of a degraded CR")
+    await operator.create(SECRETS, secret("valkey-ca", **{"ca.crt": "-----BEGIN CERTIFICATE-----"}))
+    await touch(3072)
+    await eventually(lambda: all_children(operator), what="children once both Secrets hold their keys")
+    await eventually(lambda: condition_is(operator, "Degraded", "False"), what="Degraded=False")
 
 
 async def test_the_operator_serves_its_own_metrics(cluster: Cluster) -> None:
