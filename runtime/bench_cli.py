@@ -195,6 +195,8 @@ def _report(out: Path, data: dict[str, Any], md: str, plot: Callable[[str], None
 def run(args: argparse.Namespace) -> int:
     from kvdrive.runtime.bench import model_bench
 
+    if getattr(args, "work_dir", None) is not None:  # the servers a bench starts run in folders of their own
+        args.work_dir = Path(args.work_dir).resolve()
     if args.bench == "tiers":
         from kvdrive.runtime.bench import tier_bench
 

@@ -38,20 +38,28 @@ class Proc:
         self.url = f"http://127.0.0.1:{port}"
         self.p: subprocess.Popen[bytes] | None = None
 
+    @property
+    def name(self) -> str:
+        """``serve`` / ``route`` for kvdrive, the module for a peer (``python -m MODULE``)."""
+        return self.program[-1] if len(self.program) > 1 else self.args[0]
+
     def start(self, wait_s: float = 300) -> None:
+        # in the log's folder: ``python -m`` puts the working directory first on sys.path, and a repository
+        # checkout there would shadow the standard library's ``operator`` with ours
         with self.log.open("a") as out:
-            self.p = subprocess.Popen([*self.program, *self.args], stdout=out, stderr=subprocess.STDOUT, env=self.env)
+            self.p = subprocess.Popen([*self.program, *self.args], stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                      cwd=self.log.parent)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.p.poll() is not None:
-                raise RuntimeError(f"{self.args[0]} exited: {self.log.read_text()[-1500:]}")
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-1500:]}")
             try:
                 if httpx.get(self.url + self.ready_path, timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        raise RuntimeError(f"{self.args[0]} on {self.port} not ready in {wait_s:.0f} s")
+        raise RuntimeError(f"{self.name} on {self.port} not ready in {wait_s:.0f} s")
 
     def kill(self) -> None:
         if self.p is not None and self.p.poll() is None:

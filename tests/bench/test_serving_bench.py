@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
+from kvdrive.runtime.bench.routing_fleet import Proc, free_port
 from kvdrive.runtime.bench.ruler_bench import tokenizer_dir
 from kvdrive.runtime.bench.serving_bench import (
     WORKLOADS,
@@ -72,3 +75,25 @@ def test_unknown_workloads_and_legs_are_refused(tmp_path: Path) -> None:
     run = subprocess.run([KVDRIVE, "bench", "serving", "--workloads", "z", "--legs", "sglang", "--work-dir",
                           str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "unknown z, sglang" in run.stderr
+
+
+def test_a_peer_started_from_a_checkout_runs_in_its_cell_folder(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m`` puts the working directory first on ``sys.path``. Run from the repository, our ``operator/``
+    package shadowed the standard library's, and vLLM's server died at import. The peers now start in their
+    cell's folder: here a ``python -m`` server started from a folder with such a package comes up, in the cell."""
+    checkout = tmp_path / "checkout"
+    (checkout / "operator").mkdir(parents=True)
+    (checkout / "operator" / "__init__.py").write_text("")  # no eq, itemgetter, ...: collections fails on it
+    monkeypatch.chdir(checkout)
+    cell = tmp_path / "cell"
+    cell.mkdir()
+    port = free_port()
+    # -S: no site (a .pth of this venv imports operator early, as the peer's venv does not)
+    proc = Proc([str(port), "--bind", "127.0.0.1"], port, cell / "server.log",
+                program=[sys.executable, "-S", "-m", "http.server"], ready_path="/")
+    try:
+        proc.start(wait_s=60)
+        assert "server.log" in httpx.get(proc.url + "/", timeout=10).text  # it serves the cell's folder
+    finally:
+        proc.kill()
