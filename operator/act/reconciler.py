@@ -2,9 +2,9 @@
 spec.
 
 Owns reconciliation of ``KVDriveDeployment`` objects: pre-flight checks of what the schema
-cannot see (the StorageClass, the model's PersistentVolumeClaim, the shared tier's Secrets and their keys,
-children owned by someone else), then server-side apply of the children from ``manifests`` under the ``RECONCILER`` field
-manager, and the status' conditions from ``conditions``. A field the CR no longer sets leaves the
+cannot see (the StorageClass, the model's PersistentVolumeClaim, the shared tier's Secrets and
+their keys, children owned by someone else), then server-side apply of the children from
+``manifests`` under the ``RECONCILER`` field manager, and the status' conditions from ``conditions``. A field the CR no longer sets leaves the
 child (SSA removes what its manager stops applying); a field another manager owns is left alone;
 a conflict is reported on the CR (Degraded, reason FieldConflict), never forced. StatefulSet
 ``replicas`` have one writer: this reconciler in autoscaling modes none/external, the autoscaler
@@ -164,9 +164,10 @@ class Reconciler:
                     "ModelClaimNotFound",
                     f"spec.model.source: PersistentVolumeClaim {claim!r} does not exist in namespace {namespace!r}",
                 ), existing
-        for field, secret_name, key in spec.tiers.shared.secret_refs() if spec.tiers.shared is not None else ():
-            problem = missing_secret_problem(field, secret_name, key, namespace,
-                                             await api.get(SECRETS, namespace, secret_name))
+        shared = spec.tiers.shared
+        for field, secret_name, key in shared.secret_refs() if shared is not None else []:
+            secret = await api.get(SECRETS, namespace, secret_name)
+            problem = missing_secret_problem(field, secret_name, key, namespace, secret)
             if problem is not None:
                 return problem, existing
         for child in render(model, admin_token="-"):

@@ -3,8 +3,8 @@
 Owns what ``Ready``, ``Progressing``, ``Degraded`` and (with routing on) ``RouterReady`` mean and
 when ``lastTransitionTime`` moves (only when a condition's status changes), and the problems that only
 the reconciler can see (a field another manager owns, an API server that does not serve
-``InferencePool``, a shared tier's Secret that is missing). With routing on, clients reach the replicas through the router, so ``Ready`` also
-needs every router pod ready. No Kubernetes API, no Kopf.
+``InferencePool``, a shared tier's Secret that is missing). With routing on, clients reach the
+replicas through the router, so ``Ready`` also needs every router pod ready. No Kubernetes API, no Kopf.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Compiling, prebuilding and loading the CPU kernels' extension (``kernels/*.cpp``).
 
 The sources are compiled on first use with torch's extension builder (ninja and a C++ compiler; about
-40 s on 2 cores) into a folder under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) named by
-the Python version and ``build_digest()``, and reused after that. Builders take turns on an ``flock`` the
-kernel drops when a process dies, so a build killed half-way (which leaves torch's own ``lock`` file, on which
-every later start would wait forever) is cleared by the next one. A folder named by ``$KVDRIVE_KERNELS`` that holds a build made by ``prebuild`` (the runtime image's:
-it has no compiler) is loaded instead, when it was built from these sources, with these flags, against this
-torch. The kernels need AVX-512 (``torch.backends.cpu.get_cpu_capability()``). Without it, or without a
-build, ``unavailable_reason()`` says why (logged once a process) and every caller computes the same values
-with torch ops.
+40 s on 2 cores) into a folder under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) named
+by the Python version and ``build_digest()``, and reused after that. Builders take turns on an ``flock`` the
+kernel drops when a process dies, so a build killed half-way (which leaves torch's own ``lock`` file, on
+which every later start would wait forever) is cleared by the next one. A folder named by
+``$KVDRIVE_KERNELS`` that holds a build made by ``prebuild`` (the runtime image's: it has no compiler) is
+loaded instead, when it was built from these sources, with these flags, against this torch. The kernels need
+AVX-512 (``torch.backends.cpu.get_cpu_capability()``). Without it, or without a build,
+``unavailable_reason()`` says why (logged once a process) and every caller computes the same values with
+torch ops.
 
 ``python -m kvdrive.runtime.native DIR`` makes such a folder.
 """

@@ -7,6 +7,7 @@ These run only where torch sees a CUDA device (``-m gpu``; ``bench/gpu_check.sh`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def _runner(loaded: LoadedModel, hot_pages: int | None = None, dram_pages: int =
     return ModelRunner(loaded, replace(shape, tiers=tiers))
 
 
-def _logits(gen: ModelRunner, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+def _logits(gen: ModelRunner, prompt: Sequence[int], tokens: list[int]) -> torch.Tensor:
     """The prompt's last logits, then one decode step per token: [1 + len(tokens), V] on the CPU."""
     seq, reused = gen.open_sequence(prompt)
     out = [gen.prefill(seq, prompt[reused:]).reshape(-1)]
@@ -48,7 +49,7 @@ def _logits(gen: ModelRunner, prompt: list[int], tokens: list[int]) -> torch.Ten
     return torch.stack(out).float().cpu()
 
 
-def _greedy(gen: ModelRunner, prompt: list[int], n: int = 12) -> list[int]:
+def _greedy(gen: ModelRunner, prompt: Sequence[int], n: int = 12) -> list[int]:
     return list(LLMEngine(gen).generate_tokens(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
 
 
@@ -65,7 +66,7 @@ def test_the_model_and_its_device_tier_live_in_cuda_memory(tiny_path: Path) -> N
     gen = _runner(loaded)
     try:
         assert gen.cache.device.type == "cuda"
-        out = _greedy(gen, list(random_tokens(40)))
+        out = _greedy(gen, random_tokens(40))
         assert len(out) == 12 and all(0 <= t < loaded.config.vocab_size for t in out)
     finally:
         gen.close()
@@ -75,7 +76,7 @@ def test_cuda_decodes_what_the_cpu_decodes_with_pages_on_every_tier(tiny_path: P
     """float32 on both devices: a 150-token prompt (38 pages) under a 4-page device tier and a 6-page DRAM
     tier (pinned) lives mostly on the SSD; full attention reads every page each step, so each step fetches
     from all three tiers. Greedy tokens equal the CPU's, and the logits agree to float32 rounding."""
-    prompt = list(random_tokens(150))
+    prompt = random_tokens(150)
     cpu = load_model(str(tiny_path), device="cpu", progress=False)
     ref_gen = _runner(cpu, full_attention=True)
     ref = _greedy(ref_gen, prompt)
@@ -94,7 +95,7 @@ def test_cuda_decodes_what_the_cpu_decodes_with_pages_on_every_tier(tiny_path: P
 
 def test_sparse_attention_with_a_covering_budget_equals_full_attention_on_cuda(tiny_path: Path) -> None:
     loaded = load_model(str(tiny_path), device="cuda", dtype=torch.float32, progress=False)
-    prompt = list(random_tokens(150))
+    prompt = random_tokens(150)
     full_gen = _runner(loaded, full_attention=True)
     ref = _greedy(full_gen, prompt)
     full = _logits(full_gen, prompt, ref)
@@ -108,7 +109,7 @@ def test_sparse_attention_with_a_covering_budget_equals_full_attention_on_cuda(t
 
 def test_prefix_pages_written_from_cuda_are_reused_after_a_restart(tiny_path: Path, tmp_path: Path) -> None:
     loaded = load_model(str(tiny_path), device="cuda", progress=False)
-    prompt = list(random_tokens(120, seed=3))
+    prompt = random_tokens(120, seed=3)
     first = _runner(loaded, ssd=tmp_path / "ssd")
     try:
         expected = _greedy(first, prompt)
@@ -129,7 +130,7 @@ def test_the_engines_loop_on_cuda_gives_the_same_tokens_under_a_small_device_tie
     """The scheduler's loop on CUDA, two requests batched: under a 6-page device tier (pages spill to pinned
     DRAM and the SSD, preemption included) each request gets the tokens it gets with every page on the device."""
     loaded = load_model(str(tiny_path), device="cuda", dtype=torch.float32, progress=False)
-    prompts = [tuple(list(random_tokens(60, seed=i))) for i in range(2)]
+    prompts = [random_tokens(60, seed=i) for i in range(2)]
     results = []
     for gpu_pages, ssd in ((400, tmp_path / "roomy"), (6, tmp_path / "small")):
         engine = small_engine(loaded, ssd, gpu_pages=gpu_pages, dram_pages=8, token_budget_pages=4)

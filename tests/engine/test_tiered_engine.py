@@ -3,6 +3,7 @@ its isolation, persistence across restarts, every placement policy, lost pages, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,11 @@ from kvdrive.runtime.engine import LLMEngine, ModelRunner, Request, SamplingPara
 from kvdrive.runtime.model import LoadedModel
 
 
-def _greedy(gen: ModelRunner, prompt: list[int], n: int = 12) -> list[int]:
+def _greedy(gen: ModelRunner, prompt: Sequence[int], n: int = 12) -> list[int]:
     return list(LLMEngine(gen).generate_tokens(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
 
 
-def _decode_logits(gen: ModelRunner, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+def _decode_logits(gen: ModelRunner, prompt: Sequence[int], tokens: list[int]) -> torch.Tensor:
     seq, reused = gen.open_sequence(prompt)
     out = [gen.prefill(seq, prompt[reused:])]
     for t in tokens:
@@ -28,7 +29,7 @@ def _decode_logits(gen: ModelRunner, prompt: list[int], tokens: list[int]) -> to
 
 
 def test_sparse_attention_with_a_covering_budget_equals_full_attention(tiny: LoadedModel) -> None:
-    prompt = list(random_tokens(150))
+    prompt = random_tokens(150)
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt)
     full = _decode_logits(tiered_runner(tiny, full_attention=True), prompt, ref)
     sparse = _decode_logits(tiered_runner(tiny, token_budget=1024), prompt, ref)
@@ -39,14 +40,14 @@ def test_a_small_token_budget_reads_only_the_selected_pages(tiny: LoadedModel) -
     """300 tokens = 75 pages; a 32-token budget attends to 7 sealed pages + the open one per layer."""
     gen = tiered_runner(tiny, token_budget=32)
     seq, _ = gen.open_sequence([])
-    gen.prefill(seq, list(random_tokens(300)))
+    gen.prefill(seq, random_tokens(300))
     layers = tiny.config.num_layers
     before = gen.page_reads
     gen.decode([(seq, 5)])
     assert gen.page_reads - before == layers * gen.cache.selection.budget_pages == layers * 7
     full = tiered_runner(tiny, full_attention=True)
     s2, _ = full.open_sequence([])
-    full.prefill(s2, list(random_tokens(300)))
+    full.prefill(s2, random_tokens(300))
     before = full.page_reads
     full.decode([(s2, 5)])
     assert full.page_reads - before == layers * 75
@@ -68,7 +69,7 @@ def test_prefix_pages_are_shared_only_by_identical_token_prefixes(tiny: LoadedMo
 
 
 def test_prefix_pages_survive_a_restart_on_the_same_ssd_dir(tiny: LoadedModel, tmp_path: Path) -> None:
-    prompt = list(random_tokens(120, seed=2))
+    prompt = random_tokens(120, seed=2)
     g1 = tiered_runner(tiny, ssd=tmp_path, ssd_bytes=8 << 20)
     out1 = _greedy(g1, prompt)
     g1.close()
@@ -83,7 +84,7 @@ def test_every_placement_uses_all_three_tiers_and_changes_no_output(tiny: Loaded
                                                                      placement: str) -> None:
     """A 600-token sequence in a device tier of ~8 pages and a DRAM tier of ~16: pages are read from all
     three tiers and the greedy output equals the all-on-device reference (covering token budget)."""
-    prompt = list(random_tokens(600, seed=3))
+    prompt = random_tokens(600, seed=3)
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 16)
     gen = tiered_runner(tiny, hot_pages=8, dram_pages=16, ssd=tmp_path,
                         ssd_bytes=64 << 20, placement=placement, token_budget=2048)
@@ -104,7 +105,7 @@ def test_full_attention_on_tight_tiers_equals_every_page_on_the_device(tiny: Loa
     must wait for the next step's load phase (an admission mid-step evicted pages a layer had located and
     was about to attend to in place; the logits drifted from the second decode step on, as tiered full
     attention did at 16K on Qwen2.5-Coder-0.5B)."""
-    prompt = list(random_tokens(600, seed=3))
+    prompt = random_tokens(600, seed=3)
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 12)
     full = _decode_logits(tiered_runner(tiny, full_attention=True), prompt, ref)
     gen = tiered_runner(tiny, hot_pages=8, dram_pages=16, ssd=tmp_path, ssd_bytes=64 << 20,
@@ -118,13 +119,13 @@ def test_full_attention_on_tight_tiers_equals_every_page_on_the_device(tiny: Loa
 def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_path: Path) -> None:
     """Every SSD slab is scribbled over between two steps; the pages that lived only there fail their
     checksum, the engine recomputes the sequence and the output is unchanged."""
-    prompt = list(random_tokens(200, seed=4))
+    prompt = random_tokens(200, seed=4)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 20)
     gen = tiered_runner(tiny, hot_pages=4, ssd=tmp_path, ssd_bytes=16 << 20,
                         placement="ondemand", token_budget=4096)
     engine = LLMEngine(gen, SchedulerConfig(max_running=2))
-    engine.add_request(Request("r", tuple(prompt), params, 0.0))
+    engine.add_request(Request("r", prompt, params, 0.0))
     out: list[int] = []
     corrupted = False
     while engine.has_work():
@@ -143,13 +144,13 @@ def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_pa
 
 
 def test_budgets_shrink_live_without_changing_outputs(tiny: LoadedModel, tmp_path: Path) -> None:
-    prompt = list(random_tokens(300, seed=5))
+    prompt = random_tokens(300, seed=5)
     ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 24)
     page = page_bytes(tiny)
     gen = tiered_runner(tiny, hot_pages=118, dram_pages=60, ssd=tmp_path,
                         ssd_bytes=32 << 20, token_budget=4096)
     engine = LLMEngine(gen, SchedulerConfig(max_running=2))
-    engine.add_request(Request("r", tuple(prompt), SamplingParams(max_tokens=24, ignore_eos=True), 0.0))
+    engine.add_request(Request("r", prompt, SamplingParams(max_tokens=24, ignore_eos=True), 0.0))
     out: list[int] = []
     shrunk = False
     while engine.has_work():

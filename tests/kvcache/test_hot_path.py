@@ -38,7 +38,7 @@ MOVER_CALLS = ("fetch", "admit", "put", "promote", "prepare_promote", "run_moves
 def _opened(gen: ModelRunner, n: int) -> tuple[int, int]:
     """A sequence with ``n`` prompt tokens, positioned so that the next decode step seals no page."""
     seq, _ = gen.open_sequence([])
-    gen.prefill(seq, list(random_tokens(n)))
+    gen.prefill(seq, random_tokens(n))
     last = 5
     while gen.cache.length(seq) % PAGE != 1:
         last = int(gen.decode([(seq, last)])[0].argmax())
@@ -167,7 +167,7 @@ def test_no_tier_io_while_the_store_lock_is_held(tiny: LoadedModel, tmp_path: Pa
             ssd_bytes=64 << 20)))
         violations, io = _guard_tiers(gen.cache.store)
         out = []
-        for i, tok in enumerate(LLMEngine(gen).generate_tokens(list(random_tokens(600, seed=7)), SamplingParams(max_tokens=24, ignore_eos=True))):
+        for i, tok in enumerate(LLMEngine(gen).generate_tokens(random_tokens(600, seed=7), SamplingParams(max_tokens=24, ignore_eos=True))):
             out.append(tok)
             if i == 12:
                 gen.cache.set_budgets(6 * page + reserve, 16 * page, 64 << 20)
@@ -199,7 +199,7 @@ def test_an_ssd_tier_that_must_evict_frees_its_slots_without_journal_writes_unde
     ssd = store.tiers["ssd"]
     violations, io = _guard_tiers(store)
     for seed in range(3):
-        assert len(list(LLMEngine(gen).generate_tokens(list(random_tokens(600, seed=seed)), SamplingParams(max_tokens=8, ignore_eos=True)))) == 8
+        assert len(list(LLMEngine(gen).generate_tokens(random_tokens(600, seed=seed), SamplingParams(max_tokens=8, ignore_eos=True)))) == 8
     small = ssd.allocator.capacity
     assert 3 * 150 * tiny.config.num_layers > small  # more persisted blocks than the tier holds: it evicted
     grown = gen.cache.mover.set_budgets(ssd_bytes=2 << 20)  # a live SSD growth: its files sized outside the lock
@@ -248,7 +248,7 @@ def test_usage_comes_from_counters_that_agree_with_the_block_table(tiny: LoadedM
     gen = ModelRunner(tiny, replace(shape, tiers=tiers))
     seen_cached = 0
     for seed in range(3):
-        for i, _ in enumerate(LLMEngine(gen).generate_tokens(list(random_tokens(600, seed=seed)), SamplingParams(max_tokens=12, ignore_eos=True))):
+        for i, _ in enumerate(LLMEngine(gen).generate_tokens(random_tokens(600, seed=seed), SamplingParams(max_tokens=12, ignore_eos=True))):
             if i % 4 == 0:
                 check(gen)
             if seed == 1 and i == 6:
@@ -286,7 +286,7 @@ def test_a_decode_goes_on_while_an_ssd_compaction_fsync_is_held_up(tiny: LoadedM
     monkeypatch.setattr(ssd_index.os, "fsync", hung_fsync)
     out: list[int] = []
     decoding = threading.Thread(target=lambda: out.extend(
-        LLMEngine(gen).generate_tokens(list(random_tokens(600, seed=3)), SamplingParams(max_tokens=16, ignore_eos=True))))
+        LLMEngine(gen).generate_tokens(random_tokens(600, seed=3), SamplingParams(max_tokens=16, ignore_eos=True))))
     decoding.start()
     decoding.join(90)
     try:
