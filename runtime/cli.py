@@ -79,6 +79,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="keep every key quantised to this many bits inside its page's box and pick pages by the "
                         "attention those keys predict (default 8; 0: by the box bound alone, Quest's rule; "
                         "docs/attention.md)")
+    p.add_argument("--selection-rest", choices=["drop", "estimate"], default="drop",
+                   help="the pages a decode step does not select: drop them from the softmax, or attend them as one "
+                        "column, each page its mean value at the weight the key sketch predicts for it (needs "
+                        "--selection-sketch 4 or 8; docs/attention.md)")
     p.add_argument("--full-attention", action="store_true", help="attend to every page (exact; no selection)")
     p.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive",
                    help="tier policy: kvdrive, or a baseline it is measured against")
@@ -231,7 +235,8 @@ def engine_config(args: argparse.Namespace, max_sequences: int,  # type: ignore[
     return EngineConfig(tiers=tiers, page_size=args.page_size, placement=args.placement,
                         full_attention=args.full_attention, token_budget=args.token_budget,
                         selection_radius=args.selection_radius, selection_carry=args.selection_carry,
-                        selection_sketch=args.selection_sketch, max_sequences=max_sequences, max_running=max_running,
+                        selection_sketch=args.selection_sketch, selection_rest=args.selection_rest,
+                        max_sequences=max_sequences, max_running=max_running,
                         kv_dtype=dtype_of(args.kv_dtype) or dtype_of(args.dtype))
 
 

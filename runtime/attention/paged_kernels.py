@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvdrive.runtime import native
-from kvdrive.runtime.attention.selection import SelectionConfig
+from kvdrive.runtime.attention.selection import SelectionConfig, SketchWeights
 
 MAX_GROUP = 16  # query heads per KV head (the kernel keeps their queries in registers)
 MAX_HEAD_DIM = 512  # and a head dimension that is a multiple of 16 (one AVX-512 vector)
@@ -46,14 +46,18 @@ def fits(q: torch.Tensor, num_kv_heads: int) -> bool:
 
 
 def select(q: torch.Tensor, summaries: torch.Tensor, drawn: torch.Tensor, npages: torch.Tensor,
-           cfg: SelectionConfig, runners_up: int, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           cfg: SelectionConfig, runners_up: int, codes: torch.Tensor | None = None,
+           weights: bool = False) -> tuple[torch.Tensor, torch.Tensor, SketchWeights | None]:
     """q [B, Hq, D] float32; summaries [B, Hkv, P, 2D]; drawn [B, P]; npages [B] int64; codes [B, Hkv, P,
     D * bits / 8, S] (the key sketch when ``cfg.sketch_bits``; 16-token pages) -> the selected pages [B, K]
-    int64 ascending and the runners-up [B, min(P, K + R) - K] by score (``select_pages``)."""
+    int64 ascending, the runners-up [B, min(P, K + R) - K] by score (``select_pages``) and, when ``weights``
+    is asked for (with a sketch), the sketch's weights (``selection.sketch_weights``)."""
     bits = cfg.sketch_bits if codes is not None else 0
-    return tuple(_module().select_pages(q.contiguous(), summaries, drawn, npages, cfg.sink_pages,
-                                        cfg.recent_pages, cfg.budget_pages, runners_up, cfg.radius_scale,
-                                        codes if codes is not None else torch.empty(0, dtype=torch.uint8), bits))  # type: ignore[return-value]
+    out = _module().select_pages(q.contiguous(), summaries, drawn, npages, cfg.sink_pages, cfg.recent_pages,
+                                 cfg.budget_pages, runners_up, cfg.radius_scale,
+                                 codes if codes is not None else torch.empty(0, dtype=torch.uint8), bits,
+                                 weights and bits > 0)
+    return out[0], out[1], SketchWeights(out[2], out[3]) if len(out) == 4 else None
 
 
 def locate(slot_of: torch.Tensor, pids: torch.Tensor, valid: torch.Tensor, tails: torch.Tensor,
@@ -65,10 +69,16 @@ def locate(slot_of: torch.Tensor, pids: torch.Tensor, valid: torch.Tensor, tails
 
 
 def attend(q: torch.Tensor, rows: torch.Tensor, stage: torch.Tensor, slots: torch.Tensor, ntok: torch.Tensor,
-           num_kv_heads: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+           num_kv_heads: int, page_size: int,
+           rest: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Hq, D] float32; rows [R, S * D] the pool's (slot, kv, head) rows; stage [M, 2, Hkv, S, D] the
     blocks read from the store (the rows' dtype); slots [B, W] int64 (a pool slot, or -1 - j for stage block
-    j); ntok [B, W] int64 (tokens attended per column, 0 for none) -> out [B, Hq, D] float32, mass [B, W]
+    j); ntok [B, W] int64 (tokens attended per column, 0 for none); rest (lse [B, Hkv, G], mean [B, Hkv, G,
+    D]: the pages left out, ``selection.rest_of_pages``) or None -> out [B, Hq, D] float32, mass [B, W]
     float32 (the attention each column drew, summed over the query heads)."""
-    return tuple(_module().paged_decode(q.contiguous(), rows, stage, slots, ntok, num_kv_heads,
-                                        page_size))  # type: ignore[return-value]
+    lse, mean = rest if rest is not None else (_NONE, _NONE)
+    return tuple(_module().paged_decode(q.contiguous(), rows, stage, slots, ntok, num_kv_heads, page_size,
+                                        lse.float().contiguous(), mean.float().contiguous()))  # type: ignore[return-value]
+
+
+_NONE = torch.empty(0)

@@ -25,6 +25,7 @@ import torch
 from .summaries import unpack_codes
 
 SELECTION_CARRIES = ("layer", "shared", "shared+neighbours")  # what --selection-carry names
+SELECTION_RESTS = ("drop", "estimate")  # what --selection-rest names: the pages a decode step leaves out
 NEIGHBOUR_SHARE = 0.5  # shared+neighbours: the share of a neighbour page's carried mass a page adds
 
 
@@ -38,6 +39,7 @@ class SelectionConfig:
     shared_carry: bool = False  # each page also carries the most mass it drew at any layer's previous step
     neighbour_carry: float = 0.0  # and this share of that of the pages before and after it (with shared_carry)
     sketch_bits: int = 0  # 8 or 4: score pages by the attention the quantised keys predict (summaries.py), not bounds
+    estimate_rest: bool = False  # attend the pages left out as one column, at the sketch's weight (rest_of_pages)
 
     @property
     def budget_pages(self) -> int:
@@ -76,29 +78,63 @@ def sketch_logits(qg: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor
     return torch.logsumexp(tok, dim=-1).transpose(2, 3) + base  # [B, Hkv, G, P]
 
 
-def sketch_mass(qg: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bits: int,
-                invalid: torch.Tensor | None) -> torch.Tensor:
-    """As ``sketch_logits``, with invalid [B, P] or None -> [B, Hkv, G, P]: each page's share of a softmax over
-    every sketched key (the softmax over pages of their log-sum-exps)."""
+@dataclass(frozen=True)
+class SketchWeights:
+    """The softmax over every sealed page's keys that the key sketch predicts for a batch's decode queries."""
+
+    share: torch.Tensor  # [B, Hkv, G, P] float32: each page's share (0 for the pages a sequence lacks)
+    log_total: torch.Tensor  # [B, Hkv, G] float32: log of the sketched keys' sum of exp(q.k / sqrt(D))
+
+
+def sketch_weights(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bits: int,
+                   invalid: torch.Tensor | None) -> SketchWeights:
+    """q [B, Hq, D]; summaries [B, Hkv, P, 2D]; codes [B, Hkv, P, D * bits / 8, S]; invalid [B, P] or None ->
+    each page's share of a softmax over every sketched key (the softmax over pages of their log-sum-exps),
+    and that softmax's log normaliser."""
+    b, hq, d = q.shape
+    hkv = summaries.shape[1]
+    qg = q.float().view(b, hkv, hq // hkv, d) * (1.0 / math.sqrt(d))
     lse = sketch_logits(qg, summaries, codes, bits)
     if invalid is not None:
         lse.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    return torch.softmax(lse, dim=-1)
+    total = torch.logsumexp(lse, dim=-1)  # [B, Hkv, G]
+    return SketchWeights(torch.exp(lse - total[..., None]), total)
+
+
+def rest_of_pages(weights: SketchWeights, selected: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights (``sketch_weights``); selected [B, K] page indices; values [B, Hkv, P, D] (each page's mean value,
+    ``SummaryTable.value_mean``) -> (lse [B, Hkv, G], mean [B, Hkv, G, D]): the pages a selection left out as
+    one attention column, its logit the log of the weight the sketch predicts they draw together and its value
+    their mean values weighed by it (-inf and 0 when nothing was left out).
+
+    Why: a top-K selection renormalises attention over what it kept, so whatever the query spreads thinly over
+    many pages (counting, aggregation) is dropped. Attention over kept pages and this column is exact for the
+    kept ones and, for the rest, right to within how far a page's values stray from their mean
+    (docs/attention.md)."""
+    b, hkv, g, _ = weights.share.shape
+    left = weights.share.scatter(3, selected[:, None, None, :].expand(b, hkv, g, selected.shape[1]), 0.0)
+    w = left.sum(dim=-1)  # [B, Hkv, G]
+    mean = torch.matmul(left, values.float()) / w.clamp_min(1e-30)[..., None]
+    return weights.log_total + torch.log(w), mean
 
 
 def page_scores(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks,
                 drawn: torch.Tensor | None = None, radius_scale: float = 1.0,
-                codes: torch.Tensor | None = None, bits: int = 0) -> torch.Tensor:
+                codes: torch.Tensor | None = None, bits: int = 0,
+                weights: SketchWeights | None = None) -> torch.Tensor:
     """q [B, Hq, D]; summaries [B, Hkv, P, 2D] (center, radius); drawn [B, P] (the mass each page drew at the
-    previous step, or None); codes [B, Hkv, P, D * bits / 8, S] (the key sketch, or None) -> score [B, P]
-    float32: estimated attention mass summed over heads, plus ``drawn``; forced pages +inf, missing pages
-    -inf. Without a sketch a head's mass is a softmax of the pages' bounds (``radius_scale`` weighs the
-    radius term; 1: the bound); with one, its softmax over the sketched keys, summed per page."""
+    previous step, or None); codes [B, Hkv, P, D * bits / 8, S] (the key sketch, or None); weights (the
+    sketch's, computed already, or None) -> score [B, P] float32: estimated attention mass summed over heads,
+    plus ``drawn``; forced pages +inf, missing pages -inf. Without a sketch a head's mass is a softmax of the
+    pages' bounds (``radius_scale`` weighs the radius term; 1: the bound); with one, its softmax over the
+    sketched keys, summed per page."""
     b, hq, d = q.shape
     hkv = summaries.shape[1]
     qg = q.float().view(b, hkv, hq // hkv, d) * (1.0 / math.sqrt(d))
-    if codes is not None:
-        mass = sketch_mass(qg, summaries, codes, bits, masks.invalid).sum(dim=(1, 2))
+    if weights is None and codes is not None:
+        weights = sketch_weights(q, summaries, codes, bits, masks.invalid)
+    if weights is not None:
+        mass = weights.share.sum(dim=(1, 2))
     else:
         qa = qg.abs() if radius_scale == 1.0 else qg.abs() * radius_scale
         qc = torch.cat([qg, qa], dim=-1)  # [B, Hkv, G, 2D]: q meets the center, |q| the radius
@@ -115,12 +151,14 @@ def page_scores(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks,
 
 def select_pages(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks, cfg: SelectionConfig,
                  runners_up: int = 0, drawn: torch.Tensor | None = None,
-                 codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 codes: torch.Tensor | None = None,
+                 weights: SketchWeights | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Selected pages [B, K] int64 ascending (K = budget_pages; a sequence with fewer pages has them all
     first, then indices >= its page count), the next ``runners_up`` pages by score [B, R] (the pages most
     likely to enter the selection at the next step: what prefetch fetches from the slow tiers) and every
-    page's score [B, Pmax] (``page_scores``; ``codes`` the key sketch when ``cfg.sketch_bits``)."""
+    page's score [B, Pmax] (``page_scores``; ``codes`` the key sketch when ``cfg.sketch_bits``, or its
+    ``weights`` computed already)."""
     k = cfg.budget_pages
-    scores = page_scores(q, summaries, masks, drawn, cfg.radius_scale, codes, cfg.sketch_bits)
+    scores = page_scores(q, summaries, masks, drawn, cfg.radius_scale, codes, cfg.sketch_bits, weights)
     top = torch.topk(scores, min(scores.shape[1], k + runners_up), dim=1, sorted=True).indices
     return torch.sort(top[:, :k], dim=1).values, top[:, k:], scores

@@ -25,7 +25,12 @@ dimension. Layout ``[L, rows, Hkv, Pcap, D * bits / 8, S]`` uint8, dimension-maj
 high one), so that one 16-byte load is a dimension of a 16-token page's keys (the native kernel's lanes).
 It costs ``D * bits / 8`` bytes per token and head beside the box's ``8D / S`` (at S = 16, D = 64: 32 bytes
 at 4 bits, as much as the box), and it turns a page's score from a bound into an estimate of the attention
-mass the page really draws (``selection.sketch_mass``).
+mass the page really draws (``selection.sketch_weights``).
+
+With ``value_means`` the table also keeps each page's mean value per KV head (``values``, ``[L, rows, Hkv,
+Pcap, D]`` float32, 1/S of the page's values): under ``--selection-rest estimate`` the pages a decode step
+leaves out are attended as one column, each page its mean value weighed by the attention the key sketch
+predicts for it (``selection.rest_of_pages``), instead of being dropped from the softmax.
 """
 
 from __future__ import annotations
@@ -72,26 +77,32 @@ def spread_to_neighbours(mass: torch.Tensor, share: float) -> torch.Tensor:
 
 class SummaryTable:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 rows: int = 1, pages: int = 64, page_size: int = 16, sketch_bits: int = 0) -> None:
+                 rows: int = 1, pages: int = 64, page_size: int = 16, sketch_bits: int = 0,
+                 value_means: bool = False) -> None:
         if sketch_bits not in (0, 4, 8):
             raise ValueError(f"sketch_bits {sketch_bits}: expected 0 (no key sketch), 4 or 8")
         self.shape = (num_layers, num_kv_heads, 2 * head_dim)
-        self.page_size, self.sketch_bits = page_size, sketch_bits
+        self.page_size, self.sketch_bits, self.value_means = page_size, sketch_bits, value_means
         self.device = device
-        self.table, self.mass, self.codes = self._zeros(max(1, rows), max(1, pages))
+        self.table, self.mass, self.codes, self.values = self._zeros(max(1, rows), max(1, pages))
 
-    def _zeros(self, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _zeros(self, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                     torch.Tensor | None]:
         L, H, D2 = self.shape
         with torch.inference_mode(False):  # long-lived: written from the model's forward and outside it
             codes = torch.zeros((L, rows, H, pages, D2 // 2 * self.sketch_bits // 8, self.page_size),
                                 dtype=torch.uint8, device=self.device) if self.sketch_bits else None
+            values = torch.zeros((L, rows, H, pages, D2 // 2), dtype=torch.float32, device=self.device) \
+                if self.value_means else None
             return (torch.zeros((L, rows, H, pages, D2), dtype=torch.float32, device=self.device),
-                    torch.zeros((L, rows, pages), dtype=torch.float32, device=self.device), codes)
+                    torch.zeros((L, rows, pages), dtype=torch.float32, device=self.device), codes, values)
 
     def bytes_per_token(self) -> tuple[int, int]:
-        """(summary bytes, key sketch bytes) a token of one sequence takes in this table, all layers."""
+        """(summary bytes with the value means, key sketch bytes) a token of one sequence takes in this table,
+        all layers."""
         L, H, D2 = self.shape
-        return L * H * D2 * 4 // self.page_size, L * H * D2 // 2 * self.sketch_bits // 8
+        box = L * H * (D2 + (D2 // 2 if self.value_means else 0)) * 4 // self.page_size
+        return box, L * H * D2 // 2 * self.sketch_bits // 8
 
     @property
     def rows(self) -> int:
@@ -110,17 +121,20 @@ class SummaryTable:
             r *= 2
         while p < pages:
             p *= 2
-        table, mass, codes = self._zeros(r, p)
+        table, mass, codes, values = self._zeros(r, p)
         table[:, : self.rows, :, : self.pages] = self.table
         mass[:, : self.rows, : self.pages] = self.mass
         if codes is not None:
             assert self.codes is not None
             codes[:, : self.rows, :, : self.pages] = self.codes
-        self.table, self.mass, self.codes = table, mass, codes
+        if values is not None:
+            assert self.values is not None
+            values[:, : self.rows, :, : self.pages] = self.values
+        self.table, self.mass, self.codes, self.values = table, mass, codes, values
 
-    def set(self, layer: int, row: int, first_page: int, k: torch.Tensor) -> None:
-        """Summarise full pages k [n, Hkv, S, D] of ``layer`` as pages first_page.. of ``row`` (a page written
-        has drawn no attention yet: a row reused by another sequence starts without the old one's)."""
+    def set(self, layer: int, row: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Summarise full pages k, v [n, Hkv, S, D] of ``layer`` as pages first_page.. of ``row`` (a page
+        written has drawn no attention yet: a row reused by another sequence starts without the old one's)."""
         n = k.shape[0]
         if n:
             bounds = key_bounds(k)  # [n, Hkv, 2D]
@@ -129,14 +143,19 @@ class SummaryTable:
             if self.codes is not None:
                 self.codes[layer, row, :, first_page : first_page + n] = \
                     key_codes(k, bounds, self.sketch_bits).transpose(0, 1)
+            if self.values is not None:
+                self.values[layer, row, :, first_page : first_page + n] = v.float().mean(dim=2).transpose(0, 1)
 
-    def set_all_layers(self, row: int, page: int, k: torch.Tensor) -> None:
-        """Summarise page ``page`` of ``row`` in every layer at once: k [L, Hkv, S, D] (a decode page that filled)."""
+    def set_all_layers(self, row: int, page: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Summarise page ``page`` of ``row`` in every layer at once: k, v [L, Hkv, S, D] (a decode page that
+        filled)."""
         bounds = key_bounds(k)  # [L, Hkv, 2D]
         self.table[:, row, :, page] = bounds
         self.mass[:, row, page] = 0.0
         if self.codes is not None:
             self.codes[:, row, :, page] = key_codes(k, bounds, self.sketch_bits)
+        if self.values is not None:
+            self.values[:, row, :, page] = v.float().mean(dim=2)
 
     @staticmethod
     def _of_rows(t: torch.Tensor, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
@@ -153,6 +172,10 @@ class SummaryTable:
     def sketch(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor | None:
         """[B, Hkv, pages, D * bits / 8, S] uint8: the key sketch of ``rows`` (None without one)."""
         return None if self.codes is None else self._of_rows(self.codes[layer], rows, first_row, pages)
+
+    def value_mean(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor | None:
+        """[B, Hkv, pages, D] float32: each page's mean value (None without ``value_means``)."""
+        return None if self.values is None else self._of_rows(self.values[layer], rows, first_row, pages)
 
     def drawn(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
         """[B, pages]: the attention mass each page of ``rows`` drew at ``layer``'s last decode step."""

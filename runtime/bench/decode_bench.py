@@ -15,7 +15,8 @@ everything (it is write-through). Rows:
 - ``kvdrive``, ``lru``, ``ondemand``, ``fullfetch``: the tier policies under the budgets above;
 - ``sparse-gpu-k0``, ``kvdrive-k0`` (and ``-k4``, ``-k8``): those rows under a named selection rule, when asked
   for in ``modes``: the box bound (``--selection-sketch 0``) or a key sketch of 4 or 8 bits (the plain rows
-  run the engine's default, the 8-bit sketch);
+  run the engine's default, the 8-bit sketch); ``sparse-gpu-rest``, ``kvdrive-rest``: those rows under
+  ``--selection-rest estimate``;
 - ``llama.cpp``: the same GGUF, same threads, all KV in RAM (``llama_cpp.py``), when installed.
 
 Time to first token (``prefill_contexts``): one fresh prompt (nothing of it stored anywhere), cut to each
@@ -54,17 +55,21 @@ log = logging.getLogger(__name__)
 
 MODES = ("full-gpu", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
 SKETCH_MODES = tuple(f"{m}-k{bits}" for m in ("sparse-gpu", "kvdrive") for bits in (0, 8, 4))  # by request
+REST_MODES = ("sparse-gpu-rest", "kvdrive-rest")  # by request: the default sketch, --selection-rest estimate
 
 
-def split_mode(mode: str) -> tuple[str, int]:
-    """A mode -> (its tier mode, the key sketch's bits; 0: the box bound): ``kvdrive-k0`` -> (``kvdrive``, 0);
-    a plain mode runs the engine's default rule."""
+def split_mode(mode: str) -> tuple[str, int, str]:
+    """A mode -> (its tier mode, the key sketch's bits (0: the box bound), --selection-rest): ``kvdrive-k0`` ->
+    (``kvdrive``, 0, "drop"), ``kvdrive-rest`` -> (``kvdrive``, 8, "estimate"); a plain mode runs the engine's
+    default rule."""
     if mode in MODES:
-        return mode, EngineConfig.selection_sketch
+        return mode, EngineConfig.selection_sketch, EngineConfig.selection_rest
     if mode in SKETCH_MODES:
         base, _, bits = mode.rpartition("-k")
-        return base, int(bits)
-    raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES + SKETCH_MODES)}")
+        return base, int(bits), EngineConfig.selection_rest
+    if mode in REST_MODES:
+        return mode.removesuffix("-rest"), EngineConfig.selection_sketch, "estimate"
+    raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES + SKETCH_MODES + REST_MODES)}")
 PHASES = ("selection", "gather", "misses", "attention", "bookkeeping")
 
 
@@ -151,7 +156,7 @@ def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: in
             token_budget: int) -> EngineConfig:
     """The case's engine under ``mode``: budgets are fractions of ``total`` (the case's KV bytes in
     ``layout``, whose dtype the cache keeps)."""
-    mode, sketch = split_mode(mode)
+    mode, sketch, rest = split_mode(mode)
     page_bytes = layout.page_bytes
     placement = "fullfetch" if mode == "full-gpu" else "kvdrive" if mode == "sparse-gpu" else mode
     # what the envelope reserves for the running sequences beside the hot tier: each one's open page (and a
@@ -165,7 +170,7 @@ def _config(mode: str, total: int, batch: int, layout: KVLayout, seq_reserve: in
         tiers = TierConfig(envelope_bytes=max(int(total * 0.10), 2 * page_bytes) + tails, dram_bytes=int(total * 0.25),
                            ssd_dir=ssd_dir, ssd_bytes=ssd_budget)
     return EngineConfig(tiers=tiers, placement=placement, token_budget=token_budget, max_sequences=batch,
-                        kv_dtype=layout.dtype, selection_sketch=sketch)
+                        kv_dtype=layout.dtype, selection_sketch=sketch, selection_rest=rest)
 
 
 def _prefill_all(loaded: LoadedModel, prompts: list[list[int]], contexts: tuple[int, ...], ssd_dir: str,

@@ -32,11 +32,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvdrive.runtime.attention import (
+    SketchWeights,
     causal_attention,
     decode_attention,
     paged_kernels,
+    rest_of_pages,
     select_pages,
     selection_masks,
+    sketch_weights,
 )
 from kvdrive.runtime.kvcache.sequence import StepSeq
 from kvdrive.runtime.kvcache.step_reads import PageReader, StepReadParts
@@ -201,8 +204,8 @@ class TieredAttentionBackend:
             hkv, d = lay.num_kv_heads, lay.head_dim
             pk = ck[:, : full * s].reshape(hkv, full, s, d).transpose(0, 1)  # [full, Hkv, S, D]
             pv = cv[:, : full * s].reshape(hkv, full, s, d).transpose(0, 1)
-            blocks = torch.stack([pk, pv], dim=1).contiguous().view(torch.uint8).view(full, -1)
-            self.sealed += cache.seal(seq, layer, first, pk, blocks)
+            kv = torch.stack([pk, pv], dim=1).contiguous()  # [full, 2, Hkv, S, D]
+            self.sealed += cache.seal(seq, layer, first, kv, kv.view(torch.uint8).view(full, -1))
         rem = ck.shape[1] - full * s
         if rem:
             tail[0, :, :rem] = ck[:, full * s :]
@@ -219,6 +222,7 @@ class TieredAttentionBackend:
         self._pool()[tails, :, :, dec.offs] = torch.stack([k, v], dim=1).to(cache.layout.dtype)  # [B, 2, Hkv, D]
         in_place = dec.in_place and paged_kernels.fits(q, cache.layout.num_kv_heads)
         near = None
+        rest: tuple[torch.Tensor, torch.Tensor] | None = None  # the pages left out, as one column
         if dec.sparse:
             assert dec.masks is not None
             summ = cache.summaries.batch(layer, dec.rows, dec.first_row, dec.pmax)
@@ -226,11 +230,19 @@ class TieredAttentionBackend:
             if dec.shared is not None:
                 drawn = drawn + dec.shared
             codes = cache.summaries.sketch(layer, dec.rows, dec.first_row, dec.pmax)
+            values = cache.summaries.value_mean(layer, dec.rows, dec.first_row, dec.pmax)  # [B, Hkv, P, D] or None
+            want = values is not None and codes is not None  # --selection-rest estimate
+            weights: SketchWeights | None
             if in_place and (codes is None or cache.layout.page_size == paged_kernels.SKETCH_PAGE):
-                idx, near = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection, self.placement.runners_up,
-                                                 codes)
+                idx, near, weights = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection,
+                                                          self.placement.runners_up, codes, want)
             else:
-                idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, self.placement.runners_up, drawn, codes)
+                weights = sketch_weights(q, summ, codes, cache.selection.sketch_bits, dec.masks.invalid) \
+                    if want and codes is not None else None
+                idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, self.placement.runners_up, drawn, codes,
+                                            weights)
+            if weights is not None and values is not None:
+                rest = rest_of_pages(weights, idx, values)
         else:
             idx = dec.idx
         pids = dec.table.gather(1, idx)
@@ -251,10 +263,10 @@ class TieredAttentionBackend:
         mass: torch.Tensor | None
         if in_place:
             out, mass_all = paged_kernels.attend(q, rows, stage, slots, dec.ntok, cache.layout.num_kv_heads,
-                                                 cache.layout.page_size)
+                                                 cache.layout.page_size, rest)
             mass = mass_all[:, :kk_]  # [B, K]: each attended page's mass, summed over heads
         else:
-            out, probs = decode_attention(q, kk, vv, dec.mask)
+            out, probs = decode_attention(q, kk, vv, dec.mask, rest)
             mass = probs.view(b, -1, kk_ + 1, cache.layout.page_size).sum(dim=(1, 3))[:, :kk_] \
                 if dec.mass or dec.sparse else None  # [B, K]: each attended page's mass, summed over heads
         t0 = self._mark("attention", t0)
@@ -357,7 +369,7 @@ class TieredAttentionBackend:
                 seq = cache.seq(st.seq_id)
                 base = cache.tail_base + st.row * L
                 blocks = cache.store.device_tier.pool[base : base + L].clone()
-                self.sealed += cache.seal(seq, None, st.start // s, lay.typed(blocks)[:, 0], blocks)
+                self.sealed += cache.seal(seq, None, st.start // s, lay.typed(blocks), blocks)
         if dec.prefetch:
             placer = self.placement
             width = placer.width

@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 
-from kvdrive.runtime.attention import NEIGHBOUR_SHARE, SELECTION_CARRIES, SelectionConfig, SummaryTable
+from kvdrive.runtime.attention import (
+    NEIGHBOUR_SHARE,
+    SELECTION_CARRIES,
+    SELECTION_RESTS,
+    SelectionConfig,
+    SummaryTable,
+)
 from kvdrive.runtime.kvcache.backend import TieredAttentionBackend
 from kvdrive.runtime.kvcache.config import EngineConfig, EnvelopeSplit
 from kvdrive.runtime.kvcache.counters import CacheCounters
@@ -78,15 +84,22 @@ class KVCache:
         carry = config.selection_carry
         if carry not in SELECTION_CARRIES:
             raise ValueError(f"selection_carry {carry!r}: expected one of {', '.join(SELECTION_CARRIES)}")
+        if config.selection_rest not in SELECTION_RESTS:
+            raise ValueError(f"selection_rest {config.selection_rest!r}: expected one of {', '.join(SELECTION_RESTS)}")
+        if config.selection_rest == "estimate" and not config.selection_sketch:
+            raise ValueError("selection_rest 'estimate' weighs the pages left out by the key sketch: it needs "
+                             "selection_sketch 4 or 8, not 0")
         self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size,
                                          radius_scale=config.selection_radius, shared_carry=carry != "layer",
                                          neighbour_carry=NEIGHBOUR_SHARE if carry.endswith("+neighbours") else 0.0,
-                                         sketch_bits=config.selection_sketch)
+                                         sketch_bits=config.selection_sketch,
+                                         estimate_rest=config.selection_rest == "estimate")
         self.root = root_digest(fingerprint)
         sel = self.selection  # pages written after a sparse decode depend on everything that picks the pages
         rule = ("" if sel.radius_scale == 1.0 else f":r{sel.radius_scale:g}") + \
             ("" if carry == "layer" else f":{carry}") + \
-            (f":k{sel.sketch_bits}" if sel.sketch_bits else "")  # (the defaults add nothing: the keys stored before them)
+            (f":k{sel.sketch_bits}" if sel.sketch_bits else "") + \
+            (":rest" if sel.estimate_rest else "")  # (the defaults add nothing: the keys stored before them)
         self._sparse_salt = f"sparse:{config.token_budget}:{sel.sink_pages}:{sel.recent_pages}{rule}".encode()
         # each running sequence's open page (all global layers) and, for a hybrid model, its sliding window
         self.seq_reserve = layout.page_bytes + (windows.bytes_per_sequence() if windows is not None else 0)
@@ -120,7 +133,8 @@ class KVCache:
                                    lambda: len(self._seqs) * (self.seq_reserve + self.envelope.per_sequence_bytes))
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device,
                                       page_size=layout.page_size,
-                                      sketch_bits=sel.sketch_bits if self.policy.sparse else 0)
+                                      sketch_bits=sel.sketch_bits if self.policy.sparse else 0,
+                                      value_means=sel.estimate_rest and self.policy.sparse)
         self.prefix = PrefixPages(layout, self.store, self.mover, self.placer, self.summaries, self.keeper)
         self.read_counters = ReadCounters()
         self._reads = StepReadParts(self.store, self.mover, self.placer.ledger, self.promotions, self.read_counters)
@@ -342,18 +356,18 @@ class KVCache:
         self.promotions.run()
         self.placer.begin_step(self.store.drain_freed())
 
-    def seal(self, seq: SeqKV, layer: int | None, first: int, k: torch.Tensor, blocks: torch.Tensor) -> list[BlockKey]:
+    def seal(self, seq: SeqKV, layer: int | None, first: int, kv: torch.Tensor, blocks: torch.Tensor) -> list[BlockKey]:
         """Store full pages of ``seq`` on placement's initial tier and summarise them: pages first.. of one
-        ``layer`` (k [n, Hkv, S, D], blocks [n, block_bytes]), or page ``first`` of every layer when ``layer``
-        is None (k [L, Hkv, S, D], blocks [L, block_bytes])."""
+        ``layer`` (kv [n, 2, Hkv, S, D], blocks [n, block_bytes]), or page ``first`` of every layer when
+        ``layer`` is None (kv [L, 2, Hkv, S, D], blocks [L, block_bytes])."""
         if layer is None:
             keys = self.prefix.keys(seq.digests[first])
-            self.summaries.set_all_layers(seq.row, first, k)
+            self.summaries.set_all_layers(seq.row, first, kv[:, 0], kv[:, 1])
             pids = seq.pids[first : first + 1]
         else:
-            n = k.shape[0]
+            n = kv.shape[0]
             keys = [BlockKey(d, layer) for d in seq.digests[first : first + n]]
-            self.summaries.set(layer, seq.row, first, k)
+            self.summaries.set(layer, seq.row, first, kv[:, 0], kv[:, 1])
             pids = seq.pids[first : first + n]
         self.mover.put(keys, blocks, self.placer.initial_tier, needed=True, persistent=True)
         self.placer.stored(layer, pids)

@@ -117,7 +117,7 @@ class PrefixPages:
                 good = served.index(None) if None in served else len(part)
                 if good:
                     kv = lay.typed(raw[:good])  # [good, 2, Hkv, S, D]
-                    self.summaries.set(layer, seq.row, p0, kv[:, 0])
+                    self.summaries.set(layer, seq.row, p0, kv[:, 0], kv[:, 1])
                     self.mover.admit(keys[:good], raw[:good], self.placer.initial_tier, served[:good])
                 if good < len(part):
                     log.warning("stored prefix page %d unreadable; recomputing from there", p0 + good)

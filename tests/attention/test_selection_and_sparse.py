@@ -154,7 +154,7 @@ def test_the_summary_table_keeps_the_last_steps_mass_per_row_and_forgets_it_when
     assert t.drawn(1, torch.tensor([1]), None, 8)[0, [2, 5]].tolist() == [1.0, 0.25]  # the other row is kept
     t.ensure(rows=4, pages=16)
     assert t.drawn(1, torch.tensor([1]), None, 16)[0, [2, 5]].tolist() == [1.0, 0.25]
-    t.set(1, 1, 2, _pages(1))  # row 1's page 2 is written again (a new sequence in the row)
+    t.set(1, 1, 2, _pages(1), _pages(1))  # row 1's page 2 is written again (a new sequence in the row)
     assert t.drawn(1, torch.tensor([1]), None, 16)[0, [2, 5]].tolist() == [0.0, 0.25]
-    t.set_all_layers(1, 5, _pages(2))  # a decode page that filled, every layer at once
+    t.set_all_layers(1, 5, _pages(2), _pages(2))  # a decode page that filled, every layer at once
     assert float(t.drawn(1, torch.tensor([1]), None, 16)[0, 5]) == 0.0

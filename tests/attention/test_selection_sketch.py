@@ -12,7 +12,7 @@ import torch
 from enginekit import greedy
 
 from kvdrive.runtime.attention import SelectionConfig, SummaryTable, select_pages, selection_masks
-from kvdrive.runtime.attention.selection import sketch_mass
+from kvdrive.runtime.attention.selection import sketch_weights
 from kvdrive.runtime.attention.summaries import key_bounds, key_codes, unpack_codes
 from kvdrive.runtime.cli import engine_config, parse_args
 from kvdrive.runtime.engine import EngineConfig
@@ -35,7 +35,7 @@ def test_each_key_comes_back_within_half_a_step_of_its_box(bits: int) -> None:
 
 
 @pytest.mark.parametrize(("bits", "tol"), [(8, 0.005), (4, 0.1)])
-def test_the_sketch_mass_is_close_to_exact_attention(bits: int, tol: float) -> None:
+def test_the_sketch_weights_are_close_to_exact_attention(bits: int, tol: float) -> None:
     torch.manual_seed(1)
     b, hkv, g, p, s, d = 2, 2, 3, 24, 16, 64
     k = torch.randn(b, p, hkv, s, d)
@@ -44,12 +44,15 @@ def test_the_sketch_mass_is_close_to_exact_attention(bits: int, tol: float) -> N
     codes = key_codes(k.flatten(0, 1), bounds.flatten(0, 1), bits).view(b, p, hkv, -1, s)
     invalid = torch.zeros(b, p, dtype=torch.bool)
     invalid[1, 20:] = True  # the second sequence has 20 pages
-    got = sketch_mass(qg, bounds.transpose(1, 2), codes.transpose(1, 2), bits, invalid)  # [B, Hkv, G, P]
+    q = (qg * math.sqrt(d)).reshape(b, hkv * g, d)
+    got = sketch_weights(q, bounds.transpose(1, 2), codes.transpose(1, 2), bits, invalid)
     for i, n in enumerate((24, 20)):
         keys = k[i, :n].permute(1, 0, 2, 3).reshape(hkv, n * s, d)
-        exact = torch.softmax(torch.einsum("hgd,htd->hgt", qg[i], keys), -1).view(hkv, g, n, s).sum(-1)
-        assert (got[i, :, :, :n] - exact).abs().max().item() < tol
-        assert float(got[i, :, :, n:].abs().sum()) == 0.0
+        logits = torch.einsum("hgd,htd->hgt", qg[i], keys)
+        exact = torch.softmax(logits, -1).view(hkv, g, n, s).sum(-1)
+        assert (got.share[i, :, :, :n] - exact).abs().max().item() < tol
+        assert float(got.share[i, :, :, n:].abs().sum()) == 0.0
+        assert (got.log_total[i] - torch.logsumexp(logits, -1)).abs().max().item() < 20 * tol  # the softmax's scale
 
 
 def test_the_sketch_finds_the_one_key_a_loose_box_hides() -> None:
@@ -79,9 +82,9 @@ def test_the_table_keeps_codes_for_prompt_and_decode_pages_and_grows() -> None:
     table = SummaryTable(2, 2, 8, torch.device("cpu"), rows=1, pages=2, page_size=4, sketch_bits=4)
     k = torch.randn(3, 2, 4, 8)  # three prompt pages of layer 1
     table.ensure(2, 5)
-    table.set(1, 1, 0, k)
+    table.set(1, 1, 0, k, k)
     last = torch.randn(2, 2, 4, 8)  # a decode page that filled, both layers
-    table.set_all_layers(1, 3, last)
+    table.set_all_layers(1, 3, last, last)
     rows = torch.tensor([1])
     got = table.sketch(1, rows, 1, 4)
     assert got is not None and got.shape == (1, 2, 4, 8 * 4 // 8, 4)

@@ -26,6 +26,7 @@ from kvdrive.runtime.attention import (
     paged_kernels,
     select_pages,
     selection_masks,
+    sketch_weights,
 )
 from kvdrive.runtime.attention.summaries import key_bounds, key_codes
 from kvdrive.runtime.model import block_kernels
@@ -146,7 +147,7 @@ def test_every_shape_attends_and_selects_as_the_torch_ops_do(hkv: int, group: in
     drawn = torch.rand(2, 300, generator=g) * 0.2
     npages = torch.tensor([300, 250])
     idx, near, _ = select_pages(c["q"], summaries, selection_masks(npages, 300, cfg), cfg, 8, drawn)
-    k_idx, k_near = paged_kernels.select(c["q"], summaries, drawn, npages, cfg, 8)
+    k_idx, k_near, _ = paged_kernels.select(c["q"], summaries, drawn, npages, cfg, 8)
     assert torch.equal(k_idx, idx) and torch.equal(k_near, near)
 
 
@@ -201,7 +202,7 @@ def test_select_picks_the_pages_select_pages_picks(batch: int, radius: float) ->
         npages[1] = 20  # fewer pages than the budget (31): all of them, then padding indices
     q = torch.randn(batch, HKV * G, D, generator=g)
     idx, near, _ = select_pages(q, summaries, selection_masks(npages, p, cfg), cfg, 12, drawn)
-    k_idx, k_near = paged_kernels.select(q, summaries, drawn, npages, cfg, 12)
+    k_idx, k_near, _ = paged_kernels.select(q, summaries, drawn, npages, cfg, 12)
     assert k_idx.shape == idx.shape and k_near.shape == near.shape
     assert torch.equal(k_idx[0], idx[0]) and torch.equal(k_near[0], near[0])
     if batch > 1:
@@ -230,15 +231,58 @@ def test_select_with_a_key_sketch_picks_the_pages_select_pages_picks(bits: int, 
     q = torch.randn(batch, HKV * group, D, generator=g)
     masks = selection_masks(npages, p, cfg)
     idx, near, _ = select_pages(q, summaries, masks, cfg, 12, drawn, sketch)
-    k_idx, k_near = paged_kernels.select(q, summaries, drawn, npages, cfg, 12, sketch)
+    k_idx, k_near, _ = paged_kernels.select(q, summaries, drawn, npages, cfg, 12, sketch)
     for b in (0, 2):
         assert len(set(k_idx[b].tolist()) ^ set(idx[b].tolist())) <= 2  # float sums in another order: a tie at
         assert len(set(k_near[b].tolist()) & set(near[b].tolist())) >= 10  # the cut may fall either way
     assert torch.equal(k_idx[1, :20], torch.arange(20)) and torch.all(k_idx[1, 20:] >= 20)
-    bound_idx, _ = paged_kernels.select(q, summaries, drawn, npages, replace(cfg, sketch_bits=0), 12)
+    bound_idx, _, _ = paged_kernels.select(q, summaries, drawn, npages, replace(cfg, sketch_bits=0), 12)
     assert not torch.equal(bound_idx[0], k_idx[0])
     with pytest.raises(RuntimeError, match="codes: "):
         paged_kernels.select(q, summaries, drawn, npages, cfg, 12, sketch[:, :, :, :1])
+
+
+@pytest.mark.parametrize("group", [G, 7])
+def test_select_returns_the_sketch_weights_sketch_weights_computes(group: int) -> None:
+    """Asked for them, the kernel returns each page's share of each query head's sketched softmax and its log
+    normaliser: what ``sketch_weights`` computes, zero past a short sequence's pages."""
+    g = torch.Generator().manual_seed(group)
+    batch, p = 2, 120
+    cfg = SelectionConfig(token_budget=256, page_size=S, sketch_bits=8)
+    keys = torch.randn(batch, p, HKV, S, D, generator=g) * 2
+    bounds = key_bounds(keys.flatten(0, 1)).view(batch, p, HKV, 2 * D)
+    codes = key_codes(keys.flatten(0, 1), bounds.flatten(0, 1), 8).view(batch, p, HKV, D, S)
+    summaries, sketch = bounds.transpose(1, 2), codes.transpose(1, 2)
+    npages = torch.tensor([p, 30])
+    q = torch.randn(batch, HKV * group, D, generator=g)
+    ref = sketch_weights(q, summaries, sketch, 8, selection_masks(npages, p, cfg).invalid)
+    _, _, got = paged_kernels.select(q, summaries, torch.zeros(batch, p), npages, cfg, 4, sketch, weights=True)
+    assert got is not None and got.share.shape == (batch, HKV, group, p)
+    assert torch.allclose(got.share, ref.share, atol=1e-5) and torch.allclose(got.log_total, ref.log_total, atol=1e-4)
+    assert float(got.share[1, :, :, 30:].abs().sum()) == 0.0
+    assert paged_kernels.select(q, summaries, torch.zeros(batch, p), npages, cfg, 4, sketch)[2] is None
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_attend_with_the_rest_column_equals_the_torch_ops(batch: int) -> None:
+    """The pages a selection left out, as one more column per query head (``rest_of_pages``): the kernel merges
+    it as ``decode_attention`` does, and its weight comes out of the pages' masses; a rest of -inf (nothing
+    left out) changes nothing."""
+    c = _case(batch, torch.float32, seed=3)
+    k, v, mask = _gathered(c)
+    g = torch.Generator().manual_seed(9)
+    lse = torch.randn(batch, HKV, G, generator=g) * 2 + 3
+    mean = torch.randn(batch, HKV, G, D, generator=g)
+    ref, probs = decode_attention(c["q"], k, v, mask, (lse, mean))
+    rows = c["pool"].view(-1, S * D)
+    out, mass = paged_kernels.attend(c["q"], rows, c["stage"], c["slots"], c["ntok"], HKV, S, (lse, mean))
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.allclose(mass, probs.view(batch, -1, 32, S).sum(dim=(1, 3)), atol=1e-5)
+    assert float(mass.sum()) < batch * HKV * G - 0.01  # the rest drew its share
+    plain, _ = paged_kernels.attend(c["q"], rows, c["stage"], c["slots"], c["ntok"], HKV, S)
+    none = torch.full_like(lse, float("-inf"))
+    same, _ = paged_kernels.attend(c["q"], rows, c["stage"], c["slots"], c["ntok"], HKV, S, (none, torch.zeros_like(mean)))
+    assert torch.equal(same, plain) and not torch.allclose(out, plain, atol=1e-3)
 
 
 def test_locate_finds_each_pages_slot_and_counts_the_reads_by_tier() -> None:

@@ -7,13 +7,15 @@
 //   without a [B, Hkv, G, P] tensor per op. With a key sketch (each key quantised to 8 or 4 bits in its
 //   page's box, runtime/attention/summaries.py) a page's per-head logit is the log of the softmax weight
 //   its sketched keys sum to instead of its bound, so the same softmax over pages gives each page's share
-//   of a softmax over every key.
+//   of a softmax over every key; asked for them, it also returns those shares per query head and the
+//   softmax's log normaliser (what --selection-rest estimate weighs the pages left out by).
 // locate_pages: where each selected page can be read in place (its slot in the host arena, which holds both
 //   memory tiers), with the open page last, and how many entries hit each tier or missed both.
 // paged_decode: exact softmax attention of one query per sequence over K/V read in place, column by column,
 //   from the pool's (page, kv, head) rows (hits) or a staging buffer (misses), so the selected pages are
 //   never gathered into a copy. Returns the output and the attention mass each column (page) drew, summed
-//   over the query heads: runtime/attention/sparse.py's decode_attention over a gathered buffer.
+//   over the query heads: runtime/attention/sparse.py's decode_attention over a gathered buffer. The pages
+//   the selection left out may come as one more column per query head (a logit and a value), merged last.
 // Work is split over (sequence, KV head, column range); the column ranges of one head are merged with their
 // softmax maxima (split-K), so one sequence keeps both cores busy.
 #include <torch/extension.h>
@@ -215,11 +217,24 @@ void check_decode(const torch::Tensor& q, const torch::Tensor& rows, const torch
 // q [B, Hq, D] float32; rows [R, S * D] (the pool's (slot, kv, head) rows, float32 / bfloat16 / float16);
 // stage [M, 2, Hkv, S, D] (blocks that missed every memory tier, the rows' dtype); slots [B, W] int64 (a pool
 // slot, or -1 - j for stage block j); ntok [B, W] int64 (tokens attended in each column, 0: none)
-// -> out [B, Hq, D] float32, mass [B, W] float32.
+// rest_lse [B, Hq] and rest_out [B, Hq, D] float32, or both empty: one more column per query head, of logit
+// rest_lse and value rest_out (the pages the selection left out, runtime/attention/selection.py's
+// rest_of_pages)
+// -> out [B, Hq, D] float32, mass [B, W] float32 (each column's share of the softmax, the rest column's included).
 std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor rows, torch::Tensor stage, torch::Tensor slots,
-                                        torch::Tensor ntok, int64_t hkv, int64_t page_size) {
+                                        torch::Tensor ntok, int64_t hkv, int64_t page_size, torch::Tensor rest_lse,
+                                        torch::Tensor rest_out) {
   check_decode(q, rows, stage, slots, ntok, hkv, page_size);
   const int64_t B = q.size(0), D = q.size(2), W = slots.size(1), G = q.size(1) / hkv;
+  const bool rest = rest_lse.numel() > 0;
+  if (rest) {
+    TORCH_CHECK(rest_lse.scalar_type() == torch::kFloat && rest_lse.is_contiguous() && rest_lse.numel() == B * hkv * G,
+                "rest_lse: [B, Hq] float32");
+    TORCH_CHECK(rest_out.scalar_type() == torch::kFloat && rest_out.is_contiguous() &&
+                    rest_out.numel() == B * hkv * G * D, "rest_out: [B, Hq, D] float32");
+  }
+  const float* rl = rest ? rest_lse.data_ptr<float>() : nullptr;
+  const float* ro = rest ? rest_out.data_ptr<float>() : nullptr;
   const int64_t threads = at::get_num_threads();
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(W / 4, (2 * threads + B * hkv - 1) / (B * hkv)));
   const Geometry geo{B, hkv, G, D, page_size, W, parts};
@@ -252,7 +267,8 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor rows, tor
   for (int64_t bh = 0; bh < B * hkv; ++bh) {
     const int64_t b = bh / hkv;
     for (int64_t g = 0; g < G; ++g) {
-      float mx = NEG_INF;
+      const float rlse = rest ? rl[bh * G + g] : NEG_INF;
+      float mx = rlse;
       for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, pm[(bh * parts + p) * G + g]);
       float scalep[64];
       float total = 0.f;
@@ -261,9 +277,11 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor rows, tor
         scalep[p] = mp_ == NEG_INF ? 0.f : std::exp(mp_ - mx);
         total += pl[(bh * parts + p) * G + g] * scalep[p];
       }
+      const float rw = rlse == NEG_INF ? 0.f : std::exp(rlse - mx);  // the rest column's weight
+      total += rw;
       float* o = op + (bh * G + g) * D;
       for (int64_t d = 0; d < D; ++d) {
-        float acc = 0.f;
+        float acc = rw == 0.f ? 0.f : rw * ro[(bh * G + g) * D + d];
         for (int64_t p = 0; p < parts; ++p) acc += po[((bh * parts + p) * G + g) * D + d] * scalep[p];
         o[d] = acc / total;
       }
@@ -393,10 +411,12 @@ BoundsFn pick_bounds(int64_t G, int64_t D) {
 // q [B, Hq, D] float32; summaries [B, Hkv, P, 2D] float32 (center, radius; any strides but the last);
 // drawn [B, P] float32 (last stride 1); npages [B] int64; codes (bits 8 or 4) [B, Hkv, P, D * bits / 8, 16]
 // uint8, the last two dims contiguous (bits 0: none, codes ignored) -> selected [B, K] int64 ascending,
-// runners-up [B, min(P, K + R) - K] int64 by score (see select_pages in runtime/attention/selection.py).
+// runners-up [B, min(P, K + R) - K] int64 by score (see select_pages in runtime/attention/selection.py), and
+// with ``weights`` (a sketch's) each page's share of each query head's softmax [B, Hkv, G, P] (0 past a
+// sequence's pages) and that softmax's log normaliser [B, Hkv, G] (selection.py's sketch_weights).
 std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries, torch::Tensor drawn,
                                         torch::Tensor npages, int64_t sink, int64_t recent, int64_t k, int64_t runners_up,
-                                        double radius, torch::Tensor codes, int64_t bits) {
+                                        double radius, torch::Tensor codes, int64_t bits, bool weights) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q: [B, Hq, D] float32");
   TORCH_CHECK(summaries.dim() == 4 && summaries.scalar_type() == torch::kFloat && summaries.stride(3) == 1,
               "summaries: [B, Hkv, P, 2D] float32");
@@ -445,15 +465,23 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
     }
   });
   // then each query head's softmax over its sequence's pages
+  TORCH_CHECK(!weights || bits, "weights: a key sketch's only");
+  auto log_total = weights ? torch::empty({B, Hkv, G}, q.options()) : torch::empty({0}, q.options());
+  float* lt = weights ? log_total.data_ptr<float>() : nullptr;
   at::parallel_for(0, B * Hq, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t n = np[u / Hq];
       float* row = hm + u * P;  // head_mass[b, h, g]
+      if (lt) {
+        std::fill(row + n, row + P, 0.f);
+        lt[u] = NEG_INF;
+      }
       if (n == 0) continue;
       float mx = NEG_INF;
       for (int64_t p = 0; p < n; ++p) mx = std::max(mx, row[p]);
       const float sum = exp_shifted(row, n, mx);
       for (int64_t p = 0; p < n; ++p) row[p] /= sum;
+      if (lt) lt[u] = mx + std::log(sum);
     }
   });
   auto selected = torch::empty({B, k}, npages.options());
@@ -490,6 +518,7 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
       std::copy(order.begin() + k, order.begin() + total, nr + b * (total - k));
     }
   });
+  if (weights) return {selected, near, head_mass, log_total};
   return {selected, near};
 }
 
