@@ -79,10 +79,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="keep every key quantised to this many bits inside its page's box and pick pages by the "
                         "attention those keys predict (default 8; 0: by the box bound alone, Quest's rule; "
                         "docs/attention.md)")
-    p.add_argument("--selection-rest", choices=["drop", "estimate"], default="drop",
-                   help="the pages a decode step does not select: drop them from the softmax, or attend them as one "
-                        "column, each page its mean value at the weight the key sketch predicts for it (needs "
-                        "--selection-sketch 4 or 8; docs/attention.md)")
+    p.add_argument("--selection-rest", choices=["drop", "means", "sketch"], default="drop",
+                   help="the pages a decode step does not select: drop them from the softmax (default), or attend "
+                        "them as one column: 'means', each page its mean value at the weight the key sketch "
+                        "predicts for it; 'sketch', each of their keys and values as an 8-bit sketch gives it "
+                        "(needs --selection-sketch 4 or 8; docs/attention.md)")
     p.add_argument("--full-attention", action="store_true", help="attend to every page (exact; no selection)")
     p.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive",
                    help="tier policy: kvdrive, or a baseline it is measured against")

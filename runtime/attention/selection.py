@@ -25,7 +25,7 @@ import torch
 from .summaries import unpack_codes
 
 SELECTION_CARRIES = ("layer", "shared", "shared+neighbours")  # what --selection-carry names
-SELECTION_RESTS = ("drop", "estimate")  # what --selection-rest names: the pages a decode step leaves out
+SELECTION_RESTS = ("drop", "means", "sketch")  # what --selection-rest names: the pages a decode step leaves out
 NEIGHBOUR_SHARE = 0.5  # shared+neighbours: the share of a neighbour page's carried mass a page adds
 
 
@@ -39,7 +39,7 @@ class SelectionConfig:
     shared_carry: bool = False  # each page also carries the most mass it drew at any layer's previous step
     neighbour_carry: float = 0.0  # and this share of that of the pages before and after it (with shared_carry)
     sketch_bits: int = 0  # 8 or 4: score pages by the attention the quantised keys predict (summaries.py), not bounds
-    estimate_rest: bool = False  # attend the pages left out as one column, at the sketch's weight (rest_of_pages)
+    rest: str = "drop"  # the pages left out: dropped, or one column from their mean values or their sketches
 
     @property
     def budget_pages(self) -> int:
@@ -102,10 +102,11 @@ def sketch_weights(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor
 
 
 def rest_of_pages(weights: SketchWeights, selected: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weights (``sketch_weights``); selected [B, K] page indices; values [B, Hkv, P, D] (each page's mean value,
-    ``SummaryTable.value_mean``) -> (lse [B, Hkv, G], mean [B, Hkv, G, D]): the pages a selection left out as
-    one attention column, its logit the log of the weight the sketch predicts they draw together and its value
-    their mean values weighed by it (-inf and 0 when nothing was left out).
+    """``--selection-rest means``. weights (``sketch_weights``); selected [B, K] page indices; values [B, Hkv,
+    P, D] (each page's mean value, ``SummaryTable.value_summary``) -> (lse [B, Hkv, G], mean [B, Hkv, G, D]):
+    the pages a selection left out as one attention column, its logit the log of the weight the sketch
+    predicts they draw together and its value their mean values weighed by it (-inf and 0 when nothing was
+    left out).
 
     Why: a top-K selection renormalises attention over what it kept, so whatever the query spreads thinly over
     many pages (counting, aggregation) is dropped. Attention over kept pages and this column is exact for the
@@ -116,6 +117,37 @@ def rest_of_pages(weights: SketchWeights, selected: torch.Tensor, values: torch.
     w = left.sum(dim=-1)  # [B, Hkv, G]
     mean = torch.matmul(left, values.float()) / w.clamp_min(1e-30)[..., None]
     return weights.log_total + torch.log(w), mean
+
+
+def sketched_rest(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bits: int, vbox: torch.Tensor,
+                  vcodes: torch.Tensor, selected: torch.Tensor,
+                  invalid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``--selection-rest sketch``. q [B, Hq, D]; summaries [B, Hkv, P, 2D] and codes [B, Hkv, P, D * bits / 8,
+    S] (the key sketch); vbox [B, Hkv, P, 2D] and vcodes [B, Hkv, P, D, S] (the values' 8-bit sketch);
+    selected [B, K]; invalid [B, P] or None -> (lse [B, Hkv, G], mean [B, Hkv, G, D]): the pages a selection
+    left out as one attention column, every one of their keys and values as its sketch gives it: attention
+    over the kept pages and this column is full attention over a KV whose left-out part is quantised to the
+    sketches' bits (-inf and 0 when nothing was left out)."""
+    b, hq, d = q.shape
+    hkv, p = summaries.shape[1], summaries.shape[2]
+    g = hq // hkv
+    qg = q.float().view(b, hkv, g, d) * (1.0 / math.sqrt(d))
+    c, r = summaries[..., :d], summaries[..., d:]
+    base = torch.matmul(qg, (c - r).transpose(-1, -2))  # [B, Hkv, G, P]: q . kmin
+    qs = qg[:, :, None] * (r * (2.0 / ((1 << bits) - 1)))[:, :, :, None]  # [B, Hkv, P, G, D]
+    tok = torch.matmul(qs, unpack_codes(codes, bits)) + base.transpose(2, 3)[..., None]  # [B, Hkv, P, G, S]
+    out = torch.zeros(b, p, dtype=torch.bool, device=q.device).scatter_(1, selected.clamp(max=p - 1), True)
+    if invalid is not None:
+        out |= invalid
+    tok.masked_fill_(out[:, None, :, None, None], float("-inf"))
+    m = tok.amax(dim=(2, 4)).clamp_min(-1e30)  # [B, Hkv, G] (finite when nothing is left)
+    e = torch.exp(tok - m[:, :, None, :, None])  # [B, Hkv, P, G, S]
+    w = e.sum(dim=(2, 4))  # [B, Hkv, G]
+    vc, vr = vbox[..., :d], vbox[..., d:]  # [B, Hkv, P, D]
+    vstep = vr * (2.0 / 255)
+    ec = torch.matmul(e, unpack_codes(vcodes, 8).transpose(-1, -2))  # [B, Hkv, P, G, D]: sum_t e_t code_t
+    num = torch.einsum("bhpg,bhpd->bhgd", e.sum(dim=-1), vc - vr) + torch.einsum("bhpgd,bhpd->bhgd", ec, vstep)
+    return m + torch.log(w), num / w.clamp_min(1e-30)[..., None]
 
 
 def page_scores(q: torch.Tensor, summaries: torch.Tensor, masks: SelectionMasks,

@@ -27,10 +27,12 @@ It costs ``D * bits / 8`` bytes per token and head beside the box's ``8D / S`` (
 at 4 bits, as much as the box), and it turns a page's score from a bound into an estimate of the attention
 mass the page really draws (``selection.sketch_weights``).
 
-With ``value_means`` the table also keeps each page's mean value per KV head (``values``, ``[L, rows, Hkv,
-Pcap, D]`` float32, 1/S of the page's values): under ``--selection-rest estimate`` the pages a decode step
-leaves out are attended as one column, each page its mean value weighed by the attention the key sketch
-predicts for it (``selection.rest_of_pages``), instead of being dropped from the softmax.
+For ``--selection-rest`` (the pages a decode step leaves out, attended as one column instead of dropped from
+the softmax: ``selection.rest_of_pages``) the table also keeps, under "means", each page's mean value per KV
+head (``values``, ``[L, rows, Hkv, Pcap, D]`` float32, 1/S of the page's values), weighed by the attention
+the key sketch predicts for the page; under "sketch", the box of each page's values (``values``, ``[...,
+2D]``, as the keys' box) and every value quantised to 8 bits inside it (``vcodes``, ``[L, rows, Hkv, Pcap,
+D, S]`` uint8, laid out as the key sketch), each weighed by the attention its sketched key predicts.
 """
 
 from __future__ import annotations
@@ -78,31 +80,36 @@ def spread_to_neighbours(mass: torch.Tensor, share: float) -> torch.Tensor:
 class SummaryTable:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  rows: int = 1, pages: int = 64, page_size: int = 16, sketch_bits: int = 0,
-                 value_means: bool = False) -> None:
+                 rest: str = "drop") -> None:
         if sketch_bits not in (0, 4, 8):
             raise ValueError(f"sketch_bits {sketch_bits}: expected 0 (no key sketch), 4 or 8")
+        if rest not in ("drop", "means", "sketch"):
+            raise ValueError(f"rest {rest!r}: expected drop, means or sketch")
         self.shape = (num_layers, num_kv_heads, 2 * head_dim)
-        self.page_size, self.sketch_bits, self.value_means = page_size, sketch_bits, value_means
+        self.page_size, self.sketch_bits, self.rest = page_size, sketch_bits, rest
         self.device = device
-        self.table, self.mass, self.codes, self.values = self._zeros(max(1, rows), max(1, pages))
+        self.table, self.mass, self.codes, self.values, self.vcodes = self._zeros(max(1, rows), max(1, pages))
 
     def _zeros(self, rows: int, pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                     torch.Tensor | None]:
+                                                     torch.Tensor | None, torch.Tensor | None]:
         L, H, D2 = self.shape
+
+        def zeros(*tail: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros((L, rows, H, pages, *tail), dtype=dtype, device=self.device)
+
         with torch.inference_mode(False):  # long-lived: written from the model's forward and outside it
-            codes = torch.zeros((L, rows, H, pages, D2 // 2 * self.sketch_bits // 8, self.page_size),
-                                dtype=torch.uint8, device=self.device) if self.sketch_bits else None
-            values = torch.zeros((L, rows, H, pages, D2 // 2), dtype=torch.float32, device=self.device) \
-                if self.value_means else None
-            return (torch.zeros((L, rows, H, pages, D2), dtype=torch.float32, device=self.device),
-                    torch.zeros((L, rows, pages), dtype=torch.float32, device=self.device), codes, values)
+            codes = zeros(D2 // 2 * self.sketch_bits // 8, self.page_size, dtype=torch.uint8) if self.sketch_bits else None
+            values = zeros(D2 // 2) if self.rest == "means" else zeros(D2) if self.rest == "sketch" else None
+            vcodes = zeros(D2 // 2, self.page_size, dtype=torch.uint8) if self.rest == "sketch" else None
+            return (zeros(D2), torch.zeros((L, rows, pages), dtype=torch.float32, device=self.device), codes,
+                    values, vcodes)
 
     def bytes_per_token(self) -> tuple[int, int]:
-        """(summary bytes with the value means, key sketch bytes) a token of one sequence takes in this table,
-        all layers."""
+        """(summary bytes, sketch bytes) a token of one sequence takes in this table, all layers: the key box
+        (and the value means or the value box), the key sketch (and the value sketch)."""
         L, H, D2 = self.shape
-        box = L * H * (D2 + (D2 // 2 if self.value_means else 0)) * 4 // self.page_size
-        return box, L * H * D2 // 2 * self.sketch_bits // 8
+        box = L * H * (D2 + (D2 // 2 if self.rest == "means" else D2 if self.rest == "sketch" else 0)) * 4 // self.page_size
+        return box, L * H * D2 // 2 * (self.sketch_bits + (8 if self.rest == "sketch" else 0)) // 8
 
     @property
     def rows(self) -> int:
@@ -121,16 +128,12 @@ class SummaryTable:
             r *= 2
         while p < pages:
             p *= 2
-        table, mass, codes, values = self._zeros(r, p)
-        table[:, : self.rows, :, : self.pages] = self.table
-        mass[:, : self.rows, : self.pages] = self.mass
-        if codes is not None:
-            assert self.codes is not None
-            codes[:, : self.rows, :, : self.pages] = self.codes
-        if values is not None:
-            assert self.values is not None
-            values[:, : self.rows, :, : self.pages] = self.values
-        self.table, self.mass, self.codes, self.values = table, mass, codes, values
+        grown = self._zeros(r, p)
+        grown[1][:, : self.rows, : self.pages] = self.mass
+        for new, old in zip(grown, (self.table, None, self.codes, self.values, self.vcodes), strict=True):
+            if new is not None and old is not None:
+                new[:, : self.rows, :, : self.pages] = old
+        self.table, self.mass, self.codes, self.values, self.vcodes = grown
 
     def set(self, layer: int, row: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Summarise full pages k, v [n, Hkv, S, D] of ``layer`` as pages first_page.. of ``row`` (a page
@@ -144,7 +147,10 @@ class SummaryTable:
                 self.codes[layer, row, :, first_page : first_page + n] = \
                     key_codes(k, bounds, self.sketch_bits).transpose(0, 1)
             if self.values is not None:
-                self.values[layer, row, :, first_page : first_page + n] = v.float().mean(dim=2).transpose(0, 1)
+                self.values[layer, row, :, first_page : first_page + n] = self._of_values(v).transpose(0, 1)
+            if self.vcodes is not None:
+                self.vcodes[layer, row, :, first_page : first_page + n] = \
+                    key_codes(v, self.values[layer, row, :, first_page : first_page + n].transpose(0, 1), 8).transpose(0, 1)
 
     def set_all_layers(self, row: int, page: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Summarise page ``page`` of ``row`` in every layer at once: k, v [L, Hkv, S, D] (a decode page that
@@ -155,7 +161,14 @@ class SummaryTable:
         if self.codes is not None:
             self.codes[:, row, :, page] = key_codes(k, bounds, self.sketch_bits)
         if self.values is not None:
-            self.values[:, row, :, page] = v.float().mean(dim=2)
+            self.values[:, row, :, page] = self._of_values(v)
+        if self.vcodes is not None:
+            self.vcodes[:, row, :, page] = key_codes(v, self.values[:, row, :, page], 8)
+
+    def _of_values(self, v: torch.Tensor) -> torch.Tensor:
+        """v [n, Hkv, S, D] -> [n, Hkv, D] each page's mean value (rest "means") or [n, Hkv, 2D] its values'
+        box (rest "sketch")."""
+        return v.float().mean(dim=2) if self.rest == "means" else key_bounds(v)
 
     @staticmethod
     def _of_rows(t: torch.Tensor, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
@@ -173,9 +186,15 @@ class SummaryTable:
         """[B, Hkv, pages, D * bits / 8, S] uint8: the key sketch of ``rows`` (None without one)."""
         return None if self.codes is None else self._of_rows(self.codes[layer], rows, first_row, pages)
 
-    def value_mean(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor | None:
-        """[B, Hkv, pages, D] float32: each page's mean value (None without ``value_means``)."""
-        return None if self.values is None else self._of_rows(self.values[layer], rows, first_row, pages)
+    def value_summary(self, layer: int, rows: torch.Tensor, first_row: int | None,
+                      pages: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Rest "means": ([B, Hkv, pages, D] each page's mean value, None); rest "sketch": ([B, Hkv, pages, 2D]
+        its values' box, [B, Hkv, pages, D, S] uint8 its values quantised to 8 bits in that box); None under
+        "drop"."""
+        if self.values is None:
+            return None
+        vcodes = None if self.vcodes is None else self._of_rows(self.vcodes[layer], rows, first_row, pages)
+        return self._of_rows(self.values[layer], rows, first_row, pages), vcodes
 
     def drawn(self, layer: int, rows: torch.Tensor, first_row: int | None, pages: int) -> torch.Tensor:
         """[B, pages]: the attention mass each page of ``rows`` drew at ``layer``'s last decode step."""

@@ -15,8 +15,8 @@ everything (it is write-through). Rows:
 - ``kvdrive``, ``lru``, ``ondemand``, ``fullfetch``: the tier policies under the budgets above;
 - ``sparse-gpu-k0``, ``kvdrive-k0`` (and ``-k4``, ``-k8``): those rows under a named selection rule, when asked
   for in ``modes``: the box bound (``--selection-sketch 0``) or a key sketch of 4 or 8 bits (the plain rows
-  run the engine's default, the 8-bit sketch); ``sparse-gpu-rest``, ``kvdrive-rest``: those rows under
-  ``--selection-rest estimate``;
+  run the engine's default, the 8-bit sketch); ``sparse-gpu-means``, ``kvdrive-means``, ``-sketch``: those rows
+  under ``--selection-rest means`` or ``sketch``;
 - ``llama.cpp``: the same GGUF, same threads, all KV in RAM (``llama_cpp.py``), when installed.
 
 Time to first token (``prefill_contexts``): one fresh prompt (nothing of it stored anywhere), cut to each
@@ -55,12 +55,12 @@ log = logging.getLogger(__name__)
 
 MODES = ("full-gpu", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
 SKETCH_MODES = tuple(f"{m}-k{bits}" for m in ("sparse-gpu", "kvdrive") for bits in (0, 8, 4))  # by request
-REST_MODES = ("sparse-gpu-rest", "kvdrive-rest")  # by request: the default sketch, --selection-rest estimate
+REST_MODES = tuple(f"{m}-{r}" for m in ("sparse-gpu", "kvdrive") for r in ("means", "sketch"))  # by request
 
 
 def split_mode(mode: str) -> tuple[str, int, str]:
     """A mode -> (its tier mode, the key sketch's bits (0: the box bound), --selection-rest): ``kvdrive-k0`` ->
-    (``kvdrive``, 0, "drop"), ``kvdrive-rest`` -> (``kvdrive``, 8, "estimate"); a plain mode runs the engine's
+    (``kvdrive``, 0, "drop"), ``kvdrive-sketch`` -> (``kvdrive``, 8, "sketch"); a plain mode runs the engine's
     default rule."""
     if mode in MODES:
         return mode, EngineConfig.selection_sketch, EngineConfig.selection_rest
@@ -68,7 +68,8 @@ def split_mode(mode: str) -> tuple[str, int, str]:
         base, _, bits = mode.rpartition("-k")
         return base, int(bits), EngineConfig.selection_rest
     if mode in REST_MODES:
-        return mode.removesuffix("-rest"), EngineConfig.selection_sketch, "estimate"
+        base, _, rest = mode.rpartition("-")
+        return base, EngineConfig.selection_sketch, rest
     raise ValueError(f"mode {mode!r}: expected one of {', '.join(MODES + SKETCH_MODES + REST_MODES)}")
 PHASES = ("selection", "gather", "misses", "attention", "bookkeeping")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from kvdrive.runtime.bench.decode_bench import PHASES, DecodeBenchResult, ModeResult, PrefillResult
 
 SPARSE_ROWS = ("sparse-gpu", "sparse-gpu-k0", "sparse-gpu-k8", "sparse-gpu-k4", "kvdrive", "kvdrive-k0", "kvdrive-k8",
-               "kvdrive-k4", "sparse-gpu-rest", "kvdrive-rest")  # the rows that select pages (-kN, -rest: a named
-# rule, decode_bench.split_mode)
+               "kvdrive-k4", "sparse-gpu-means", "kvdrive-means", "sparse-gpu-sketch",
+               "kvdrive-sketch")  # the rows that select pages (-kN, -means, -sketch: a named rule, decode_bench.split_mode)
 ORDER = ("floor", "llama.cpp", "full-gpu", *SPARSE_ROWS, "lru", "ondemand", "fullfetch")
 
 

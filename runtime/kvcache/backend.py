@@ -40,6 +40,7 @@ from kvdrive.runtime.attention import (
     select_pages,
     selection_masks,
     sketch_weights,
+    sketched_rest,
 )
 from kvdrive.runtime.kvcache.sequence import StepSeq
 from kvdrive.runtime.kvcache.step_reads import PageReader, StepReadParts
@@ -230,8 +231,8 @@ class TieredAttentionBackend:
             if dec.shared is not None:
                 drawn = drawn + dec.shared
             codes = cache.summaries.sketch(layer, dec.rows, dec.first_row, dec.pmax)
-            values = cache.summaries.value_mean(layer, dec.rows, dec.first_row, dec.pmax)  # [B, Hkv, P, D] or None
-            want = values is not None and codes is not None  # --selection-rest estimate
+            vsum = cache.summaries.value_summary(layer, dec.rows, dec.first_row, dec.pmax)  # --selection-rest
+            want = vsum is not None and vsum[1] is None and codes is not None  # "means": the sketch's page weights
             weights: SketchWeights | None
             if in_place and (codes is None or cache.layout.page_size == paged_kernels.SKETCH_PAGE):
                 idx, near, weights = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection,
@@ -241,8 +242,11 @@ class TieredAttentionBackend:
                     if want and codes is not None else None
                 idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, self.placement.runners_up, drawn, codes,
                                             weights)
-            if weights is not None and values is not None:
-                rest = rest_of_pages(weights, idx, values)
+            if vsum is not None and codes is not None:
+                vals, vcodes = vsum
+                rest = rest_of_pages(weights, idx, vals) if weights is not None else \
+                    sketched_rest(q, summ, codes, cache.selection.sketch_bits, vals, vcodes, idx, dec.masks.invalid) \
+                    if vcodes is not None else None
         else:
             idx = dec.idx
         pids = dec.table.gather(1, idx)

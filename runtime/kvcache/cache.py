@@ -86,20 +86,20 @@ class KVCache:
             raise ValueError(f"selection_carry {carry!r}: expected one of {', '.join(SELECTION_CARRIES)}")
         if config.selection_rest not in SELECTION_RESTS:
             raise ValueError(f"selection_rest {config.selection_rest!r}: expected one of {', '.join(SELECTION_RESTS)}")
-        if config.selection_rest == "estimate" and not config.selection_sketch:
-            raise ValueError("selection_rest 'estimate' weighs the pages left out by the key sketch: it needs "
+        if config.selection_rest != "drop" and not config.selection_sketch:
+            raise ValueError(f"selection_rest {config.selection_rest!r} weighs the pages left out by the key sketch: it needs "
                              "selection_sketch 4 or 8, not 0")
         self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size,
                                          radius_scale=config.selection_radius, shared_carry=carry != "layer",
                                          neighbour_carry=NEIGHBOUR_SHARE if carry.endswith("+neighbours") else 0.0,
                                          sketch_bits=config.selection_sketch,
-                                         estimate_rest=config.selection_rest == "estimate")
+                                         rest=config.selection_rest)
         self.root = root_digest(fingerprint)
         sel = self.selection  # pages written after a sparse decode depend on everything that picks the pages
         rule = ("" if sel.radius_scale == 1.0 else f":r{sel.radius_scale:g}") + \
             ("" if carry == "layer" else f":{carry}") + \
             (f":k{sel.sketch_bits}" if sel.sketch_bits else "") + \
-            (":rest" if sel.estimate_rest else "")  # (the defaults add nothing: the keys stored before them)
+            ("" if sel.rest == "drop" else f":rest-{sel.rest}")  # (the defaults add nothing: the keys stored before them)
         self._sparse_salt = f"sparse:{config.token_budget}:{sel.sink_pages}:{sel.recent_pages}{rule}".encode()
         # each running sequence's open page (all global layers) and, for a hybrid model, its sliding window
         self.seq_reserve = layout.page_bytes + (windows.bytes_per_sequence() if windows is not None else 0)
@@ -134,7 +134,7 @@ class KVCache:
         self.summaries = SummaryTable(layout.num_layers, layout.num_kv_heads, layout.head_dim, device,
                                       page_size=layout.page_size,
                                       sketch_bits=sel.sketch_bits if self.policy.sparse else 0,
-                                      value_means=sel.estimate_rest and self.policy.sparse)
+                                      rest=sel.rest if self.policy.sparse else "drop")
         self.prefix = PrefixPages(layout, self.store, self.mover, self.placer, self.summaries, self.keeper)
         self.read_counters = ReadCounters()
         self._reads = StepReadParts(self.store, self.mover, self.placer.ledger, self.promotions, self.read_counters)

@@ -1,7 +1,8 @@
-"""The pages a decode step leaves out (``--selection-rest estimate``): attended as one column, each page its
-mean value at the weight the key sketch predicts for it, instead of being dropped from the softmax. What the
-table keeps, how close the estimate brings sparse attention to full attention where attention is spread
-thin, and that the flag runs end to end and is refused without a sketch."""
+"""The pages a decode step leaves out (``--selection-rest means|sketch``): attended as one column instead of
+being dropped from the softmax, either each page as its mean value at the weight the key sketch predicts
+for it, or each of their keys and values as 8-bit sketches give them. What the table keeps, how close each
+brings sparse attention to full attention where attention is spread thin, and that the flag runs end to
+end and is refused without a key sketch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvdrive.runtime.attention import (
     select_pages,
     selection_masks,
     sketch_weights,
+    sketched_rest,
 )
 from kvdrive.runtime.attention.summaries import key_bounds, key_codes
 from kvdrive.runtime.cli import engine_config, parse_args
@@ -33,20 +35,33 @@ def _paged(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bounds.transpose(0, 1)[None], key_codes(keys, bounds, 8).transpose(0, 1)[None]
 
 
-def test_the_table_keeps_each_pages_mean_value_for_prompt_and_decode_pages() -> None:
-    table = SummaryTable(2, HKV, D, torch.device("cpu"), rows=1, pages=2, page_size=S, sketch_bits=8, value_means=True)
+@pytest.mark.parametrize("rest", ["means", "sketch"])
+def test_the_table_keeps_each_pages_values_summary_for_prompt_and_decode_pages(rest: str) -> None:
+    table = SummaryTable(2, HKV, D, torch.device("cpu"), rows=1, pages=2, page_size=S, sketch_bits=8, rest=rest)
     k, v = torch.randn(3, HKV, S, D), torch.randn(3, HKV, S, D)  # three prompt pages of layer 1
     table.ensure(2, 5)
     table.set(1, 1, 0, k, v)
     lk, lv = torch.randn(2, HKV, S, D), torch.randn(2, HKV, S, D)  # a decode page that filled, both layers
     table.set_all_layers(1, 3, lk, lv)
-    got = table.value_mean(1, torch.tensor([1]), 1, 4)
-    assert got is not None and got.shape == (1, HKV, 4, D)
-    assert torch.allclose(got[0, :, :3], v.mean(dim=2).transpose(0, 1), atol=1e-6)
-    assert torch.allclose(got[0, :, 3], lv[1].mean(dim=1), atol=1e-6)
-    assert SummaryTable(2, HKV, D, torch.device("cpu")).value_mean(0, torch.tensor([0]), None, 1) is None
-    box, _ = table.bytes_per_token()
-    assert box == 2 * HKV * (2 * D + D) * 4 // S  # layers x heads x (box + mean value), float32, per token
+    table.ensure(2, 9)  # growing keeps them
+    got = table.value_summary(1, torch.tensor([1]), 1, 4)
+    assert got is not None
+    vals, vcodes = got
+    box, sketch = table.bytes_per_token()
+    if rest == "means":
+        assert vcodes is None and vals.shape == (1, HKV, 4, D)
+        assert torch.allclose(vals[0, :, :3], v.mean(dim=2).transpose(0, 1), atol=1e-6)
+        assert torch.allclose(vals[0, :, 3], lv[1].mean(dim=1), atol=1e-6)
+        assert box == 2 * HKV * (2 * D + D) * 4 // S and sketch == 2 * HKV * D  # + the mean value; the key sketch
+    else:
+        assert vcodes is not None and vals.shape == (1, HKV, 4, 2 * D) and vcodes.shape == (1, HKV, 4, D, S)
+        both = torch.cat([v, lv[1:]])  # [4, Hkv, S, D]
+        assert torch.equal(vals[0], key_bounds(both).transpose(0, 1))
+        assert torch.equal(vcodes[0], key_codes(both, key_bounds(both), 8).transpose(0, 1))
+        assert box == 2 * HKV * 4 * D * 4 // S and sketch == 2 * HKV * 2 * D  # key and value boxes; both sketches
+    assert SummaryTable(2, HKV, D, torch.device("cpu")).value_summary(0, torch.tensor([0]), None, 1) is None
+    with pytest.raises(ValueError, match="rest 'guess'"):
+        SummaryTable(2, HKV, D, torch.device("cpu"), rest="guess")
 
 
 def test_attention_spread_over_many_pages_comes_back_with_the_rest_and_not_without_it() -> None:
@@ -71,14 +86,50 @@ def test_attention_spread_over_many_pages_comes_back_with_the_rest_and_not_witho
     kept_v = vals[idx[0]].transpose(0, 1).reshape(1, HKV, -1, D)
     dropped, _ = decode_attention(q, kept_k, kept_v)
     means = vals.mean(dim=2).transpose(0, 1)[None]  # [1, Hkv, P, D]
-    rest = rest_of_pages(weights, idx, means)
-    estimated, probs = decode_attention(q, kept_k, kept_v, rest=rest)
+    estimated, probs = decode_attention(q, kept_k, kept_v, rest=rest_of_pages(weights, idx, means))
+    vbox = key_bounds(vals)
+    vcodes = key_codes(vals, vbox, 8).transpose(0, 1)[None]
+    sketched, _ = decode_attention(q, kept_k, kept_v,
+                                   rest=sketched_rest(q, summ, codes, 8, vbox.transpose(0, 1)[None], vcodes, idx, None))
 
     def err(x: torch.Tensor) -> float:
         return float(((x - full).norm(dim=-1) / full.norm(dim=-1)).mean())
 
     assert err(estimated) < 0.02 < 0.3 < err(dropped)
+    assert err(sketched) < 0.02
     assert float(probs.sum(dim=-1).max()) < 0.5  # the kept pages' share: the rest drew most of it
+
+
+def test_the_sketched_rest_keeps_what_each_left_out_token_holds() -> None:
+    """Values that vary inside a page (one token of each page carries the signal): page means blur it, the
+    value sketch keeps it, so the sketched rest stays within the 8-bit sketches' error of full attention
+    where the means do not."""
+    g = torch.Generator().manual_seed(2)
+    p = 64
+    keys = torch.randn(p, HKV, S, D, generator=g) * 0.5
+    vals = torch.randn(p, HKV, S, D, generator=g) * 0.1
+    vals[:, :, 3] += 4.0 * torch.randn(p, HKV, D, generator=g)  # token 3 of each page
+    q = torch.randn(1, HKV * G, D, generator=g)
+    keys[:, :, 3] += 0.5 * q.view(HKV, G, D).mean(dim=1)[None]  # ... which the query attends most
+    summ, codes = _paged(keys)
+    cfg = SelectionConfig(token_budget=9 * S, page_size=S, sketch_bits=8)
+    masks = selection_masks(torch.tensor([p]), p, cfg)
+    weights = sketch_weights(q, summ, codes, 8, masks.invalid)
+    idx, _, _ = select_pages(q, summ, masks, cfg, weights=weights)
+    full, _ = decode_attention(q, keys.transpose(0, 1).reshape(1, HKV, -1, D), vals.transpose(0, 1).reshape(1, HKV, -1, D))
+    kept_k = keys[idx[0]].transpose(0, 1).reshape(1, HKV, -1, D)
+    kept_v = vals[idx[0]].transpose(0, 1).reshape(1, HKV, -1, D)
+    vbox = key_bounds(vals)
+    rest = sketched_rest(q, summ, codes, 8, vbox.transpose(0, 1)[None], key_codes(vals, vbox, 8).transpose(0, 1)[None],
+                         idx, masks.invalid)
+    sketched, _ = decode_attention(q, kept_k, kept_v, rest=rest)
+    meaned, _ = decode_attention(q, kept_k, kept_v,
+                                 rest=rest_of_pages(weights, idx, vals.mean(dim=2).transpose(0, 1)[None]))
+
+    def err(x: torch.Tensor) -> float:
+        return float(((x - full).norm(dim=-1) / full.norm(dim=-1)).mean())
+
+    assert err(sketched) < 0.03 < 3 * 0.03 < err(meaned)
 
 
 def test_nothing_left_out_changes_nothing() -> None:
@@ -101,17 +152,19 @@ def test_nothing_left_out_changes_nothing() -> None:
 
 def test_the_flag_reaches_the_engine_and_needs_a_sketch(capsys: pytest.CaptureFixture[str], tiny: LoadedModel) -> None:
     assert engine_config(parse_args(["serve"]), max_sequences=1).selection_rest == "drop"
-    assert engine_config(parse_args(["serve", "--selection-rest", "estimate"]), max_sequences=1).selection_rest == "estimate"
+    assert engine_config(parse_args(["serve", "--selection-rest", "means"]), max_sequences=1).selection_rest == "means"
     with pytest.raises(SystemExit):
         parse_args(["serve", "--selection-rest", "guess"])
     assert "--selection-rest: invalid choice: 'guess'" in capsys.readouterr().err
+    assert engine_config(parse_args(["serve", "--selection-rest", "sketch"]), max_sequences=1).selection_rest == "sketch"
     with pytest.raises(ValueError, match="needs selection_sketch 4 or 8"):
-        greedy(tiny, [1, 2, 3], 1, selection_sketch=0, selection_rest="estimate")
+        greedy(tiny, [1, 2, 3], 1, selection_sketch=0, selection_rest="means")
 
 
-def test_sparse_decoding_runs_with_the_rest_estimated(demo: LoadedModel) -> None:
+def test_sparse_decoding_runs_with_the_rest_attended(demo: LoadedModel) -> None:
     """~40 pages under a 16-page budget, on the native kernels where they are built: tokens come out, and the
     first (from the prompt, exact) is the same as without the estimate."""
     prompt = demo.tokenizer.encode("word " * 640)[:640]
-    outs = {rest: greedy(demo, prompt, 8, token_budget=256, selection_rest=rest) for rest in ("drop", "estimate")}
-    assert len(outs["estimate"]) == 8 and outs["estimate"][0] == outs["drop"][0]
+    outs = {rest: greedy(demo, prompt, 8, token_budget=256, selection_rest=rest) for rest in ("drop", "means", "sketch")}
+    for rest in ("means", "sketch"):
+        assert len(outs[rest]) == 8 and outs[rest][0] == outs["drop"][0]

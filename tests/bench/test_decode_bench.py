@@ -50,14 +50,14 @@ def test_the_sketch_rows_run_beside_the_bound_rows_and_unknown_modes_are_refused
     engine's default rule): both are measured on the same prompts and appear in the report's tables; a mode
     nobody defined is refused before anything loads."""
     res = run_decode_bench(str(tmp_path / "ssd"), "demo", contexts=(512,), batches=(1,),
-                           modes=("kvdrive", "kvdrive-k4", "kvdrive-rest"), steps=2, warmup=1, token_budget=128,
+                           modes=("kvdrive", "kvdrive-k4", "kvdrive-sketch"), steps=2, warmup=1, token_budget=128,
                            with_llama_cpp=False)
-    assert {r.mode for r in res.results} == {"kvdrive", "kvdrive-k4", "kvdrive-rest", "floor"}
+    assert {r.mode for r in res.results} == {"kvdrive", "kvdrive-k4", "kvdrive-sketch", "floor"}
     assert all(r.tokens_per_s > 0 for r in res.results)
     report = markdown(res)
     assert report.count("| 512 | 1 | kvdrive-k4 |") == 2  # the throughput table and the step breakdown
-    assert report.count("| 512 | 1 | kvdrive-rest |") == 2
+    assert report.count("| 512 | 1 | kvdrive-sketch |") == 2
     assert split_mode("sparse-gpu-k0") == ("sparse-gpu", 0, "drop") and split_mode("lru") == ("lru", 8, "drop")
-    assert split_mode("kvdrive-rest") == ("kvdrive", 8, "estimate")
+    assert split_mode("kvdrive-sketch") == ("kvdrive", 8, "estimate")
     with pytest.raises(ValueError, match="mode 'lru-k8': expected one of"):
         run_decode_bench(str(tmp_path / "ssd"), "demo", modes=("lru-k8",))
