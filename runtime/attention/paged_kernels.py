@@ -60,6 +60,15 @@ def select(q: torch.Tensor, summaries: torch.Tensor, drawn: torch.Tensor, npages
     return out[0], out[1], SketchWeights(out[2], out[3]) if len(out) == 4 else None
 
 
+def sketched_rest(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bits: int, vbox: torch.Tensor,
+                  vcodes: torch.Tensor, selected: torch.Tensor, npages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Hq, D] float32; summaries [B, Hkv, P, 2D], codes [B, Hkv, P, D * bits / 8, 16] (the key sketch);
+    vbox [B, Hkv, P, 2D], vcodes [B, Hkv, P, 16, D] (the value sketch); selected [B, K]; npages [B] -> (lse
+    [B, Hkv, G], mean [B, Hkv, G, D]): the pages left out as one column (``selection.sketched_rest``)."""
+    return tuple(_module().sketched_rest(q.contiguous(), summaries, codes, bits, vbox, vcodes, selected,
+                                         npages))  # type: ignore[return-value]
+
+
 def locate(slot_of: torch.Tensor, pids: torch.Tensor, valid: torch.Tensor, tails: torch.Tensor,
            dram_base: int) -> tuple[torch.Tensor, int, int, int]:
     """slot_of [Pcap + 1] int64 (a layer's arena slot per page id, < 0: in neither memory tier); pids [B, K];

@@ -123,7 +123,7 @@ def sketched_rest(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor,
                   vcodes: torch.Tensor, selected: torch.Tensor,
                   invalid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``--selection-rest sketch``. q [B, Hq, D]; summaries [B, Hkv, P, 2D] and codes [B, Hkv, P, D * bits / 8,
-    S] (the key sketch); vbox [B, Hkv, P, 2D] and vcodes [B, Hkv, P, D, S] (the values' 8-bit sketch);
+    S] (the key sketch); vbox [B, Hkv, P, 2D] and vcodes [B, Hkv, P, S, D] (the values' 8-bit sketch);
     selected [B, K]; invalid [B, P] or None -> (lse [B, Hkv, G], mean [B, Hkv, G, D]): the pages a selection
     left out as one attention column, every one of their keys and values as its sketch gives it: attention
     over the kept pages and this column is full attention over a KV whose left-out part is quantised to the
@@ -145,7 +145,7 @@ def sketched_rest(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor,
     w = e.sum(dim=(2, 4))  # [B, Hkv, G]
     vc, vr = vbox[..., :d], vbox[..., d:]  # [B, Hkv, P, D]
     vstep = vr * (2.0 / 255)
-    ec = torch.matmul(e, unpack_codes(vcodes, 8).transpose(-1, -2))  # [B, Hkv, P, G, D]: sum_t e_t code_t
+    ec = torch.matmul(e, vcodes.float())  # [B, Hkv, P, G, D]: sum_t e_t code_t
     num = torch.einsum("bhpg,bhpd->bhgd", e.sum(dim=-1), vc - vr) + torch.einsum("bhpgd,bhpd->bhgd", ec, vstep)
     return m + torch.log(w), num / w.clamp_min(1e-30)[..., None]
 

@@ -32,7 +32,7 @@ the softmax: ``selection.rest_of_pages``) the table also keeps, under "means", e
 head (``values``, ``[L, rows, Hkv, Pcap, D]`` float32, 1/S of the page's values), weighed by the attention
 the key sketch predicts for the page; under "sketch", the box of each page's values (``values``, ``[...,
 2D]``, as the keys' box) and every value quantised to 8 bits inside it (``vcodes``, ``[L, rows, Hkv, Pcap,
-D, S]`` uint8, laid out as the key sketch), each weighed by the attention its sketched key predicts.
+S, D]`` uint8, token-major), each weighed by the attention its sketched key predicts.
 """
 
 from __future__ import annotations
@@ -58,6 +58,13 @@ def key_codes(k: torch.Tensor, bounds: torch.Tensor, bits: int) -> torch.Tensor:
     scale = torch.where(r > 0, top / (2 * r).clamp_min(1e-30), torch.zeros_like(r))
     q = ((k.float() - (c - r)) * scale).round_().clamp_(0, top).to(torch.uint8).transpose(-1, -2)  # [..., D, S]
     return (q if bits == 8 else q[..., 0::2, :] | (q[..., 1::2, :] << 4)).contiguous()
+
+
+def value_codes(v: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """v [..., S, D]; bounds [..., 2D] (``key_bounds`` of the same values) -> [..., S, D] uint8: each value
+    quantised to 8 bits in its page's box, token-major (a token's D codes are one run: the native kernel
+    weighs each token's whole value vector at once)."""
+    return key_codes(v, bounds, 8).transpose(-1, -2).contiguous()
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -100,7 +107,7 @@ class SummaryTable:
         with torch.inference_mode(False):  # long-lived: written from the model's forward and outside it
             codes = zeros(D2 // 2 * self.sketch_bits // 8, self.page_size, dtype=torch.uint8) if self.sketch_bits else None
             values = zeros(D2 // 2) if self.rest == "means" else zeros(D2) if self.rest == "sketch" else None
-            vcodes = zeros(D2 // 2, self.page_size, dtype=torch.uint8) if self.rest == "sketch" else None
+            vcodes = zeros(self.page_size, D2 // 2, dtype=torch.uint8) if self.rest == "sketch" else None
             return (zeros(D2), torch.zeros((L, rows, pages), dtype=torch.float32, device=self.device), codes,
                     values, vcodes)
 
@@ -150,7 +157,7 @@ class SummaryTable:
                 self.values[layer, row, :, first_page : first_page + n] = self._of_values(v).transpose(0, 1)
             if self.vcodes is not None:
                 self.vcodes[layer, row, :, first_page : first_page + n] = \
-                    key_codes(v, self.values[layer, row, :, first_page : first_page + n].transpose(0, 1), 8).transpose(0, 1)
+                    value_codes(v, self.values[layer, row, :, first_page : first_page + n].transpose(0, 1)).transpose(0, 1)
 
     def set_all_layers(self, row: int, page: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Summarise page ``page`` of ``row`` in every layer at once: k, v [L, Hkv, S, D] (a decode page that
@@ -163,7 +170,7 @@ class SummaryTable:
         if self.values is not None:
             self.values[:, row, :, page] = self._of_values(v)
         if self.vcodes is not None:
-            self.vcodes[:, row, :, page] = key_codes(v, self.values[:, row, :, page], 8)
+            self.vcodes[:, row, :, page] = value_codes(v, self.values[:, row, :, page])
 
     def _of_values(self, v: torch.Tensor) -> torch.Tensor:
         """v [n, Hkv, S, D] -> [n, Hkv, D] each page's mean value (rest "means") or [n, Hkv, 2D] its values'
@@ -189,7 +196,7 @@ class SummaryTable:
     def value_summary(self, layer: int, rows: torch.Tensor, first_row: int | None,
                       pages: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Rest "means": ([B, Hkv, pages, D] each page's mean value, None); rest "sketch": ([B, Hkv, pages, 2D]
-        its values' box, [B, Hkv, pages, D, S] uint8 its values quantised to 8 bits in that box); None under
+        its values' box, [B, Hkv, pages, S, D] uint8 its values quantised to 8 bits in that box); None under
         "drop"."""
         if self.values is None:
             return None

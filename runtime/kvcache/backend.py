@@ -244,9 +244,13 @@ class TieredAttentionBackend:
                                             weights)
             if vsum is not None and codes is not None:
                 vals, vcodes = vsum
-                rest = rest_of_pages(weights, idx, vals) if weights is not None else \
-                    sketched_rest(q, summ, codes, cache.selection.sketch_bits, vals, vcodes, idx, dec.masks.invalid) \
-                    if vcodes is not None else None
+                bits = cache.selection.sketch_bits
+                if weights is not None:
+                    rest = rest_of_pages(weights, idx, vals)
+                elif vcodes is not None and in_place and cache.layout.page_size == paged_kernels.SKETCH_PAGE:
+                    rest = paged_kernels.sketched_rest(q, summ, codes, bits, vals, vcodes, idx, dec.npages)
+                elif vcodes is not None:
+                    rest = sketched_rest(q, summ, codes, bits, vals, vcodes, idx, dec.masks.invalid)
         else:
             idx = dec.idx
         pids = dec.table.gather(1, idx)

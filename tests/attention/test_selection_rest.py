@@ -22,7 +22,7 @@ from kvdrive.runtime.attention import (
     sketch_weights,
     sketched_rest,
 )
-from kvdrive.runtime.attention.summaries import key_bounds, key_codes
+from kvdrive.runtime.attention.summaries import key_bounds, key_codes, value_codes
 from kvdrive.runtime.cli import engine_config, parse_args
 from kvdrive.runtime.model import LoadedModel
 
@@ -54,10 +54,10 @@ def test_the_table_keeps_each_pages_values_summary_for_prompt_and_decode_pages(r
         assert torch.allclose(vals[0, :, 3], lv[1].mean(dim=1), atol=1e-6)
         assert box == 2 * HKV * (2 * D + D) * 4 // S and sketch == 2 * HKV * D  # + the mean value; the key sketch
     else:
-        assert vcodes is not None and vals.shape == (1, HKV, 4, 2 * D) and vcodes.shape == (1, HKV, 4, D, S)
+        assert vcodes is not None and vals.shape == (1, HKV, 4, 2 * D) and vcodes.shape == (1, HKV, 4, S, D)
         both = torch.cat([v, lv[1:]])  # [4, Hkv, S, D]
         assert torch.equal(vals[0], key_bounds(both).transpose(0, 1))
-        assert torch.equal(vcodes[0], key_codes(both, key_bounds(both), 8).transpose(0, 1))
+        assert torch.equal(vcodes[0], key_codes(both, key_bounds(both), 8).transpose(-1, -2).transpose(0, 1))
         assert box == 2 * HKV * 4 * D * 4 // S and sketch == 2 * HKV * 2 * D  # key and value boxes; both sketches
     assert SummaryTable(2, HKV, D, torch.device("cpu")).value_summary(0, torch.tensor([0]), None, 1) is None
     with pytest.raises(ValueError, match="rest 'guess'"):
@@ -88,7 +88,7 @@ def test_attention_spread_over_many_pages_comes_back_with_the_rest_and_not_witho
     means = vals.mean(dim=2).transpose(0, 1)[None]  # [1, Hkv, P, D]
     estimated, probs = decode_attention(q, kept_k, kept_v, rest=rest_of_pages(weights, idx, means))
     vbox = key_bounds(vals)
-    vcodes = key_codes(vals, vbox, 8).transpose(0, 1)[None]
+    vcodes = value_codes(vals, vbox).transpose(0, 1)[None]
     sketched, _ = decode_attention(q, kept_k, kept_v,
                                    rest=sketched_rest(q, summ, codes, 8, vbox.transpose(0, 1)[None], vcodes, idx, None))
 
@@ -120,7 +120,7 @@ def test_the_sketched_rest_keeps_what_each_left_out_token_holds() -> None:
     kept_k = keys[idx[0]].transpose(0, 1).reshape(1, HKV, -1, D)
     kept_v = vals[idx[0]].transpose(0, 1).reshape(1, HKV, -1, D)
     vbox = key_bounds(vals)
-    rest = sketched_rest(q, summ, codes, 8, vbox.transpose(0, 1)[None], key_codes(vals, vbox, 8).transpose(0, 1)[None],
+    rest = sketched_rest(q, summ, codes, 8, vbox.transpose(0, 1)[None], value_codes(vals, vbox).transpose(0, 1)[None],
                          idx, masks.invalid)
     sketched, _ = decode_attention(q, kept_k, kept_v, rest=rest)
     meaned, _ = decode_attention(q, kept_k, kept_v,

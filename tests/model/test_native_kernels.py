@@ -27,8 +27,9 @@ from kvdrive.runtime.attention import (
     select_pages,
     selection_masks,
     sketch_weights,
+    sketched_rest,
 )
-from kvdrive.runtime.attention.summaries import key_bounds, key_codes
+from kvdrive.runtime.attention.summaries import key_bounds, key_codes, value_codes
 from kvdrive.runtime.model import block_kernels
 from kvdrive.runtime.model.gguf_blocks import Blocks
 from kvdrive.runtime.model.layers import RMSNorm
@@ -283,6 +284,35 @@ def test_attend_with_the_rest_column_equals_the_torch_ops(batch: int) -> None:
     none = torch.full_like(lse, float("-inf"))
     same, _ = paged_kernels.attend(c["q"], rows, c["stage"], c["slots"], c["ntok"], HKV, S, (none, torch.zeros_like(mean)))
     assert torch.equal(same, plain) and not torch.allclose(out, plain, atol=1e-3)
+
+
+@pytest.mark.parametrize(("bits", "group", "d"), [(8, 7, 64), (4, 7, 64), (8, G, D), (8, 5, 32)])
+def test_sketched_rest_computes_what_the_torch_ops_compute(bits: int, group: int, d: int) -> None:
+    """The left-out pages' column from the key and value sketches (``--selection-rest sketch``): the kernel
+    gives the torch path's logit and value, over strided views of a table's rows, with a short second
+    sequence; a sequence with every page selected has nothing left (-inf, 0); a 2 x 5 x 32 shape takes the
+    unit that reads its shape at run time."""
+    g = torch.Generator().manual_seed(bits + group + d)
+    batch, p, hkv = 3, 150, 2
+    keys = torch.randn(batch + 1, p, hkv, S, d, generator=g) * 2
+    vals = torch.randn(batch + 1, p, hkv, S, d, generator=g)
+    bounds = key_bounds(keys.flatten(0, 1)).view(batch + 1, p, hkv, 2 * d)
+    codes = key_codes(keys.flatten(0, 1), bounds.flatten(0, 1), bits).view(batch + 1, p, hkv, d * bits // 8, S)
+    vbox = key_bounds(vals.flatten(0, 1)).view(batch + 1, p, hkv, 2 * d)
+    vcodes = value_codes(vals.flatten(0, 1), vbox.flatten(0, 1)).view(batch + 1, p, hkv, S, d)
+    summ, sketch = bounds.transpose(1, 2)[1:], codes.transpose(1, 2)[1:]  # strided views: rows 1..3
+    vb, vc = vbox.transpose(1, 2)[1:], vcodes.transpose(1, 2)[1:]
+    npages = torch.tensor([p, 30, 12])
+    selected = torch.stack([torch.randperm(p, generator=g)[:12].sort().values, torch.arange(12) * 2,
+                            torch.arange(12)])  # the third sequence: all of its 12 pages
+    q = torch.randn(batch, hkv * group, d, generator=g)
+    invalid = torch.arange(p)[None, :] >= npages[:, None]
+    ref_lse, ref_mean = sketched_rest(q, summ, sketch, bits, vb, vc, selected, invalid)
+    lse, mean = paged_kernels.sketched_rest(q, summ, sketch, bits, vb, vc, selected, npages)
+    assert torch.allclose(lse[:2], ref_lse[:2], atol=1e-4) and torch.allclose(mean[:2], ref_mean[:2], atol=1e-4)
+    assert bool(torch.isneginf(lse[2]).all()) and float(mean[2].abs().sum()) == 0.0
+    with pytest.raises(RuntimeError, match="vcodes: "):
+        paged_kernels.sketched_rest(q, summ, sketch, bits, vb, vc.transpose(-1, -2), selected, npages)
 
 
 def test_locate_finds_each_pages_slot_and_counts_the_reads_by_tier() -> None:

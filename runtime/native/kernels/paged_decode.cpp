@@ -16,6 +16,8 @@
 //   never gathered into a copy. Returns the output and the attention mass each column (page) drew, summed
 //   over the query heads: runtime/attention/sparse.py's decode_attention over a gathered buffer. The pages
 //   the selection left out may come as one more column per query head (a logit and a value), merged last.
+// sketched_rest: that column from the left-out pages' key sketch and 8-bit value sketch (a softmax over every
+//   sketched key, each weighing its sketched value).
 // Work is split over (sequence, KV head, column range); the column ranges of one head are merged with their
 // softmax maxima (split-K), so one sequence keeps both cores busy.
 #include <torch/extension.h>
@@ -522,6 +524,210 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
   return {selected, near};
 }
 
+namespace {
+
+// The pages [p0, p1) of one KV head that a selection left out (``skip``), every key and value as its sketch
+// gives it: token scores as sketch_logits computes them (the key sketch, BITS 8 or 4), values
+// vmin + code * vstep from the value sketch (8 bits, token-major [S, D] a page, ``vstride`` bytes apart;
+// the value box rows [2D] ``bstride`` floats apart). Leaves a softmax over those keys, unnormalised: its max
+// m[g], sum l[g] and output o[g * D + d]. GC, DCC: G and D / 16 as compile-time constants (0: run time).
+template <int64_t GC, int64_t DCC, int BITS>
+void rest_unit(const float* q, const float* summ, int64_t stride, const uint8_t* codes, int64_t cstride,
+               const float* vbox, int64_t bstride, const uint8_t* vcodes, int64_t vstride, const bool* skip,
+               int64_t p0, int64_t p1, int64_t G_, int64_t D_, float scale, float* m_out, float* l_out, float* o_out) {
+  const int64_t G = GC ? GC : G_, DC = DCC ? DCC : D_ / 16, D = DC * 16;
+  constexpr int64_t NG = GC ? GC : MAX_G, NV = GC && DCC ? GC * DCC : MAX_G * (MAX_D / 16);
+  constexpr int64_t NC = DCC ? DCC : MAX_D / 16;
+  constexpr int64_t S = 16;
+  const float unit = 2.0f / static_cast<float>((1 << BITS) - 1);
+  alignas(64) float qs[MAX_G * MAX_D];  // [G, D]: q_g * step * scale of the page at hand
+  alignas(64) float e[MAX_G * S];       // [G, S]: the page's token weights, relative to m[g]
+  __m512 ov[NV];
+  for (int64_t i = 0; i < G * DC; ++i) ov[i] = _mm512_setzero_ps();
+  float m[NG], l[NG];
+  std::fill(m, m + G, NEG_INF);
+  std::fill(l, l + G, 0.f);
+  for (int64_t p = p0; p < p1; ++p) {
+    if (skip[p]) continue;
+    const float* cr = summ + p * stride;  // [2D]: center, radius
+    __m512 base[NG];
+    for (int64_t g = 0; g < G; ++g) base[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512 cc = _mm512_loadu_ps(cr + c * 16), rr = _mm512_loadu_ps(cr + D + c * 16);
+      const __m512 lo = _mm512_sub_ps(cc, rr), st = _mm512_mul_ps(rr, _mm512_set1_ps(unit * scale));
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 qq = _mm512_loadu_ps(q + g * D + c * 16);
+        base[g] = _mm512_fmadd_ps(qq, lo, base[g]);
+        _mm512_store_ps(qs + g * D + c * 16, _mm512_mul_ps(qq, st));
+      }
+    }
+    const uint8_t* code = codes + p * cstride;
+    __m512 acc[NG];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_set1_ps(_mm512_reduce_add_ps(base[g]) * scale);
+    if constexpr (BITS == 8) {
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + d * 16))));
+        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d]), kv, acc[g]);
+      }
+    } else {
+      for (int64_t j = 0; j < D / 2; ++j) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j * 16)));
+        const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xF)));
+        const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+        for (int64_t g = 0; g < G; ++g) {
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j]), even, acc[g]);
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j + 1]), odd, acc[g]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what came before when the max rises
+      const float pm = _mm512_reduce_max_ps(acc[g]);
+      if (pm > m[g]) {
+        const float k = m[g] == NEG_INF ? 0.f : std::exp(m[g] - pm);
+        l[g] *= k;
+        for (int64_t c = 0; c < DC; ++c) ov[g * DC + c] = _mm512_mul_ps(ov[g * DC + c], _mm512_set1_ps(k));
+        m[g] = pm;
+      }
+      const __m512 w = exp16(_mm512_sub_ps(acc[g], _mm512_set1_ps(m[g])));
+      l[g] += _mm512_reduce_add_ps(w);
+      _mm512_store_ps(e + g * S, w);
+    }
+    const float* vb = vbox + p * bstride;  // [2D]: the values' box center, radius
+    __m512 vmin[NC], vstep[NC];
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512 cc = _mm512_loadu_ps(vb + c * 16), rr = _mm512_loadu_ps(vb + D + c * 16);
+      vmin[c] = _mm512_sub_ps(cc, rr);
+      vstep[c] = _mm512_mul_ps(rr, _mm512_set1_ps(2.0f / 255.0f));
+    }
+    const uint8_t* vcode = vcodes + p * vstride;  // [S, D]
+    for (int64_t t = 0; t < S; ++t) {
+      __m512 vh[NC];
+      for (int64_t c = 0; c < DC; ++c) {
+        const __m512 code8 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(vcode + t * D + c * 16))));
+        vh[c] = _mm512_fmadd_ps(code8, vstep[c], vmin[c]);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 wt = _mm512_set1_ps(e[g * S + t]);
+        for (int64_t c = 0; c < DC; ++c) ov[g * DC + c] = _mm512_fmadd_ps(wt, vh[c], ov[g * DC + c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    m_out[g] = m[g];
+    l_out[g] = l[g];
+    for (int64_t c = 0; c < DC; ++c) _mm512_storeu_ps(o_out + g * D + c * 16, ov[g * DC + c]);
+  }
+}
+
+using RestFn = void (*)(const float*, const float*, int64_t, const uint8_t*, int64_t, const float*, int64_t,
+                        const uint8_t*, int64_t, const bool*, int64_t, int64_t, int64_t, int64_t, float, float*, float*,
+                        float*);
+
+template <int BITS>
+RestFn pick_rest_bits(int64_t G, int64_t D) {
+  if (G == 7 && D == 64) return &rest_unit<7, 4, BITS>;  // Qwen2.5 0.5B
+  if (G == 6 && D == 128) return &rest_unit<6, 8, BITS>;  // Qwen2.5 1.5B
+  if (G == 3 && D == 64) return &rest_unit<3, 4, BITS>;  // SmolLM2
+  if (G == 4 && D == 256) return &rest_unit<4, 16, BITS>;  // Gemma 3
+  return &rest_unit<0, 0, BITS>;
+}
+
+RestFn pick_rest(int64_t G, int64_t D, int64_t bits) { return bits == 8 ? pick_rest_bits<8>(G, D) : pick_rest_bits<4>(G, D); }
+
+}  // namespace
+
+// q [B, Hq, D] float32; summaries [B, Hkv, P, 2D] float32 and codes [B, Hkv, P, D * bits / 8, 16] uint8 (the key
+// sketch, as select_pages takes them); vbox [B, Hkv, P, 2D] float32 (the values' box per page; last stride 1)
+// and vcodes [B, Hkv, P, 16, D] uint8 (the values quantised to 8 bits in it, token-major; the last two dims
+// contiguous); selected [B, K] int64 (pages >= a sequence's count ignored); npages [B] int64
+// -> lse [B, Hkv, G], mean [B, Hkv, G, D] float32: the pages the selection left out as one attention column
+// (runtime/attention/selection.py's sketched_rest; -inf and 0 where nothing was left out).
+std::vector<torch::Tensor> sketched_rest(torch::Tensor q, torch::Tensor summaries, torch::Tensor codes, int64_t bits,
+                                         torch::Tensor vbox, torch::Tensor vcodes, torch::Tensor selected,
+                                         torch::Tensor npages) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q: [B, Hq, D] float32");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = summaries.size(1), P = summaries.size(2);
+  TORCH_CHECK(D % 16 == 0 && D <= MAX_D && Hq % Hkv == 0 && Hq / Hkv <= MAX_G, "q's shape");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
+  TORCH_CHECK(summaries.dim() == 4 && summaries.scalar_type() == torch::kFloat && summaries.stride(3) == 1 &&
+                  summaries.size(0) == B && summaries.size(3) == 2 * D, "summaries: [B, Hkv, P, 2D] float32");
+  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kByte && codes.size(0) == B && codes.size(1) == Hkv &&
+                  codes.size(2) == P && codes.size(3) == D * bits / 8 && codes.size(4) == 16 && codes.stride(4) == 1 &&
+                  codes.stride(3) == 16, "codes: [B, Hkv, P, D * bits / 8, 16] uint8, the last two dims contiguous");
+  TORCH_CHECK(vbox.dim() == 4 && vbox.scalar_type() == torch::kFloat && vbox.stride(3) == 1 && vbox.size(0) == B &&
+                  vbox.size(1) == Hkv && vbox.size(2) == P && vbox.size(3) == 2 * D, "vbox: [B, Hkv, P, 2D] float32");
+  TORCH_CHECK(vcodes.dim() == 5 && vcodes.scalar_type() == torch::kByte && vcodes.size(0) == B &&
+                  vcodes.size(1) == Hkv && vcodes.size(2) == P && vcodes.size(3) == 16 && vcodes.size(4) == D &&
+                  vcodes.stride(4) == 1 && vcodes.stride(3) == D, "vcodes: [B, Hkv, P, 16, D] uint8, the last two dims contiguous");
+  TORCH_CHECK(selected.dim() == 2 && selected.size(0) == B && selected.scalar_type() == torch::kLong, "selected: [B, K] int64");
+  TORCH_CHECK(npages.dim() == 1 && npages.size(0) == B && npages.scalar_type() == torch::kLong, "npages: [B] int64");
+  const int64_t G = Hq / Hkv, K = selected.size(1);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  auto npc = npages.contiguous();
+  auto sc = selected.contiguous();
+  const int64_t* np = npc.data_ptr<int64_t>();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  std::vector<uint8_t> skip(static_cast<size_t>(B * std::max<int64_t>(P, 1)), 0);  // left in: 0
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(np[b] >= 0 && np[b] <= P, "npages out of 0..P");
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t p = sp[b * K + k];
+      if (p >= 0 && p < P) skip[b * P + p] = 1;
+    }
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(P / 16, (2 * threads + B * Hkv - 1) / (B * Hkv)));
+  const auto f = q.options();
+  auto pm = torch::empty({B * Hkv * chunks * G}, f), pl = torch::empty({B * Hkv * chunks * G}, f);
+  auto po = torch::empty({B * Hkv * chunks * G * D}, f);
+  float *pmp = pm.data_ptr<float>(), *plp = pl.data_ptr<float>(), *pop = po.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float* smp = summaries.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* vbp = vbox.data_ptr<float>();
+  const uint8_t* vcp = vcodes.data_ptr<uint8_t>();
+  const bool* skp = reinterpret_cast<const bool*>(skip.data());
+  const auto unit = pick_rest(G, D, bits);
+  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t c = u % chunks, bh = u / chunks, b = bh / Hkv, h = bh % Hkv, n = np[b];
+      unit(qp + bh * G * D, smp + b * summaries.stride(0) + h * summaries.stride(1), summaries.stride(2),
+           cp + b * codes.stride(0) + h * codes.stride(1), codes.stride(2),
+           vbp + b * vbox.stride(0) + h * vbox.stride(1), vbox.stride(2),
+           vcp + b * vcodes.stride(0) + h * vcodes.stride(1), vcodes.stride(2), skp + b * P, n * c / chunks,
+           n * (c + 1) / chunks, G, D, scale, pmp + u * G, plp + u * G, pop + u * G * D);
+    }
+  });
+  auto lse = torch::empty({B, Hkv, G}, f);
+  auto mean = torch::zeros({B, Hkv, G, D}, f);
+  float *lp = lse.data_ptr<float>(), *mp = mean.data_ptr<float>();
+  for (int64_t bh = 0; bh < B * Hkv; ++bh) {
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = NEG_INF;
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, pmp[(bh * chunks + c) * G + g]);
+      if (mx == NEG_INF) {  // nothing left out
+        lp[bh * G + g] = NEG_INF;
+        continue;
+      }
+      float total = 0.f;
+      float* o = mp + (bh * G + g) * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float m = pmp[(bh * chunks + c) * G + g];
+        if (m == NEG_INF) continue;
+        const float k = std::exp(m - mx);
+        total += plp[(bh * chunks + c) * G + g] * k;
+        const float* oc = pop + ((bh * chunks + c) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += oc[d] * k;
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= total;
+      lp[bh * G + g] = mx + std::log(total);
+    }
+  }
+  return {lse, mean};
+}
+
 // slot_of [Pcap + 1] int64 (each page id's arena slot in this layer, < 0: in neither memory tier); pids [B, K]
 // int64; valid [B, K] bool; tails [B] int64 (the open pages' slots); dram_base (the first DRAM slot)
 // -> slots [B, K + 1] int64 (-1 where a valid entry missed), and the valid entries on the device tier, in
@@ -563,4 +769,5 @@ void register_paged_decode(pybind11::module_& m) {
   m.def("locate_pages", &locate_pages, "each selected page's arena slot, and the reads by tier");
   m.def("paged_decode", &paged_decode, "decode attention over pages read in place, with each page's mass");
   m.def("select_pages", &select_pages, "the pages each decode query attends to, and the runners-up");
+  m.def("sketched_rest", &sketched_rest, "the pages a selection left out, from their key and value sketches");
 }
