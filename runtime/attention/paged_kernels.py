@@ -13,6 +13,7 @@ attention). Both run on a CPU with AVX-512 only (``available``); elsewhere the b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from kvdrive.runtime import native
 from kvdrive.runtime.attention.selection import SelectionConfig, SketchWeights
 
 MAX_GROUP = 16  # query heads per KV head (the kernel keeps their queries in registers)
+_NONE, _NONE_U8 = torch.empty(0), torch.empty(0, dtype=torch.uint8)  # an optional tensor argument left out
 MAX_HEAD_DIM = 512  # and a head dimension that is a multiple of 16 (one AVX-512 vector)
 
 
@@ -39,6 +41,16 @@ def available(device: torch.device) -> bool:
 SKETCH_PAGE = 16  # the page size select() takes a key sketch at (one page's tokens are one vector's lanes)
 
 
+@dataclass(frozen=True)
+class Selected:
+    """What ``select`` returns for one decode layer's batch."""
+
+    pages: torch.Tensor  # [B, K] int64 ascending
+    near: torch.Tensor  # [B, R'] the runners-up by score
+    weights: SketchWeights | None  # the key sketch's weights, when asked for
+    rest: tuple[torch.Tensor, torch.Tensor] | None  # (lse [B, Hkv, G], mean [B, Hkv, G, D]), given the value sketch
+
+
 def fits(q: torch.Tensor, num_kv_heads: int) -> bool:
     """Whether queries q [B, Hq, D] are of a shape and dtype the kernels take (float32; D a multiple of 16)."""
     _, hq, d = q.shape
@@ -46,27 +58,22 @@ def fits(q: torch.Tensor, num_kv_heads: int) -> bool:
 
 
 def select(q: torch.Tensor, summaries: torch.Tensor, drawn: torch.Tensor, npages: torch.Tensor,
-           cfg: SelectionConfig, runners_up: int, codes: torch.Tensor | None = None,
-           weights: bool = False) -> tuple[torch.Tensor, torch.Tensor, SketchWeights | None]:
+           cfg: SelectionConfig, runners_up: int, codes: torch.Tensor | None = None, weights: bool = False,
+           values: tuple[torch.Tensor, torch.Tensor] | None = None) -> Selected:
     """q [B, Hq, D] float32; summaries [B, Hkv, P, 2D]; drawn [B, P]; npages [B] int64; codes [B, Hkv, P,
-    D * bits / 8, S] (the key sketch when ``cfg.sketch_bits``; 16-token pages) -> the selected pages [B, K]
-    int64 ascending, the runners-up [B, min(P, K + R) - K] by score (``select_pages``) and, when ``weights``
-    is asked for (with a sketch), the sketch's weights (``selection.sketch_weights``)."""
+    D * bits / 8, S] (the key sketch when ``cfg.sketch_bits``; 16-token pages); values (vbox [B, Hkv, P, 2D],
+    vcodes [B, Hkv, P, 16, D]: the value sketch, with a key sketch) -> the selected pages [B, K] int64
+    ascending, the runners-up [B, min(P, K + R) - K] by score (``select_pages``), when ``weights`` is asked
+    for (with a sketch) the sketch's weights (``selection.sketch_weights``) and, given the value sketch, the
+    column of the pages left out (``selection.sketched_rest``), computed in the same pass over the pages."""
     bits = cfg.sketch_bits if codes is not None else 0
+    vbox, vcodes = values if values is not None and bits else (_NONE, _NONE_U8)
     out = _module().select_pages(q.contiguous(), summaries, drawn, npages, cfg.sink_pages, cfg.recent_pages,
                                  cfg.budget_pages, runners_up, cfg.radius_scale,
-                                 codes if codes is not None else torch.empty(0, dtype=torch.uint8), bits,
-                                 weights and bits > 0)
-    return out[0], out[1], SketchWeights(out[2], out[3]) if len(out) == 4 else None
-
-
-def sketched_rest(q: torch.Tensor, summaries: torch.Tensor, codes: torch.Tensor, bits: int, vbox: torch.Tensor,
-                  vcodes: torch.Tensor, selected: torch.Tensor, npages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Hq, D] float32; summaries [B, Hkv, P, 2D], codes [B, Hkv, P, D * bits / 8, 16] (the key sketch);
-    vbox [B, Hkv, P, 2D], vcodes [B, Hkv, P, 16, D] (the value sketch); selected [B, K]; npages [B] -> (lse
-    [B, Hkv, G], mean [B, Hkv, G, D]): the pages left out as one column (``selection.sketched_rest``)."""
-    return tuple(_module().sketched_rest(q.contiguous(), summaries, codes, bits, vbox, vcodes, selected,
-                                         npages))  # type: ignore[return-value]
+                                 codes if codes is not None else _NONE_U8, bits, weights and bits > 0, vbox, vcodes)
+    w = SketchWeights(out[2], out[3]) if weights and bits else None
+    rest = (out[-2], out[-1]) if vbox.numel() else None
+    return Selected(out[0], out[1], w, rest)
 
 
 def locate(slot_of: torch.Tensor, pids: torch.Tensor, valid: torch.Tensor, tails: torch.Tensor,
@@ -89,5 +96,3 @@ def attend(q: torch.Tensor, rows: torch.Tensor, stage: torch.Tensor, slots: torc
     return tuple(_module().paged_decode(q.contiguous(), rows, stage, slots, ntok, num_kv_heads, page_size,
                                         lse.float().contiguous(), mean.float().contiguous()))  # type: ignore[return-value]
 
-
-_NONE = torch.empty(0)

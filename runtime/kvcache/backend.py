@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvdrive.runtime.attention import (
-    SketchWeights,
     causal_attention,
     decode_attention,
     paged_kernels,
@@ -232,25 +231,21 @@ class TieredAttentionBackend:
                 drawn = drawn + dec.shared
             codes = cache.summaries.sketch(layer, dec.rows, dec.first_row, dec.pmax)
             vsum = cache.summaries.value_summary(layer, dec.rows, dec.first_row, dec.pmax)  # --selection-rest
-            want = vsum is not None and vsum[1] is None and codes is not None  # "means": the sketch's page weights
-            weights: SketchWeights | None
+            bits = cache.selection.sketch_bits
             if in_place and (codes is None or cache.layout.page_size == paged_kernels.SKETCH_PAGE):
-                idx, near, weights = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection,
-                                                          self.placement.runners_up, codes, want)
+                vsketch = (vsum[0], vsum[1]) if vsum is not None and vsum[1] is not None else None
+                got = paged_kernels.select(q, summ, drawn, dec.npages, cache.selection, self.placement.runners_up,
+                                           codes, weights=vsum is not None and vsketch is None, values=vsketch)
+                idx, near, weights, rest = got.pages, got.near, got.weights, got.rest
             else:
-                weights = sketch_weights(q, summ, codes, cache.selection.sketch_bits, dec.masks.invalid) \
-                    if want and codes is not None else None
+                weights = sketch_weights(q, summ, codes, bits, dec.masks.invalid) \
+                    if vsum is not None and codes is not None else None
                 idx, near, _ = select_pages(q, summ, dec.masks, cache.selection, self.placement.runners_up, drawn, codes,
                                             weights)
-            if vsum is not None and codes is not None:
-                vals, vcodes = vsum
-                bits = cache.selection.sketch_bits
-                if weights is not None:
-                    rest = rest_of_pages(weights, idx, vals)
-                elif vcodes is not None and in_place and cache.layout.page_size == paged_kernels.SKETCH_PAGE:
-                    rest = paged_kernels.sketched_rest(q, summ, codes, bits, vals, vcodes, idx, dec.npages)
-                elif vcodes is not None:
-                    rest = sketched_rest(q, summ, codes, bits, vals, vcodes, idx, dec.masks.invalid)
+                if vsum is not None and vsum[1] is not None and codes is not None:
+                    rest = sketched_rest(q, summ, codes, bits, vsum[0], vsum[1], idx, dec.masks.invalid)
+            if vsum is not None and vsum[1] is None and weights is not None:  # "means"
+                rest = rest_of_pages(weights, idx, vsum[0])
         else:
             idx = dec.idx
         pids = dec.table.gather(1, idx)

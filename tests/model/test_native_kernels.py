@@ -148,7 +148,8 @@ def test_every_shape_attends_and_selects_as_the_torch_ops_do(hkv: int, group: in
     drawn = torch.rand(2, 300, generator=g) * 0.2
     npages = torch.tensor([300, 250])
     idx, near, _ = select_pages(c["q"], summaries, selection_masks(npages, 300, cfg), cfg, 8, drawn)
-    k_idx, k_near, _ = paged_kernels.select(c["q"], summaries, drawn, npages, cfg, 8)
+    got = paged_kernels.select(c["q"], summaries, drawn, npages, cfg, 8)
+    k_idx, k_near = got.pages, got.near
     assert torch.equal(k_idx, idx) and torch.equal(k_near, near)
 
 
@@ -203,7 +204,8 @@ def test_select_picks_the_pages_select_pages_picks(batch: int, radius: float) ->
         npages[1] = 20  # fewer pages than the budget (31): all of them, then padding indices
     q = torch.randn(batch, HKV * G, D, generator=g)
     idx, near, _ = select_pages(q, summaries, selection_masks(npages, p, cfg), cfg, 12, drawn)
-    k_idx, k_near, _ = paged_kernels.select(q, summaries, drawn, npages, cfg, 12)
+    got = paged_kernels.select(q, summaries, drawn, npages, cfg, 12)
+    k_idx, k_near = got.pages, got.near
     assert k_idx.shape == idx.shape and k_near.shape == near.shape
     assert torch.equal(k_idx[0], idx[0]) and torch.equal(k_near[0], near[0])
     if batch > 1:
@@ -232,12 +234,13 @@ def test_select_with_a_key_sketch_picks_the_pages_select_pages_picks(bits: int, 
     q = torch.randn(batch, HKV * group, D, generator=g)
     masks = selection_masks(npages, p, cfg)
     idx, near, _ = select_pages(q, summaries, masks, cfg, 12, drawn, sketch)
-    k_idx, k_near, _ = paged_kernels.select(q, summaries, drawn, npages, cfg, 12, sketch)
+    got = paged_kernels.select(q, summaries, drawn, npages, cfg, 12, sketch)
+    k_idx, k_near = got.pages, got.near
     for b in (0, 2):
         assert len(set(k_idx[b].tolist()) ^ set(idx[b].tolist())) <= 2  # float sums in another order: a tie at
         assert len(set(k_near[b].tolist()) & set(near[b].tolist())) >= 10  # the cut may fall either way
     assert torch.equal(k_idx[1, :20], torch.arange(20)) and torch.all(k_idx[1, 20:] >= 20)
-    bound_idx, _, _ = paged_kernels.select(q, summaries, drawn, npages, replace(cfg, sketch_bits=0), 12)
+    bound_idx = paged_kernels.select(q, summaries, drawn, npages, replace(cfg, sketch_bits=0), 12).pages
     assert not torch.equal(bound_idx[0], k_idx[0])
     with pytest.raises(RuntimeError, match="codes: "):
         paged_kernels.select(q, summaries, drawn, npages, cfg, 12, sketch[:, :, :, :1])
@@ -257,11 +260,11 @@ def test_select_returns_the_sketch_weights_sketch_weights_computes(group: int) -
     npages = torch.tensor([p, 30])
     q = torch.randn(batch, HKV * group, D, generator=g)
     ref = sketch_weights(q, summaries, sketch, 8, selection_masks(npages, p, cfg).invalid)
-    _, _, got = paged_kernels.select(q, summaries, torch.zeros(batch, p), npages, cfg, 4, sketch, weights=True)
+    got = paged_kernels.select(q, summaries, torch.zeros(batch, p), npages, cfg, 4, sketch, weights=True).weights
     assert got is not None and got.share.shape == (batch, HKV, group, p)
     assert torch.allclose(got.share, ref.share, atol=1e-5) and torch.allclose(got.log_total, ref.log_total, atol=1e-4)
     assert float(got.share[1, :, :, 30:].abs().sum()) == 0.0
-    assert paged_kernels.select(q, summaries, torch.zeros(batch, p), npages, cfg, 4, sketch)[2] is None
+    assert paged_kernels.select(q, summaries, torch.zeros(batch, p), npages, cfg, 4, sketch).weights is None
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -287,13 +290,16 @@ def test_attend_with_the_rest_column_equals_the_torch_ops(batch: int) -> None:
 
 
 @pytest.mark.parametrize(("bits", "group", "d"), [(8, 7, 64), (4, 7, 64), (8, G, D), (8, 5, 32)])
-def test_sketched_rest_computes_what_the_torch_ops_compute(bits: int, group: int, d: int) -> None:
-    """The left-out pages' column from the key and value sketches (``--selection-rest sketch``): the kernel
-    gives the torch path's logit and value, over strided views of a table's rows, with a short second
-    sequence; a sequence with every page selected has nothing left (-inf, 0); a 2 x 5 x 32 shape takes the
-    unit that reads its shape at run time."""
+def test_select_with_the_value_sketch_gives_the_rest_the_torch_ops_give(bits: int, group: int, d: int) -> None:
+    """``--selection-rest sketch``: in the same pass as the selection, the kernel computes the left-out pages'
+    column (a softmax over all pages' sketched keys weighing their sketched values, less the selected pages'
+    part) and gives the torch path's logit and value for the pages it selected, over strided views of a
+    table's rows, with a short second sequence; a sequence with every page selected has nothing left (-inf,
+    0); the selection is the one without the value sketch; a 2 x 5 x 32 shape takes the unit that reads its
+    shape at run time."""
     g = torch.Generator().manual_seed(bits + group + d)
     batch, p, hkv = 3, 150, 2
+    cfg = SelectionConfig(token_budget=13 * S, page_size=S, sketch_bits=bits)
     keys = torch.randn(batch + 1, p, hkv, S, d, generator=g) * 2
     vals = torch.randn(batch + 1, p, hkv, S, d, generator=g)
     bounds = key_bounds(keys.flatten(0, 1)).view(batch + 1, p, hkv, 2 * d)
@@ -303,16 +309,19 @@ def test_sketched_rest_computes_what_the_torch_ops_compute(bits: int, group: int
     summ, sketch = bounds.transpose(1, 2)[1:], codes.transpose(1, 2)[1:]  # strided views: rows 1..3
     vb, vc = vbox.transpose(1, 2)[1:], vcodes.transpose(1, 2)[1:]
     npages = torch.tensor([p, 30, 12])
-    selected = torch.stack([torch.randperm(p, generator=g)[:12].sort().values, torch.arange(12) * 2,
-                            torch.arange(12)])  # the third sequence: all of its 12 pages
     q = torch.randn(batch, hkv * group, d, generator=g)
+    drawn = torch.zeros(batch, p)
+    got = paged_kernels.select(q, summ, drawn, npages, cfg, 4, sketch, values=(vb, vc))
+    assert got.rest is not None and got.weights is None
+    plain = paged_kernels.select(q, summ, drawn, npages, cfg, 4, sketch)
+    assert torch.equal(got.pages[:2], plain.pages[:2]) and plain.rest is None
     invalid = torch.arange(p)[None, :] >= npages[:, None]
-    ref_lse, ref_mean = sketched_rest(q, summ, sketch, bits, vb, vc, selected, invalid)
-    lse, mean = paged_kernels.sketched_rest(q, summ, sketch, bits, vb, vc, selected, npages)
-    assert torch.allclose(lse[:2], ref_lse[:2], atol=1e-4) and torch.allclose(mean[:2], ref_mean[:2], atol=1e-4)
+    ref_lse, ref_mean = sketched_rest(q, summ, sketch, bits, vb, vc, got.pages, invalid)
+    lse, mean = got.rest
+    assert torch.allclose(lse[:2], ref_lse[:2], atol=1e-3) and torch.allclose(mean[:2], ref_mean[:2], atol=1e-3)
     assert bool(torch.isneginf(lse[2]).all()) and float(mean[2].abs().sum()) == 0.0
     with pytest.raises(RuntimeError, match="vcodes: "):
-        paged_kernels.sketched_rest(q, summ, sketch, bits, vb, vc.transpose(-1, -2), selected, npages)
+        paged_kernels.select(q, summ, drawn, npages, cfg, 4, sketch, values=(vb, vc.transpose(-1, -2)))
 
 
 def test_locate_finds_each_pages_slot_and_counts_the_reads_by_tier() -> None:

@@ -8,7 +8,9 @@
 //   page's box, runtime/attention/summaries.py) a page's per-head logit is the log of the softmax weight
 //   its sketched keys sum to instead of its bound, so the same softmax over pages gives each page's share
 //   of a softmax over every key; asked for them, it also returns those shares per query head and the
-//   softmax's log normaliser (what --selection-rest estimate weighs the pages left out by).
+//   softmax's log normaliser (what --selection-rest means weighs the pages left out by); given the value
+//   sketch (--selection-rest sketch), the column of the pages it left out: a softmax over their sketched
+//   keys weighing their sketched values, computed in the same pass over every page less the selected pages'.
 // locate_pages: where each selected page can be read in place (its slot in the host arena, which holds both
 //   memory tiers), with the open page last, and how many entries hit each tier or missed both.
 // paged_decode: exact softmax attention of one query per sequence over K/V read in place, column by column,
@@ -16,8 +18,6 @@
 //   never gathered into a copy. Returns the output and the attention mass each column (page) drew, summed
 //   over the query heads: runtime/attention/sparse.py's decode_attention over a gathered buffer. The pages
 //   the selection left out may come as one more column per query head (a logit and a value), merged last.
-// sketched_rest: that column from the left-out pages' key sketch and 8-bit value sketch (a softmax over every
-//   sketched key, each weighing its sketched value).
 // Work is split over (sequence, KV head, column range); the column ranges of one head are merged with their
 // softmax maxima (split-K), so one sequence keeps both cores busy.
 #include <torch/extension.h>
@@ -410,15 +410,137 @@ BoundsFn pick_bounds(int64_t G, int64_t D) {
 
 }  // namespace
 
+namespace {
+
+// The pages [p0, p1) of one KV head that a selection left out (``skip``), every key and value as its sketch
+// gives it: token scores as sketch_logits computes them (the key sketch, BITS 8 or 4), values
+// vmin + code * vstep from the value sketch (8 bits, token-major [S, D] a page, ``vstride`` bytes apart;
+// the value box rows [2D] ``bstride`` floats apart). Leaves a softmax over those keys, unnormalised: its max
+// m[g], sum l[g] and output o[g * D + d]. GC, DCC: G and D / 16 as compile-time constants (0: run time).
+template <int64_t GC, int64_t DCC, int BITS>
+void rest_unit(const float* q, const float* summ, int64_t stride, const uint8_t* codes, int64_t cstride,
+               const float* vbox, int64_t bstride, const uint8_t* vcodes, int64_t vstride, const bool* skip,
+               int64_t p0, int64_t p1, int64_t G_, int64_t D_, float scale, float* m_out, float* l_out, float* o_out,
+               float* logit, int64_t P) {
+  const int64_t G = GC ? GC : G_, DC = DCC ? DCC : D_ / 16, D = DC * 16;
+  constexpr int64_t NG = GC ? GC : MAX_G, NV = GC && DCC ? GC * DCC : MAX_G * (MAX_D / 16);
+  constexpr int64_t NC = DCC ? DCC : MAX_D / 16;
+  constexpr int64_t S = 16;
+  const float unit = 2.0f / static_cast<float>((1 << BITS) - 1);
+  alignas(64) float qs[MAX_G * MAX_D];  // [G, D]: q_g * step * scale of the page at hand
+  alignas(64) float e[MAX_G * S];       // [G, S]: the page's token weights, relative to m[g]
+  __m512 ov[NV];
+  for (int64_t i = 0; i < G * DC; ++i) ov[i] = _mm512_setzero_ps();
+  float m[NG], l[NG];
+  std::fill(m, m + G, NEG_INF);
+  std::fill(l, l + G, 0.f);
+  for (int64_t p = p0; p < p1; ++p) {
+    if (skip && skip[p]) continue;
+    const float* cr = summ + p * stride;  // [2D]: center, radius
+    __m512 base[NG];
+    for (int64_t g = 0; g < G; ++g) base[g] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512 cc = _mm512_loadu_ps(cr + c * 16), rr = _mm512_loadu_ps(cr + D + c * 16);
+      const __m512 lo = _mm512_sub_ps(cc, rr), st = _mm512_mul_ps(rr, _mm512_set1_ps(unit * scale));
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 qq = _mm512_loadu_ps(q + g * D + c * 16);
+        base[g] = _mm512_fmadd_ps(qq, lo, base[g]);
+        _mm512_store_ps(qs + g * D + c * 16, _mm512_mul_ps(qq, st));
+      }
+    }
+    const uint8_t* code = codes + p * cstride;
+    __m512 acc[NG];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_set1_ps(_mm512_reduce_add_ps(base[g]) * scale);
+    if constexpr (BITS == 8) {
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + d * 16))));
+        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d]), kv, acc[g]);
+      }
+    } else {
+      for (int64_t j = 0; j < D / 2; ++j) {
+        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j * 16)));
+        const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xF)));
+        const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+        for (int64_t g = 0; g < G; ++g) {
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j]), even, acc[g]);
+          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j + 1]), odd, acc[g]);
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what came before when the max rises
+      const float pm = _mm512_reduce_max_ps(acc[g]);
+      if (pm > m[g]) {
+        const float k = m[g] == NEG_INF ? 0.f : std::exp(m[g] - pm);
+        l[g] *= k;
+        for (int64_t c = 0; c < DC; ++c) ov[g * DC + c] = _mm512_mul_ps(ov[g * DC + c], _mm512_set1_ps(k));
+        m[g] = pm;
+      }
+      const __m512 w = exp16(_mm512_sub_ps(acc[g], _mm512_set1_ps(m[g])));
+      const float pl = _mm512_reduce_add_ps(w);
+      l[g] += pl;
+      _mm512_store_ps(e + g * S, w);
+      if (logit) logit[g * P + p] = m[g] + std::log(pl);  // the page's log-sum-exp, as sketch_logits gives it
+    }
+    const float* vb = vbox + p * bstride;  // [2D]: the values' box center, radius
+    __m512 vmin[NC], vstep[NC];
+    for (int64_t c = 0; c < DC; ++c) {
+      const __m512 cc = _mm512_loadu_ps(vb + c * 16), rr = _mm512_loadu_ps(vb + D + c * 16);
+      vmin[c] = _mm512_sub_ps(cc, rr);
+      vstep[c] = _mm512_mul_ps(rr, _mm512_set1_ps(2.0f / 255.0f));
+    }
+    const uint8_t* vcode = vcodes + p * vstride;  // [S, D]
+    for (int64_t t = 0; t < S; ++t) {
+      __m512 vh[NC];
+      for (int64_t c = 0; c < DC; ++c) {
+        const __m512 code8 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(vcode + t * D + c * 16))));
+        vh[c] = _mm512_fmadd_ps(code8, vstep[c], vmin[c]);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 wt = _mm512_set1_ps(e[g * S + t]);
+        for (int64_t c = 0; c < DC; ++c) ov[g * DC + c] = _mm512_fmadd_ps(wt, vh[c], ov[g * DC + c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    m_out[g] = m[g];
+    l_out[g] = l[g];
+    for (int64_t c = 0; c < DC; ++c) _mm512_storeu_ps(o_out + g * D + c * 16, ov[g * DC + c]);
+  }
+}
+
+using RestFn = void (*)(const float*, const float*, int64_t, const uint8_t*, int64_t, const float*, int64_t,
+                        const uint8_t*, int64_t, const bool*, int64_t, int64_t, int64_t, int64_t, float, float*, float*,
+                        float*, float*, int64_t);
+
+template <int BITS>
+RestFn pick_rest_bits(int64_t G, int64_t D) {
+  if (G == 7 && D == 64) return &rest_unit<7, 4, BITS>;  // Qwen2.5 0.5B
+  if (G == 6 && D == 128) return &rest_unit<6, 8, BITS>;  // Qwen2.5 1.5B
+  if (G == 3 && D == 64) return &rest_unit<3, 4, BITS>;  // SmolLM2
+  if (G == 4 && D == 256) return &rest_unit<4, 16, BITS>;  // Gemma 3
+  return &rest_unit<0, 0, BITS>;
+}
+
+RestFn pick_rest(int64_t G, int64_t D, int64_t bits) { return bits == 8 ? pick_rest_bits<8>(G, D) : pick_rest_bits<4>(G, D); }
+
+}  // namespace
+
 // q [B, Hq, D] float32; summaries [B, Hkv, P, 2D] float32 (center, radius; any strides but the last);
 // drawn [B, P] float32 (last stride 1); npages [B] int64; codes (bits 8 or 4) [B, Hkv, P, D * bits / 8, 16]
 // uint8, the last two dims contiguous (bits 0: none, codes ignored) -> selected [B, K] int64 ascending,
 // runners-up [B, min(P, K + R) - K] int64 by score (see select_pages in runtime/attention/selection.py), and
 // with ``weights`` (a sketch's) each page's share of each query head's softmax [B, Hkv, G, P] (0 past a
-// sequence's pages) and that softmax's log normaliser [B, Hkv, G] (selection.py's sketch_weights).
+// sequence's pages) and that softmax's log normaliser [B, Hkv, G] (selection.py's sketch_weights), and with
+// the value sketch, vbox [B, Hkv, P, 2D] float32 (the values' box per page; last stride 1) and vcodes [B, Hkv,
+// P, 16, D] uint8 (the values quantised to 8 bits in it, token-major; the last two dims contiguous; both empty:
+// none), the pages left out as one column: lse [B, Hkv, G], mean [B, Hkv, G, D] (selection.py's
+// sketched_rest; -inf and 0 where nothing, or under 1e-4 of the sketched mass, was left out).
 std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries, torch::Tensor drawn,
                                         torch::Tensor npages, int64_t sink, int64_t recent, int64_t k, int64_t runners_up,
-                                        double radius, torch::Tensor codes, int64_t bits, bool weights) {
+                                        double radius, torch::Tensor codes, int64_t bits, bool weights,
+                                        torch::Tensor vbox, torch::Tensor vcodes) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q: [B, Hq, D] float32");
   TORCH_CHECK(summaries.dim() == 4 && summaries.scalar_type() == torch::kFloat && summaries.stride(3) == 1,
               "summaries: [B, Hkv, P, 2D] float32");
@@ -442,6 +564,16 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
                     codes.size(4) == 16 && codes.stride(4) == 1 && codes.stride(3) == 16,
                 "codes: [B, Hkv, P, D * bits / 8, 16] uint8, the last two dims contiguous");
   }
+  const bool rest = vbox.numel() > 0;  // --selection-rest sketch: the left-out pages' column too
+  if (rest) {
+    TORCH_CHECK(bits, "vbox, vcodes: with a key sketch only");
+    TORCH_CHECK(vbox.dim() == 4 && vbox.scalar_type() == torch::kFloat && vbox.stride(3) == 1 && vbox.size(0) == B &&
+                    vbox.size(1) == Hkv && vbox.size(2) == P && vbox.size(3) == 2 * D, "vbox: [B, Hkv, P, 2D] float32");
+    TORCH_CHECK(vcodes.dim() == 5 && vcodes.scalar_type() == torch::kByte && vcodes.size(0) == B &&
+                    vcodes.size(1) == Hkv && vcodes.size(2) == P && vcodes.size(3) == 16 && vcodes.size(4) == D &&
+                    vcodes.stride(4) == 1 && vcodes.stride(3) == D,
+                "vcodes: [B, Hkv, P, 16, D] uint8, the last two dims contiguous");
+  }
   // [B, Hkv, G, P]: each query head's softmax over the pages' logits (bounds or sketch), one unit per query head
   auto head_mass = torch::empty({B, Hkv, G, P}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -455,10 +587,28 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
   // the logits: (sequence, KV head, page range) units, so that one sequence keeps both cores busy
   const int64_t threads = at::get_num_threads();
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(P / 16, (2 * threads + B * Hkv - 1) / (B * Hkv)));
+  // with the rest: every page's sketched keys weigh its sketched values in the same pass (a softmax over all
+  // of them per unit, unnormalised); the selected pages' share is taken out once they are known
+  const auto rest_fn = rest ? pick_rest(G, D, bits) : nullptr;
+  const auto f = q.options();
+  auto rm = rest ? torch::empty({B * Hkv * (chunks + 1) * G}, f) : torch::empty({0}, f);
+  auto rl = rest ? torch::empty({B * Hkv * (chunks + 1) * G}, f) : torch::empty({0}, f);
+  auto ro = rest ? torch::empty({B * Hkv * (chunks + 1) * G * D}, f) : torch::empty({0}, f);
+  float *rmp = rest ? rm.data_ptr<float>() : nullptr, *rlp = rest ? rl.data_ptr<float>() : nullptr,
+        *rop = rest ? ro.data_ptr<float>() : nullptr;  // [(b, h), chunk + 1, G (, D)]: the last slot the selected pages'
+  const float* vbp = rest ? vbox.data_ptr<float>() : nullptr;
+  const uint8_t* vcp = rest ? vcodes.data_ptr<uint8_t>() : nullptr;
   at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t c = u % chunks, bh = u / chunks, b = bh / Hkv, h = bh % Hkv, n = np[b];
-      if (sketch)
+      const int64_t slot = bh * (chunks + 1) + c;
+      if (rest_fn)
+        rest_fn(qp + bh * G * D, sp + b * s0 + h * s1, s2, cp + b * c0 + h * c1, c2,
+                vbp + b * vbox.stride(0) + h * vbox.stride(1), vbox.stride(2),
+                vcp + b * vcodes.stride(0) + h * vcodes.stride(1), vcodes.stride(2), nullptr, n * c / chunks,
+                n * (c + 1) / chunks, G, D, scale, rmp + slot * G, rlp + slot * G, rop + slot * G * D,
+                hm + bh * G * P, P);
+      else if (sketch)
         sketch(qp + bh * G * D, sp + b * s0 + h * s1, s2, cp + b * c0 + h * c1, c2, n * c / chunks,
                n * (c + 1) / chunks, G, D, P, scale, hm + bh * G * P);
       else
@@ -520,184 +670,26 @@ std::vector<torch::Tensor> select_pages(torch::Tensor q, torch::Tensor summaries
       std::copy(order.begin() + k, order.begin() + total, nr + b * (total - k));
     }
   });
-  if (weights) return {selected, near, head_mass, log_total};
-  return {selected, near};
-}
-
-namespace {
-
-// The pages [p0, p1) of one KV head that a selection left out (``skip``), every key and value as its sketch
-// gives it: token scores as sketch_logits computes them (the key sketch, BITS 8 or 4), values
-// vmin + code * vstep from the value sketch (8 bits, token-major [S, D] a page, ``vstride`` bytes apart;
-// the value box rows [2D] ``bstride`` floats apart). Leaves a softmax over those keys, unnormalised: its max
-// m[g], sum l[g] and output o[g * D + d]. GC, DCC: G and D / 16 as compile-time constants (0: run time).
-template <int64_t GC, int64_t DCC, int BITS>
-void rest_unit(const float* q, const float* summ, int64_t stride, const uint8_t* codes, int64_t cstride,
-               const float* vbox, int64_t bstride, const uint8_t* vcodes, int64_t vstride, const bool* skip,
-               int64_t p0, int64_t p1, int64_t G_, int64_t D_, float scale, float* m_out, float* l_out, float* o_out) {
-  const int64_t G = GC ? GC : G_, DC = DCC ? DCC : D_ / 16, D = DC * 16;
-  constexpr int64_t NG = GC ? GC : MAX_G, NV = GC && DCC ? GC * DCC : MAX_G * (MAX_D / 16);
-  constexpr int64_t NC = DCC ? DCC : MAX_D / 16;
-  constexpr int64_t S = 16;
-  const float unit = 2.0f / static_cast<float>((1 << BITS) - 1);
-  alignas(64) float qs[MAX_G * MAX_D];  // [G, D]: q_g * step * scale of the page at hand
-  alignas(64) float e[MAX_G * S];       // [G, S]: the page's token weights, relative to m[g]
-  __m512 ov[NV];
-  for (int64_t i = 0; i < G * DC; ++i) ov[i] = _mm512_setzero_ps();
-  float m[NG], l[NG];
-  std::fill(m, m + G, NEG_INF);
-  std::fill(l, l + G, 0.f);
-  for (int64_t p = p0; p < p1; ++p) {
-    if (skip[p]) continue;
-    const float* cr = summ + p * stride;  // [2D]: center, radius
-    __m512 base[NG];
-    for (int64_t g = 0; g < G; ++g) base[g] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < DC; ++c) {
-      const __m512 cc = _mm512_loadu_ps(cr + c * 16), rr = _mm512_loadu_ps(cr + D + c * 16);
-      const __m512 lo = _mm512_sub_ps(cc, rr), st = _mm512_mul_ps(rr, _mm512_set1_ps(unit * scale));
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 qq = _mm512_loadu_ps(q + g * D + c * 16);
-        base[g] = _mm512_fmadd_ps(qq, lo, base[g]);
-        _mm512_store_ps(qs + g * D + c * 16, _mm512_mul_ps(qq, st));
-      }
-    }
-    const uint8_t* code = codes + p * cstride;
-    __m512 acc[NG];
-    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_set1_ps(_mm512_reduce_add_ps(base[g]) * scale);
-    if constexpr (BITS == 8) {
-      for (int64_t d = 0; d < D; ++d) {
-        const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + d * 16))));
-        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d]), kv, acc[g]);
-      }
-    } else {
-      for (int64_t j = 0; j < D / 2; ++j) {
-        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j * 16)));
-        const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xF)));
-        const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
-        for (int64_t g = 0; g < G; ++g) {
-          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j]), even, acc[g]);
-          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j + 1]), odd, acc[g]);
-        }
-      }
-    }
-    for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what came before when the max rises
-      const float pm = _mm512_reduce_max_ps(acc[g]);
-      if (pm > m[g]) {
-        const float k = m[g] == NEG_INF ? 0.f : std::exp(m[g] - pm);
-        l[g] *= k;
-        for (int64_t c = 0; c < DC; ++c) ov[g * DC + c] = _mm512_mul_ps(ov[g * DC + c], _mm512_set1_ps(k));
-        m[g] = pm;
-      }
-      const __m512 w = exp16(_mm512_sub_ps(acc[g], _mm512_set1_ps(m[g])));
-      l[g] += _mm512_reduce_add_ps(w);
-      _mm512_store_ps(e + g * S, w);
-    }
-    const float* vb = vbox + p * bstride;  // [2D]: the values' box center, radius
-    __m512 vmin[NC], vstep[NC];
-    for (int64_t c = 0; c < DC; ++c) {
-      const __m512 cc = _mm512_loadu_ps(vb + c * 16), rr = _mm512_loadu_ps(vb + D + c * 16);
-      vmin[c] = _mm512_sub_ps(cc, rr);
-      vstep[c] = _mm512_mul_ps(rr, _mm512_set1_ps(2.0f / 255.0f));
-    }
-    const uint8_t* vcode = vcodes + p * vstride;  // [S, D]
-    for (int64_t t = 0; t < S; ++t) {
-      __m512 vh[NC];
-      for (int64_t c = 0; c < DC; ++c) {
-        const __m512 code8 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(vcode + t * D + c * 16))));
-        vh[c] = _mm512_fmadd_ps(code8, vstep[c], vmin[c]);
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 wt = _mm512_set1_ps(e[g * S + t]);
-        for (int64_t c = 0; c < DC; ++c) ov[g * DC + c] = _mm512_fmadd_ps(wt, vh[c], ov[g * DC + c]);
-      }
-    }
+  std::vector<torch::Tensor> out{selected, near};
+  if (weights) {
+    out.push_back(head_mass);
+    out.push_back(log_total);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    m_out[g] = m[g];
-    l_out[g] = l[g];
-    for (int64_t c = 0; c < DC; ++c) _mm512_storeu_ps(o_out + g * D + c * 16, ov[g * DC + c]);
-  }
-}
-
-using RestFn = void (*)(const float*, const float*, int64_t, const uint8_t*, int64_t, const float*, int64_t,
-                        const uint8_t*, int64_t, const bool*, int64_t, int64_t, int64_t, int64_t, float, float*, float*,
-                        float*);
-
-template <int BITS>
-RestFn pick_rest_bits(int64_t G, int64_t D) {
-  if (G == 7 && D == 64) return &rest_unit<7, 4, BITS>;  // Qwen2.5 0.5B
-  if (G == 6 && D == 128) return &rest_unit<6, 8, BITS>;  // Qwen2.5 1.5B
-  if (G == 3 && D == 64) return &rest_unit<3, 4, BITS>;  // SmolLM2
-  if (G == 4 && D == 256) return &rest_unit<4, 16, BITS>;  // Gemma 3
-  return &rest_unit<0, 0, BITS>;
-}
-
-RestFn pick_rest(int64_t G, int64_t D, int64_t bits) { return bits == 8 ? pick_rest_bits<8>(G, D) : pick_rest_bits<4>(G, D); }
-
-}  // namespace
-
-// q [B, Hq, D] float32; summaries [B, Hkv, P, 2D] float32 and codes [B, Hkv, P, D * bits / 8, 16] uint8 (the key
-// sketch, as select_pages takes them); vbox [B, Hkv, P, 2D] float32 (the values' box per page; last stride 1)
-// and vcodes [B, Hkv, P, 16, D] uint8 (the values quantised to 8 bits in it, token-major; the last two dims
-// contiguous); selected [B, K] int64 (pages >= a sequence's count ignored); npages [B] int64
-// -> lse [B, Hkv, G], mean [B, Hkv, G, D] float32: the pages the selection left out as one attention column
-// (runtime/attention/selection.py's sketched_rest; -inf and 0 where nothing was left out).
-std::vector<torch::Tensor> sketched_rest(torch::Tensor q, torch::Tensor summaries, torch::Tensor codes, int64_t bits,
-                                         torch::Tensor vbox, torch::Tensor vcodes, torch::Tensor selected,
-                                         torch::Tensor npages) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q: [B, Hq, D] float32");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = summaries.size(1), P = summaries.size(2);
-  TORCH_CHECK(D % 16 == 0 && D <= MAX_D && Hq % Hkv == 0 && Hq / Hkv <= MAX_G, "q's shape");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
-  TORCH_CHECK(summaries.dim() == 4 && summaries.scalar_type() == torch::kFloat && summaries.stride(3) == 1 &&
-                  summaries.size(0) == B && summaries.size(3) == 2 * D, "summaries: [B, Hkv, P, 2D] float32");
-  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kByte && codes.size(0) == B && codes.size(1) == Hkv &&
-                  codes.size(2) == P && codes.size(3) == D * bits / 8 && codes.size(4) == 16 && codes.stride(4) == 1 &&
-                  codes.stride(3) == 16, "codes: [B, Hkv, P, D * bits / 8, 16] uint8, the last two dims contiguous");
-  TORCH_CHECK(vbox.dim() == 4 && vbox.scalar_type() == torch::kFloat && vbox.stride(3) == 1 && vbox.size(0) == B &&
-                  vbox.size(1) == Hkv && vbox.size(2) == P && vbox.size(3) == 2 * D, "vbox: [B, Hkv, P, 2D] float32");
-  TORCH_CHECK(vcodes.dim() == 5 && vcodes.scalar_type() == torch::kByte && vcodes.size(0) == B &&
-                  vcodes.size(1) == Hkv && vcodes.size(2) == P && vcodes.size(3) == 16 && vcodes.size(4) == D &&
-                  vcodes.stride(4) == 1 && vcodes.stride(3) == D, "vcodes: [B, Hkv, P, 16, D] uint8, the last two dims contiguous");
-  TORCH_CHECK(selected.dim() == 2 && selected.size(0) == B && selected.scalar_type() == torch::kLong, "selected: [B, K] int64");
-  TORCH_CHECK(npages.dim() == 1 && npages.size(0) == B && npages.scalar_type() == torch::kLong, "npages: [B] int64");
-  const int64_t G = Hq / Hkv, K = selected.size(1);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  auto npc = npages.contiguous();
-  auto sc = selected.contiguous();
-  const int64_t* np = npc.data_ptr<int64_t>();
-  const int64_t* sp = sc.data_ptr<int64_t>();
-  std::vector<uint8_t> skip(static_cast<size_t>(B * std::max<int64_t>(P, 1)), 0);  // left in: 0
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(np[b] >= 0 && np[b] <= P, "npages out of 0..P");
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t p = sp[b * K + k];
-      if (p >= 0 && p < P) skip[b * P + p] = 1;
-    }
-  }
-  const int64_t threads = at::get_num_threads();
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(P / 16, (2 * threads + B * Hkv - 1) / (B * Hkv)));
-  const auto f = q.options();
-  auto pm = torch::empty({B * Hkv * chunks * G}, f), pl = torch::empty({B * Hkv * chunks * G}, f);
-  auto po = torch::empty({B * Hkv * chunks * G * D}, f);
-  float *pmp = pm.data_ptr<float>(), *plp = pl.data_ptr<float>(), *pop = po.data_ptr<float>();
-  const float* qp = q.data_ptr<float>();
-  const float* smp = summaries.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* vbp = vbox.data_ptr<float>();
-  const uint8_t* vcp = vcodes.data_ptr<uint8_t>();
-  const bool* skp = reinterpret_cast<const bool*>(skip.data());
-  const auto unit = pick_rest(G, D, bits);
-  at::parallel_for(0, B * Hkv * chunks, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t c = u % chunks, bh = u / chunks, b = bh / Hkv, h = bh % Hkv, n = np[b];
-      unit(qp + bh * G * D, smp + b * summaries.stride(0) + h * summaries.stride(1), summaries.stride(2),
-           cp + b * codes.stride(0) + h * codes.stride(1), codes.stride(2),
-           vbp + b * vbox.stride(0) + h * vbox.stride(1), vbox.stride(2),
-           vcp + b * vcodes.stride(0) + h * vcodes.stride(1), vcodes.stride(2), skp + b * P, n * c / chunks,
-           n * (c + 1) / chunks, G, D, scale, pmp + u * G, plp + u * G, pop + u * G * D);
+  if (!rest) return out;
+  // the selected pages' part of each unit's softmax, in the slot after the chunks', then all of it less theirs
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<uint8_t> skip(static_cast<size_t>(P));
+    for (int64_t bh = u0; bh < u1; ++bh) {
+      const int64_t b = bh / Hkv, h = bh % Hkv, n = np[b];
+      std::fill(skip.begin(), skip.end(), 1);
+      for (int64_t j = 0; j < k; ++j)
+        if (sel[b * k + j] < n) skip[sel[b * k + j]] = 0;
+      const int64_t slot = bh * (chunks + 1) + chunks;
+      rest_fn(qp + bh * G * D, sp + b * s0 + h * s1, s2, cp + b * c0 + h * c1, c2,
+              vbp + b * vbox.stride(0) + h * vbox.stride(1), vbox.stride(2),
+              vcp + b * vcodes.stride(0) + h * vcodes.stride(1), vcodes.stride(2),
+              reinterpret_cast<const bool*>(skip.data()), 0, n, G, D, scale, rmp + slot * G, rlp + slot * G,
+              rop + slot * G * D, nullptr, P);
     }
   });
   auto lse = torch::empty({B, Hkv, G}, f);
@@ -705,28 +697,35 @@ std::vector<torch::Tensor> sketched_rest(torch::Tensor q, torch::Tensor summarie
   float *lp = lse.data_ptr<float>(), *mp = mean.data_ptr<float>();
   for (int64_t bh = 0; bh < B * Hkv; ++bh) {
     for (int64_t g = 0; g < G; ++g) {
+      const float* m = rmp + bh * (chunks + 1) * G + g;  // [chunk + 1] every G
+      const float* l = rlp + bh * (chunks + 1) * G + g;
       float mx = NEG_INF;
-      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, pmp[(bh * chunks + c) * G + g]);
-      if (mx == NEG_INF) {  // nothing left out
+      for (int64_t c = 0; c <= chunks; ++c) mx = std::max(mx, m[c * G]);
+      float* o = mp + (bh * G + g) * D;
+      float all = 0.f, mine = 0.f;
+      for (int64_t c = 0; c <= chunks; ++c) {
+        if (m[c * G] == NEG_INF) continue;
+        const float w = std::exp(m[c * G] - mx) * (c == chunks ? -1.f : 1.f);  // the selected pages' part subtracted
+        (c == chunks ? mine : all) += l[c * G] * std::abs(w);
+        const float* oc = rop + ((bh * (chunks + 1) + c) * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += oc[d] * w;
+      }
+      const float left = all - mine;
+      if (!(left > 1e-4f * all)) {  // nothing left out, or too little to tell from float error: no column
         lp[bh * G + g] = NEG_INF;
+        std::fill(o, o + D, 0.f);
         continue;
       }
-      float total = 0.f;
-      float* o = mp + (bh * G + g) * D;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float m = pmp[(bh * chunks + c) * G + g];
-        if (m == NEG_INF) continue;
-        const float k = std::exp(m - mx);
-        total += plp[(bh * chunks + c) * G + g] * k;
-        const float* oc = pop + ((bh * chunks + c) * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += oc[d] * k;
-      }
-      for (int64_t d = 0; d < D; ++d) o[d] /= total;
-      lp[bh * G + g] = mx + std::log(total);
+      for (int64_t d = 0; d < D; ++d) o[d] /= left;
+      lp[bh * G + g] = mx + std::log(left);
     }
   }
-  return {lse, mean};
+  out.push_back(lse);
+  out.push_back(mean);
+  return out;
 }
+
+
 
 // slot_of [Pcap + 1] int64 (each page id's arena slot in this layer, < 0: in neither memory tier); pids [B, K]
 // int64; valid [B, K] bool; tails [B] int64 (the open pages' slots); dram_base (the first DRAM slot)
@@ -769,5 +768,4 @@ void register_paged_decode(pybind11::module_& m) {
   m.def("locate_pages", &locate_pages, "each selected page's arena slot, and the reads by tier");
   m.def("paged_decode", &paged_decode, "decode attention over pages read in place, with each page's mass");
   m.def("select_pages", &select_pages, "the pages each decode query attends to, and the runners-up");
-  m.def("sketched_rest", &sketched_rest, "the pages a selection left out, from their key and value sketches");
 }
