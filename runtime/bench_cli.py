@@ -257,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         loaded = load_model(args.model, weights=args.weights)
         prompts = [p for task in (args.tasks or ruler_bench.TASKS)
-                   for p in ruler_bench.ruler_prompts(args.model, task, args.context, args.limit)]
+                   for p in ruler_bench.in_fresh_process(ruler_bench.ruler_prompts, args.model, task, args.context,
+                                                         args.limit)]
         bar = tqdm(total=len(prompts), desc="probing", unit="prompt")
 
         def advance(line: str) -> None:

@@ -13,21 +13,26 @@ for every task of a run filled the disk that the cluster tests need.
 
 lm-eval's ``local-completions`` model sends each prompt, rendered through the model's own chat template
 (an HF tokenizer folder written from the GGUF into the cache), with greedy ``generate_until``. RULER's
-synthetic tasks generate their samples from that tokenizer, deterministically, so every leg sees the same
-samples. A finished cell is saved under ``<work>/cells/`` and lm-eval's response cache under
+synthetic tasks generate their samples from that tokenizer, deterministically in a fresh process: each
+cell's lm-eval run (and ``ruler_prompts``) therefore runs in a child process of its own, since ``ruler_cwe``'s
+generator shuffles with a module-level ``random.Random(42)`` that lm-eval never reseeds, so a second build of
+its samples in one process gives other prompts than the first (with the same answers). A finished cell is saved under ``<work>/cells/`` and lm-eval's response cache under
 ``<work>/lm-eval-cache/``, so a run that stops resumes where it was.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
+import multiprocessing
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -151,6 +156,16 @@ def load_cell(path: Path) -> Cell:
     return Cell(**raw)
 
 
+T = TypeVar("T")
+
+
+def in_fresh_process(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a child process started afresh (spawn): RULER's generators then build their samples
+    from the state a separate lm-eval run starts from, however many were built in this process before."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def evaluate(url: str, model_id: str, tokenizer: Path, task: str, context: int, limit: int,
              cache: Path) -> list[Sample]:
     """lm-eval's local-completions over one task at one context; each sample's score and response."""
@@ -218,8 +233,8 @@ def run_cell(setup: RulerSetup, work: Path, context: int, task: str, leg: str, t
     proc.start(wait_s=900)
     try:
         model_id = MODEL_ALIASES.get(setup.model, setup.model)
-        samples = evaluate(proc.url, model_id, tokenizer, task, context, setup.limit,
-                           work / "lm-eval-cache" / f"{setup.model}-{leg}-{context}-{task}")
+        samples = in_fresh_process(evaluate, proc.url, model_id, tokenizer, task, context, setup.limit,
+                                   work / "lm-eval-cache" / f"{setup.model}-{leg}-{context}-{task}")
         m = metrics_of(proc.url)
     finally:
         proc.stop()

@@ -15,6 +15,7 @@ from kvdrive.runtime.bench.ruler_bench import (
     RulerResult,
     RulerSetup,
     Sample,
+    in_fresh_process,
     load_cell,
     restore_cells,
     ruler_prompts,
@@ -110,3 +111,15 @@ def test_a_small_real_run(tmp_path: Path) -> None:
     prompts = ruler_prompts("qwen2.5-coder-0.5b", "niah_single_1", 4096, 2)
     assert [label for label, _ in prompts] == ["niah_single_1#0", "niah_single_1#1"]
     assert sum(len(ids) for _, ids in prompts) == cells["full"]["prompt_tokens"]
+
+
+def test_every_leg_sees_the_same_cwe_samples() -> None:
+    """``ruler_cwe``'s generator shuffles with a module-level ``random.Random(42)`` that lm-eval never reseeds:
+    built twice in one process, its prompts differ (the answers do not), so legs evaluated one after another
+    in one process were not paired on the same prompts. Built in a fresh process, as each cell's lm-eval run
+    now is, they are the same every time."""
+    fresh = [in_fresh_process(ruler_prompts, "qwen2.5-coder-0.5b", "ruler_cwe", 4096, 1) for _ in range(2)]
+    assert len(fresh[0][0][1]) > 2000
+    assert fresh[0] == fresh[1]
+    here = [ruler_prompts("qwen2.5-coder-0.5b", "ruler_cwe", 4096, 1) for _ in range(2)]
+    assert here[0] != here[1]  # why: the second build in one process draws other words
