@@ -159,8 +159,11 @@ class KVCache:
                  self.policy.name, "sparse" if self.policy.sparse else "full", config.token_budget)
         if self.summaries.sketch_bits:
             box, sketch = self.summaries.bytes_per_token()
-            log.info("selection: pages scored by a %d-bit key sketch; %d bytes a token on the %s beside the "
-                     "summaries' %d, outside the tier budgets", self.summaries.sketch_bits, sketch, device, box)
+            rest = {"drop": "dropped", "means": "attended as their mean values",
+                    "sketch": "attended from an 8-bit value sketch"}[self.summaries.rest]
+            log.info("selection: pages scored by a %d-bit key sketch, the pages left out %s; %d bytes a token on "
+                     "the %s beside the summaries' %d, outside the tier budgets", self.summaries.sketch_bits, rest,
+                     sketch, device, box)
 
     def watch_pages(self, events: PageEvents) -> None:
         """Turn KV events on: ``events`` hears of every page a tier gains or loses, with its tokens."""
