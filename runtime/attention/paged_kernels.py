@@ -1,8 +1,9 @@
 """A decode layer's selection and attention as CPU kernels (``native/kernels/paged_decode.cpp``).
 
 ``select`` computes what ``selection.select_pages`` computes (the same bound, softmax, drawn mass, forced
-pages and order), and ``attend`` what ``sparse.decode_attention`` computes over a gathered buffer, with each
-page's attention mass summed over the query heads. The difference is where the K/V rows are read:
+pages and order) and, under ``--selection-rest``, what the left-out pages' column needs (``Selected``), and
+``attend`` what ``sparse.decode_attention`` computes over a gathered buffer, with each page's attention mass
+summed over the query heads. The difference is where the K/V rows are read:
 ``attend`` reads each selected page in place in the KV pool (or, for a page that missed every memory tier,
 in a staging buffer of the blocks the store returned), so a step no longer copies its pages into a buffer
 before attending. Measured on this project's 2-core host (demo model, 64 pages of 16 tokens, batch 1,
@@ -22,8 +23,8 @@ from kvdrive.runtime import native
 from kvdrive.runtime.attention.selection import SelectionConfig, SketchWeights
 
 MAX_GROUP = 16  # query heads per KV head (the kernel keeps their queries in registers)
-_NONE, _NONE_U8 = torch.empty(0), torch.empty(0, dtype=torch.uint8)  # an optional tensor argument left out
 MAX_HEAD_DIM = 512  # and a head dimension that is a multiple of 16 (one AVX-512 vector)
+_NONE, _NONE_U8 = torch.empty(0), torch.empty(0, dtype=torch.uint8)  # an optional tensor argument left out
 
 
 def _module() -> Any:
@@ -95,4 +96,3 @@ def attend(q: torch.Tensor, rows: torch.Tensor, stage: torch.Tensor, slots: torc
     lse, mean = rest if rest is not None else (_NONE, _NONE)
     return tuple(_module().paged_decode(q.contiguous(), rows, stage, slots, ntok, num_kv_heads, page_size,
                                         lse.float().contiguous(), mean.float().contiguous()))  # type: ignore[return-value]
-
