@@ -331,52 +331,61 @@ void quest_bounds(const float* q, const float* summ, int64_t stride, int64_t p0,
 using BoundsFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
                           float, float*);
 
-// The sketch's page logits: for pages [p0, p1) of one KV head, logit[g * P + p] = log sum_t exp(q_g . k_t *
-// scale) over the page's 16 keys, each key k_t = kmin + code_t * step (kmin = c - r, step = 2r / (2^bits -
-// 1) from the page's summary row). Codes [Dp, 16] per page (``cstride`` bytes apart): byte (j, t) is token
-// t's code of dimension j (8 bits) or of dimensions 2j (low nibble) and 2j + 1 (high nibble) (4 bits), so a
-// load of 16 bytes is one dimension for all 16 tokens: the 16 lanes hold the tokens and each query head
-// keeps one accumulator of its 16 scores. GC: G as a compile-time constant (0: at run time).
+// One page's 16 token scores per query head from the key sketch: acc[g] lane t = q_g . k_t * scale, each key
+// k_t = kmin + code_t * step (kmin = c - r, step = 2r / (2^bits - 1) from the page's summary row ``cr`` [2D]).
+// Codes [Dp, 16] (``code``): byte (j, t) is token t's code of dimension j (8 bits) or of dimensions 2j (low
+// nibble) and 2j + 1 (high nibble) (4 bits), so a load of 16 bytes is one dimension for all 16 tokens. ``qs``
+// [G, D] is scratch. GC: G as a compile-time constant (0: at run time).
 template <int64_t GC, int BITS>
-void sketch_logits(const float* q, const float* summ, int64_t stride, const uint8_t* codes, int64_t cstride,
-                   int64_t p0, int64_t p1, int64_t G_, int64_t D, int64_t P, float scale, float* logit) {
+inline void page_key_scores(const float* q, const float* cr, const uint8_t* code, int64_t G_, int64_t D, float scale,
+                            float* qs, __m512* acc) {
   const int64_t G = GC ? GC : G_, DC = D / 16;
   constexpr int64_t NG = GC ? GC : MAX_G;
   const float unit = 2.0f / static_cast<float>((1 << BITS) - 1);
+  __m512 base[NG];
+  for (int64_t g = 0; g < G; ++g) base[g] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < DC; ++c) {
+    const __m512 cc = _mm512_loadu_ps(cr + c * 16), rr = _mm512_loadu_ps(cr + D + c * 16);
+    const __m512 lo = _mm512_sub_ps(cc, rr), st = _mm512_mul_ps(rr, _mm512_set1_ps(unit * scale));
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 qq = _mm512_loadu_ps(q + g * D + c * 16);
+      base[g] = _mm512_fmadd_ps(qq, lo, base[g]);
+      _mm512_store_ps(qs + g * D + c * 16, _mm512_mul_ps(qq, st));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_set1_ps(_mm512_reduce_add_ps(base[g]) * scale);
+  if constexpr (BITS == 8) {
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + d * 16))));
+      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d]), kv, acc[g]);
+    }
+  } else {
+    for (int64_t j = 0; j < D / 2; ++j) {
+      const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j * 16)));
+      const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xF)));
+      const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+      for (int64_t g = 0; g < G; ++g) {
+        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j]), even, acc[g]);
+        acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j + 1]), odd, acc[g]);
+      }
+    }
+  }
+}
+
+// The sketch's page logits: for pages [p0, p1) of one KV head, logit[g * P + p] = log sum_t exp(q_g . k_t *
+// scale) over the page's 16 keys (``page_key_scores``; codes [Dp, 16] per page, ``cstride`` bytes apart): the
+// 16 lanes hold the tokens and each query head keeps one accumulator of its 16 scores. GC: G as a
+// compile-time constant (0: at run time).
+template <int64_t GC, int BITS>
+void sketch_logits(const float* q, const float* summ, int64_t stride, const uint8_t* codes, int64_t cstride,
+                   int64_t p0, int64_t p1, int64_t G_, int64_t D, int64_t P, float scale, float* logit) {
+  const int64_t G = GC ? GC : G_;
+  constexpr int64_t NG = GC ? GC : MAX_G;
   alignas(64) float qs[MAX_G * MAX_D];  // [G, D]: q_g * step * scale of the page at hand
   for (int64_t p = p0; p < p1; ++p) {
-    const float* cr = summ + p * stride;  // [2D]: center, radius
-    __m512 base[NG];
-    for (int64_t g = 0; g < G; ++g) base[g] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < DC; ++c) {
-      const __m512 cc = _mm512_loadu_ps(cr + c * 16), rr = _mm512_loadu_ps(cr + D + c * 16);
-      const __m512 lo = _mm512_sub_ps(cc, rr), st = _mm512_mul_ps(rr, _mm512_set1_ps(unit * scale));
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 qq = _mm512_loadu_ps(q + g * D + c * 16);
-        base[g] = _mm512_fmadd_ps(qq, lo, base[g]);
-        _mm512_store_ps(qs + g * D + c * 16, _mm512_mul_ps(qq, st));
-      }
-    }
-    const uint8_t* code = codes + p * cstride;
     __m512 acc[NG];
-    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_set1_ps(_mm512_reduce_add_ps(base[g]) * scale);
-    if constexpr (BITS == 8) {
-      for (int64_t d = 0; d < D; ++d) {
-        const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + d * 16))));
-        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d]), kv, acc[g]);
-      }
-    } else {
-      for (int64_t j = 0; j < D / 2; ++j) {
-        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j * 16)));
-        const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xF)));
-        const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
-        for (int64_t g = 0; g < G; ++g) {
-          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j]), even, acc[g]);
-          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j + 1]), odd, acc[g]);
-        }
-      }
-    }
+    page_key_scores<GC, BITS>(q, summ + p * stride, codes + p * cstride, G, D, scale, qs, acc);
     for (int64_t g = 0; g < G; ++g) {
       const float m = _mm512_reduce_max_ps(acc[g]);
       logit[g * P + p] = m + std::log(_mm512_reduce_add_ps(exp16(_mm512_sub_ps(acc[g], _mm512_set1_ps(m)))));
@@ -426,7 +435,6 @@ void rest_unit(const float* q, const float* summ, int64_t stride, const uint8_t*
   constexpr int64_t NG = GC ? GC : MAX_G, NV = GC && DCC ? GC * DCC : MAX_G * (MAX_D / 16);
   constexpr int64_t NC = DCC ? DCC : MAX_D / 16;
   constexpr int64_t S = 16;
-  const float unit = 2.0f / static_cast<float>((1 << BITS) - 1);
   alignas(64) float qs[MAX_G * MAX_D];  // [G, D]: q_g * step * scale of the page at hand
   alignas(64) float e[MAX_G * S];       // [G, S]: the page's token weights, relative to m[g]
   __m512 ov[NV];
@@ -436,38 +444,8 @@ void rest_unit(const float* q, const float* summ, int64_t stride, const uint8_t*
   std::fill(l, l + G, 0.f);
   for (int64_t p = p0; p < p1; ++p) {
     if (skip && skip[p]) continue;
-    const float* cr = summ + p * stride;  // [2D]: center, radius
-    __m512 base[NG];
-    for (int64_t g = 0; g < G; ++g) base[g] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < DC; ++c) {
-      const __m512 cc = _mm512_loadu_ps(cr + c * 16), rr = _mm512_loadu_ps(cr + D + c * 16);
-      const __m512 lo = _mm512_sub_ps(cc, rr), st = _mm512_mul_ps(rr, _mm512_set1_ps(unit * scale));
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 qq = _mm512_loadu_ps(q + g * D + c * 16);
-        base[g] = _mm512_fmadd_ps(qq, lo, base[g]);
-        _mm512_store_ps(qs + g * D + c * 16, _mm512_mul_ps(qq, st));
-      }
-    }
-    const uint8_t* code = codes + p * cstride;
     __m512 acc[NG];
-    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_set1_ps(_mm512_reduce_add_ps(base[g]) * scale);
-    if constexpr (BITS == 8) {
-      for (int64_t d = 0; d < D; ++d) {
-        const __m512 kv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(code + d * 16))));
-        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + d]), kv, acc[g]);
-      }
-    } else {
-      for (int64_t j = 0; j < D / 2; ++j) {
-        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(code + j * 16)));
-        const __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xF)));
-        const __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
-        for (int64_t g = 0; g < G; ++g) {
-          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j]), even, acc[g]);
-          acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j + 1]), odd, acc[g]);
-        }
-      }
-    }
+    page_key_scores<GC, BITS>(q, summ + p * stride, codes + p * cstride, G, D, scale, qs, acc);
     for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what came before when the max rises
       const float pm = _mm512_reduce_max_ps(acc[g]);
       if (pm > m[g]) {
