@@ -21,7 +21,10 @@
 # (ghcr.io/kvdrive/kvdrive-operator:<appVersion>, ghcr.io/kvdrive/kvdrive-runtime:0.1.0). They are
 # rebuilt when their build context changes (a hash of the Dockerfile, pyproject.toml, README.md
 # and the three packages, kept as a label); buildah's layer cache keeps torch's layer across
-# source changes. Storage: ${KVDRIVE_IMAGE_CACHE:-$HOME/.cache/kvdrive/images}.
+# source changes. After a rebuild the images it replaced are pruned (untagged leaves, then their
+# parents that nothing current descends from: `buildah rmi --prune`), so the storage holds one build
+# of each target and its layer cache, not every build ever made (it grew by ~6 GiB a rebuild and
+# starved the cluster's disk). Storage: ${KVDRIVE_IMAGE_CACHE:-$HOME/.cache/kvdrive/images}.
 set -euo pipefail
 
 SCRIPTS="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -102,6 +105,17 @@ build_target() {  # TARGET IMAGE HASH BUILD-ARGS...
     log "$image built ($((SECONDS - start)) s)"
 }
 
+prune_replaced() {  # drop the images no tag reaches any more (what rebuilds left behind)
+    local out removed=0 before after _
+    before="$(df --output=avail -B1M "$IMAGE_CACHE" | tail -1)"
+    for _ in 1 2 3 4 5 6 7 8; do  # a pass removes the leaves; their parents may be next
+        out="$(bah rmi --prune 2>/dev/null)" && [[ -n "$out" ]] || break
+        removed=$((removed + $(grep -c . <<<"$out")))
+    done
+    after="$(df --output=avail -B1M "$IMAGE_CACHE" | tail -1)"
+    ((removed == 0)) || log "pruned $removed replaced images ($(((after - before) / 1024)) GiB freed)"
+}
+
 build() {
     need_packages mmdebstrap buildah
     mkdir -p "$IMAGE_CACHE"
@@ -111,6 +125,7 @@ build() {
     build_target operator "$OPERATOR_IMAGE" "$hash" --build-arg "PYTHON_IMAGE=$BASE_IMAGE"
     build_target runtime "$RUNTIME_IMAGE" "$hash" --build-arg "CUDA_IMAGE=$BASE_IMAGE" \
         --build-arg TORCH_INDEX= --build-arg "TORCH_SPEC=$TORCH_SPEC" --build-arg EXTRAS=
+    prune_replaced
 }
 
 pause_image() {  # BINARY IMAGE: the sandbox image, one static binary FROM scratch

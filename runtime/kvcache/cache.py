@@ -492,7 +492,8 @@ class KVCache:
             degraded=frozenset(self.health()), prompt_rereads=reads.prompt_store_reads,
             layer_kind_bytes=self.bytes_by_layer_kind(), split=self.envelope.split(),
             shared=self.shared_tier.counters() if self.shared_tier is not None else None,
-            shared_prefix_pages=self.shared.warmed_pages if self.shared is not None else 0)
+            shared_prefix_pages=self.shared.warmed_pages if self.shared is not None else 0,
+            spilled_blocks=self.mover.spilled)
 
     def close(self) -> None:
         self.transfers.close()

@@ -48,3 +48,4 @@ class CacheCounters:
     split: EnvelopeSplit | None = None  # the device envelope's split now
     shared: SharedCounters | None = None  # the shared tier's, when the server has one
     shared_prefix_pages: int = 0  # prompt pages fetched from the shared tier (then reused like stored ones)
+    spilled_blocks: int = 0  # new blocks stored below placement's tier (its blocks were all pinned by transfers)

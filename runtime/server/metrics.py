@@ -70,6 +70,9 @@ class _LiveCollector(Collector):
         throttled = CounterMetricFamily("kvdrive_prefetch_throttled_steps", "decode steps that skipped prefetching "
                                         "because recent prefetches were mostly wasted")
         throttled.add_metric([], c.prefetch_throttled)
+        spilled = CounterMetricFamily("kvdrive_spilled_blocks", "new KV blocks stored below the tier placement chose "
+                                      "(every block there was pinned by a transfer, e.g. a write-back to a slow disk)")
+        spilled.add_metric([], c.spilled_blocks)
         rereads = CounterMetricFamily("kvdrive_prompt_rereads", "blocks of a prompt in progress that its later "
                                       "chunks read back from below the memory tiers (its pages had spilled)")
         rereads.add_metric([], c.prompt_rereads)
@@ -87,7 +90,7 @@ class _LiveCollector(Collector):
         for t in ("gpu", "dram", "ssd") + (("shared",) if c.shared is not None else ()):
             degraded.add_metric([t], 1.0 if t in c.degraded else 0.0)
         yield from (running, waiting, generated, prompt, preempt, cap, budget, used, cached, reads, moved, prefetch,
-                    wait, steps, hits, misses, throttled, rereads, kinds, faults, degraded)
+                    wait, steps, hits, misses, throttled, spilled, rereads, kinds, faults, degraded)
         queued = CounterMetricFamily("kvdrive_queue_wait_seconds", "requests x seconds spent queued for a running "
                                      "slot (its rate is the mean queue length: what max_running explains)")
         queued.add_metric([], s.queue_wait_seconds)

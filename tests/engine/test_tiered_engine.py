@@ -3,8 +3,10 @@ its isolation, persistence across restarts, every placement policy, lost pages, 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from enginekit import page_bytes, tiered_runner
 from modelkit import random_tokens
 
 from kvdrive.runtime.engine import LLMEngine, ModelRunner, Request, SamplingParams, SchedulerConfig
+from kvdrive.runtime.kvcache.store.tiers.ssd import SsdTier
 from kvdrive.runtime.model import LoadedModel
 
 
@@ -114,6 +117,35 @@ def test_full_attention_on_tight_tiers_equals_every_page_on_the_device(tiny: Loa
     torch.testing.assert_close(_decode_logits(gen, prompt, ref), full, atol=1e-5, rtol=1e-5)
     reads = gen.cache.page_reads()
     assert reads["dram"] > 0 and reads["ssd"] > 0, reads
+
+
+def test_a_write_back_stalled_on_a_slow_disk_fails_no_step(tiny: LoadedModel, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write-back to the SSD pins the device copies it reads until the disk has written them. Every SSD
+    write off the engine thread is held until the sequence is done (a disk busy elsewhere, as CI's was
+    while a test cluster unpacked its images): the device tier of 8 pages fills with pinned blocks, and a
+    seal used to wait 2 s for them, then fail the step ("every block is pinned or needed"). New blocks now
+    go to the tier below, and the logits are those of every page on the device."""
+    prompt = random_tokens(600, seed=3)
+    ref = _greedy(tiered_runner(tiny, full_attention=True), prompt, 6)
+    full = _decode_logits(tiered_runner(tiny, full_attention=True), prompt, ref)
+    disk = threading.Event()
+    write = SsdTier.write
+
+    def held(tier: SsdTier, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name.startswith("kvdrive-transfer"):
+            assert disk.wait(60), "the test never let the disk go"
+        write(tier, *args, **kwargs)
+
+    monkeypatch.setattr(SsdTier, "write", held)
+    gen = tiered_runner(tiny, hot_pages=8, dram_pages=16, ssd=tmp_path, ssd_bytes=64 << 20, full_attention=True,
+                        placement="lru")
+    try:
+        torch.testing.assert_close(_decode_logits(gen, prompt, ref), full, atol=1e-5, rtol=1e-5)
+        assert gen.cache.mover.spilled > 0  # the pins did fill the device tier
+    finally:
+        disk.set()
+        gen.close()
 
 
 def test_a_corrupt_ssd_page_is_recomputed_never_served(tiny: LoadedModel, tmp_path: Path) -> None:

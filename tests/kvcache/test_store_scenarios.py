@@ -102,6 +102,8 @@ def test_bottom_tier_drops_only_recomputable_blocks(tmp_path: Path) -> None:
 
 
 def test_pinned_blocks_are_not_evicted_or_shrunk_away(tmp_path: Path) -> None:
+    """A new block finds the gpu tier holding only pinned blocks: it goes to the tier below at once (a step
+    never waits for the transfers that pinned them); only when no tier can take it does the put fail."""
     s = store(tmp_path, 2, 4)
     m = Mover(s)
     a = make_keys(2)
@@ -109,13 +111,26 @@ def test_pinned_blocks_are_not_evicted_or_shrunk_away(tmp_path: Path) -> None:
     with pinned(s, a):
         b = make_keys(2)
         m.put(b, blocks_for(b), tier="dram")
-        with pytest.raises(CacheFullError):
-            m.put(make_keys(1), torch.zeros((1, BB), dtype=torch.uint8))  # the gpu holds only pinned blocks
+        c = make_keys(1)
+        m.put(c, blocks_for(c))  # the gpu holds only pinned blocks
+        assert s.where(c[0]) == "dram" and m.spilled == 1 and torch.equal(read(m, c)[0], blocks_for(c))
         assert [s.where(k) for k in a] == ["gpu", "gpu"]
         with pytest.raises(BudgetError, match="2 pages are pinned"):
             m.set_budgets(hot_bytes=BB)
     m.set_budgets(hot_bytes=BB)
     assert sorted(str(s.where(k)) for k in a) == ["dram", "gpu"]
+
+
+
+def test_a_put_with_no_tier_to_take_it_waits_for_the_pins_then_fails(tmp_path: Path) -> None:
+    s = BlockStore.build(LAYOUT, TierBudgets(2 * BB, 0, 0), TierEviction())
+    m = Mover(s)
+    a = make_keys(2)
+    m.put(a, blocks_for(a))
+    with pinned(s, a):
+        with pytest.raises(CacheFullError, match="every block is pinned or needed"):
+            m.put(make_keys(1), torch.zeros((1, BB), dtype=torch.uint8), pin_wait_s=0.05)
+    assert [s.where(k) for k in a] == ["gpu", "gpu"] and m.spilled == 0
 
 
 class GatedIO(PosixIO):

@@ -30,7 +30,7 @@ from kvdrive.runtime.kvcache.contract import Move
 from kvdrive.runtime.kvcache.mover.reads import BlockReader
 from kvdrive.runtime.kvcache.mover.resize import Resizer
 from kvdrive.runtime.kvcache.mover.runner import MoveRunner
-from kvdrive.runtime.kvcache.store.budgets import TierBudgets, TierName
+from kvdrive.runtime.kvcache.store.budgets import TIER_ORDER, TierBudgets, TierName
 from kvdrive.runtime.kvcache.store.keys import BlockKey
 from kvdrive.runtime.kvcache.store.layout import CacheFullError
 from kvdrive.runtime.kvcache.store.store import BlockStore
@@ -49,6 +49,7 @@ class Mover:
         self.reader = BlockReader(self.runner, store.reads)  # fetch and scrub
         self.resizer = Resizer(self.runner, store.resize)  # live budget changes
         self.writes = store.writes  # puts, admissions and promotions run here, over the store's write bookkeeping
+        self.spilled = 0  # new blocks ``put`` stored below the tier asked for (it had no slot to give)
 
     # --- the parts' operations, as the one mover's contract --------------------------------------
     def fetch(self, keys: list[BlockKey], device: torch.device | None = None,
@@ -102,8 +103,10 @@ class Mover:
             persistent: bool = False, pin_wait_s: float = 2.0) -> None:
         """Store blocks [n, block_bytes] uint8 in ``tier``, evicting as needed. Copies become readable when
         their write completed. A persistent (content-addressed) key already stored is only touched, unless
-        placement says its copy must be replaced (``Eviction.replaces``). When every evictable block is
-        pinned by in-flight transfers, waits up to ``pin_wait_s`` for them."""
+        placement says its copy must be replaced (``Eviction.replaces``). When ``tier`` cannot take them
+        (every evictable block pinned by in-flight transfers: a write-back to a slow disk pins the device
+        copies it reads), they go to the nearest tier below that can (``spilled`` counts them), so a step
+        never waits for background I/O; only when no tier can, it waits up to ``pin_wait_s`` for the pins."""
         cap = self.store.resize.capacity(tier)
         if len(keys) > cap > 0:  # a batch bigger than the tier: in parts, so later parts can evict earlier
             for i in range(0, len(keys), cap):
@@ -115,12 +118,25 @@ class Mover:
             self.runner.settle_freed()
         if not rows:
             return
+        todo = [keys[i] for i in rows]
+        tiers = self.store.tiers  # below: the tiers that could take them all, a failing disk not among them
+        below = [t for t in (TIER_ORDER[TIER_ORDER.index(tier) + 1 :] if tier in TIER_ORDER else ())
+                 if t in tiers and not tiers[t].failing() and self.store.resize.capacity(t) >= len(rows)]
         deadline = time.monotonic() + pin_wait_s
         while True:
             try:
-                self._add_copies([keys[i] for i in rows], blocks, rows, tier, needed, persistent, strict=True)
+                self._add_copies(todo, blocks, rows, tier, needed, persistent, strict=True)
                 return
-            except CacheFullError:
+            except CacheFullError as full:
+                for lower in below:
+                    try:
+                        self._add_copies(todo, blocks, rows, lower, needed, persistent, strict=True)
+                    except (CacheFullError, TierIOError):  # full as well, or a disk failing to write
+                        continue
+                    self.spilled += len(rows)
+                    log.info("%d new blocks went to the %s tier: the %s tier had no slot (%s)", len(rows), lower,
+                             tier, full)
+                    return
                 if time.monotonic() > deadline or not self.writes.any_pinned():
                     raise
             time.sleep(0.002)
