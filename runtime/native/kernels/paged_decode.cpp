@@ -426,12 +426,6 @@ namespace {
 // vmin + code * vstep from the value sketch (8 bits, token-major [S, D] a page, ``vstride`` bytes apart;
 // the value box rows [2D] ``bstride`` floats apart). Leaves a softmax over those keys, unnormalised: its max
 // m[g], sum l[g] and output o[g * D + d]. GC, DCC: G and D / 16 as compile-time constants (0: run time).
-// A page whose every token weighs under exp(-REST_NEGLIGIBLE) of the unit's running max token, for every
-// head of the unit, skips the value half of the work (dequantising 16 value rows and G x 16 FMAs a row):
-// at most 2e-9 of one token's weight a token, so under 1e-4 of the column's mass even at 32K tokens (the
-// running max only rises: a page skipped against it is as small against the final one).
-constexpr float REST_NEGLIGIBLE = 20.f;
-
 template <int64_t GC, int64_t DCC, int BITS>
 void rest_unit(const float* q, const float* summ, int64_t stride, const uint8_t* codes, int64_t cstride,
                const float* vbox, int64_t bstride, const uint8_t* vcodes, int64_t vstride, const bool* skip,
@@ -452,10 +446,8 @@ void rest_unit(const float* q, const float* summ, int64_t stride, const uint8_t*
     if (skip && skip[p]) continue;
     __m512 acc[NG];
     page_key_scores<GC, BITS>(q, summ + p * stride, codes + p * cstride, G, D, scale, qs, acc);
-    float nearest = NEG_INF;  // the page's best token against the running max, over the unit's heads
     for (int64_t g = 0; g < G; ++g) {  // online softmax: rescale what came before when the max rises
       const float pm = _mm512_reduce_max_ps(acc[g]);
-      nearest = std::max(nearest, pm - std::max(m[g], pm));
       if (pm > m[g]) {
         const float k = m[g] == NEG_INF ? 0.f : std::exp(m[g] - pm);
         l[g] *= k;
@@ -468,7 +460,6 @@ void rest_unit(const float* q, const float* summ, int64_t stride, const uint8_t*
       _mm512_store_ps(e + g * S, w);
       if (logit) logit[g * P + p] = m[g] + std::log(pl);  // the page's log-sum-exp, as sketch_logits gives it
     }
-    if (nearest < -REST_NEGLIGIBLE) continue;  // its weights count in l; its values could not move o
     const float* vb = vbox + p * bstride;  // [2D]: the values' box center, radius
     __m512 vmin[NC], vstep[NC];
     for (int64_t c = 0; c < DC; ++c) {
