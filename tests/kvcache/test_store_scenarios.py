@@ -121,7 +121,6 @@ def test_pinned_blocks_are_not_evicted_or_shrunk_away(tmp_path: Path) -> None:
     assert sorted(str(s.where(k)) for k in a) == ["dram", "gpu"]
 
 
-
 def test_a_put_with_no_tier_to_take_it_waits_for_the_pins_then_fails(tmp_path: Path) -> None:
     s = BlockStore.build(LAYOUT, TierBudgets(2 * BB, 0, 0), TierEviction())
     m = Mover(s)

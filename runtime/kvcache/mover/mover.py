@@ -30,7 +30,7 @@ from kvdrive.runtime.kvcache.contract import Move
 from kvdrive.runtime.kvcache.mover.reads import BlockReader
 from kvdrive.runtime.kvcache.mover.resize import Resizer
 from kvdrive.runtime.kvcache.mover.runner import MoveRunner
-from kvdrive.runtime.kvcache.store.budgets import TIER_ORDER, TierBudgets, TierName
+from kvdrive.runtime.kvcache.store.budgets import TierBudgets, TierName
 from kvdrive.runtime.kvcache.store.keys import BlockKey
 from kvdrive.runtime.kvcache.store.layout import CacheFullError
 from kvdrive.runtime.kvcache.store.store import BlockStore
@@ -119,9 +119,7 @@ class Mover:
         if not rows:
             return
         todo = [keys[i] for i in rows]
-        tiers = self.store.tiers  # below: the tiers that could take them all, a failing disk not among them
-        below = [t for t in (TIER_ORDER[TIER_ORDER.index(tier) + 1 :] if tier in TIER_ORDER else ())
-                 if t in tiers and not tiers[t].failing() and self.store.resize.capacity(t) >= len(rows)]
+        below = [t for t in self.writes.tiers_below(tier) if self.store.resize.capacity(t) >= len(rows)]
         deadline = time.monotonic() + pin_wait_s
         while True:
             try:

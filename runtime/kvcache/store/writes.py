@@ -43,6 +43,11 @@ class WriteBook:
                 rows.append(i)
         return rows
 
+    def tiers_below(self, tier: TierName) -> list[TierName]:
+        """Where blocks of ``tier`` may go down to, nearest first: placement's demotion targets (present, with
+        slots, not failing)."""
+        return self.table.eviction.targets(tier, self.table.tiers)
+
     def any_pinned(self) -> bool:
         with self.table.lock:
             return bool(self.table.pinned)
