@@ -48,9 +48,9 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
     dc.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7168])
     dc.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     dc.add_argument("--modes", nargs="+", default=None, help="subset of full-gpu sparse-gpu kvdrive lru ondemand fullfetch; also sparse-gpu-kN and "
-                    "kvdrive-kN (N 0, 4, 8: that row under --selection-sketch N), sparse-gpu-rest and kvdrive-rest "
-                    "(under --selection-rest sketch), sparse-gpu-means and kvdrive-means (--selection-rest means); those "
-                    "are not run unless named")
+                    "kvdrive-kN (N 0, 4, 8: that row under --selection-sketch N), sparse-gpu-R and kvdrive-R (R drop, "
+                    "means or sketch: that row under --selection-rest R; the plain rows run the default, sketch); "
+                    "those are not run unless named")
     dc.add_argument("--steps", type=int, default=16)
     dc.add_argument("--warmup", type=int, default=8)
     dc.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")

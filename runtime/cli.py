@@ -79,11 +79,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="keep every key quantised to this many bits inside its page's box and pick pages by the "
                         "attention those keys predict (default 8; 0: by the box bound alone, Quest's rule; "
                         "docs/attention.md)")
-    p.add_argument("--selection-rest", choices=["drop", "means", "sketch"], default="drop",
-                   help="the pages a decode step does not select: drop them from the softmax (default), or attend "
-                        "them as one column: 'means', each page its mean value at the weight the key sketch "
-                        "predicts for it; 'sketch', each of their keys and values as an 8-bit sketch gives it "
-                        "(needs --selection-sketch 4 or 8; docs/attention.md)")
+    p.add_argument("--selection-rest", choices=["auto", "drop", "means", "sketch"], default="auto",
+                   help="the pages a decode step does not select: attend them as one column, 'sketch', each of "
+                        "their keys and values as an 8-bit sketch gives it, or 'means', each page its mean value at "
+                        "the weight the key sketch predicts for it; or 'drop' them from the softmax (faster; loses "
+                        "RULER's aggregation tasks). auto (default): sketch, or drop under --selection-sketch 0, "
+                        "which has no sketch; sketch and means need --selection-sketch 4 or 8 (docs/attention.md)")
     p.add_argument("--full-attention", action="store_true", help="attend to every page (exact; no selection)")
     p.add_argument("--placement", choices=["kvdrive", "lru", "ondemand", "fullfetch"], default="kvdrive",
                    help="tier policy: kvdrive, or a baseline it is measured against")

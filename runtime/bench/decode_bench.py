@@ -15,8 +15,8 @@ everything (it is write-through). Rows:
 - ``kvdrive``, ``lru``, ``ondemand``, ``fullfetch``: the tier policies under the budgets above;
 - ``sparse-gpu-k0``, ``kvdrive-k0`` (and ``-k4``, ``-k8``): those rows under a named selection rule, when asked
   for in ``modes``: the box bound (``--selection-sketch 0``) or a key sketch of 4 or 8 bits (the plain rows
-  run the engine's default, the 8-bit sketch); ``sparse-gpu-means``, ``kvdrive-means``, ``-sketch``: those rows
-  under ``--selection-rest means`` or ``sketch``;
+  run the engine's default, the 8-bit sketch); ``sparse-gpu-drop``, ``kvdrive-drop``, ``-means``, ``-sketch``:
+  those rows under ``--selection-rest drop``, ``means`` or ``sketch`` (the plain rows: ``sketch``, the default);
 - ``llama.cpp``: the same GGUF, same threads, all KV in RAM (``llama_cpp.py``), when installed.
 
 Time to first token (``prefill_contexts``): one fresh prompt (nothing of it stored anywhere), cut to each
@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvdrive.runtime.attention import resolve_rest
 from kvdrive.runtime.bench import llama_cpp
 from kvdrive.runtime.bench.floor import floor_step_times
 from kvdrive.runtime.bench.texts import filler_tokens
@@ -55,18 +56,18 @@ log = logging.getLogger(__name__)
 
 MODES = ("full-gpu", "sparse-gpu", "kvdrive", "lru", "ondemand", "fullfetch")
 SKETCH_MODES = tuple(f"{m}-k{bits}" for m in ("sparse-gpu", "kvdrive") for bits in (0, 8, 4))  # by request
-REST_MODES = tuple(f"{m}-{r}" for m in ("sparse-gpu", "kvdrive") for r in ("means", "sketch"))  # by request
+REST_MODES = tuple(f"{m}-{r}" for m in ("sparse-gpu", "kvdrive") for r in ("drop", "means", "sketch"))  # by request
 
 
 def split_mode(mode: str) -> tuple[str, int, str]:
     """A mode -> (its tier mode, the key sketch's bits (0: the box bound), --selection-rest): ``kvdrive-k0`` ->
-    (``kvdrive``, 0, "drop"), ``kvdrive-sketch`` -> (``kvdrive``, 8, "sketch"); a plain mode runs the engine's
-    default rule."""
+    (``kvdrive``, 0, "drop"), ``kvdrive-drop`` -> (``kvdrive``, 8, "drop"); a plain mode runs the engine's
+    default rule (the 8-bit sketch, the left-out pages from their sketches; the box bound drops them)."""
     if mode in MODES:
-        return mode, EngineConfig.selection_sketch, EngineConfig.selection_rest
+        return mode, EngineConfig.selection_sketch, resolve_rest(EngineConfig.selection_rest, EngineConfig.selection_sketch)
     if mode in SKETCH_MODES:
         base, _, bits = mode.rpartition("-k")
-        return base, int(bits), EngineConfig.selection_rest
+        return base, int(bits), resolve_rest(EngineConfig.selection_rest, int(bits))
     if mode in REST_MODES:
         base, _, rest = mode.rpartition("-")
         return base, EngineConfig.selection_sketch, rest

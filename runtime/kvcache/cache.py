@@ -29,6 +29,7 @@ from kvdrive.runtime.attention import (
     SELECTION_RESTS,
     SelectionConfig,
     SummaryTable,
+    resolve_rest,
 )
 from kvdrive.runtime.kvcache.backend import TieredAttentionBackend
 from kvdrive.runtime.kvcache.config import EngineConfig, EnvelopeSplit
@@ -84,16 +85,17 @@ class KVCache:
         carry = config.selection_carry
         if carry not in SELECTION_CARRIES:
             raise ValueError(f"selection_carry {carry!r}: expected one of {', '.join(SELECTION_CARRIES)}")
-        if config.selection_rest not in SELECTION_RESTS:
-            raise ValueError(f"selection_rest {config.selection_rest!r}: expected one of {', '.join(SELECTION_RESTS)}")
-        if config.selection_rest != "drop" and not config.selection_sketch:
-            raise ValueError(f"selection_rest {config.selection_rest!r} weighs the pages left out by the key sketch: it needs "
+        rest = resolve_rest(config.selection_rest, config.selection_sketch)
+        if rest not in SELECTION_RESTS:
+            raise ValueError(f"selection_rest {rest!r}: expected auto or one of {', '.join(SELECTION_RESTS)}")
+        if rest != "drop" and not config.selection_sketch:
+            raise ValueError(f"selection_rest {rest!r} weighs the pages left out by the key sketch: it needs "
                              "selection_sketch 4 or 8, not 0")
         self.selection = SelectionConfig(token_budget=config.token_budget, page_size=layout.page_size,
                                          radius_scale=config.selection_radius, shared_carry=carry != "layer",
                                          neighbour_carry=NEIGHBOUR_SHARE if carry.endswith("+neighbours") else 0.0,
                                          sketch_bits=config.selection_sketch,
-                                         rest=config.selection_rest)
+                                         rest=rest)
         self.root = root_digest(fingerprint)
         sel = self.selection  # pages written after a sparse decode depend on everything that picks the pages
         rule = ("" if sel.radius_scale == 1.0 else f":r{sel.radius_scale:g}") + \

@@ -82,7 +82,9 @@ class EngineConfig:
     selection_radius: float = 1.0  # the box radius' weight in a page's selection score (SelectionConfig)
     selection_carry: str = "layer"  # layer | shared | shared+neighbours: the previous step's mass a page carries
     selection_sketch: int = 8  # 0, 4 or 8: bits of the per-key sketch that scores pages (0: the box bound)
-    selection_rest: str = "drop"  # drop | means | sketch: the pages a decode step leaves out (SelectionConfig.rest)
+    # auto | drop | means | sketch: the pages a decode step leaves out (SelectionConfig.rest); auto: sketch, or
+    # drop without a key sketch (selection_sketch 0)
+    selection_rest: str = "auto"
     page_size: int = 16
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
     max_sequences: int = 16  # the most sequences that may ever run at once (rows and open pages reserved)

@@ -16,6 +16,7 @@ from kvdrive.runtime.attention import (
     SelectionConfig,
     SummaryTable,
     decode_attention,
+    resolve_rest,
     rest_of_pages,
     select_pages,
     selection_masks,
@@ -151,7 +152,9 @@ def test_nothing_left_out_changes_nothing() -> None:
 
 
 def test_the_flag_reaches_the_engine_and_needs_a_sketch(capsys: pytest.CaptureFixture[str], tiny: LoadedModel) -> None:
-    assert engine_config(parse_args(["serve"]), max_sequences=1).selection_rest == "drop"
+    assert engine_config(parse_args(["serve"]), max_sequences=1).selection_rest == "auto"
+    assert resolve_rest("auto", 8) == "sketch" and resolve_rest("auto", 4) == "sketch" and resolve_rest("auto", 0) == "drop"
+    assert resolve_rest("means", 8) == "means"
     assert engine_config(parse_args(["serve", "--selection-rest", "means"]), max_sequences=1).selection_rest == "means"
     with pytest.raises(SystemExit):
         parse_args(["serve", "--selection-rest", "guess"])
@@ -159,6 +162,19 @@ def test_the_flag_reaches_the_engine_and_needs_a_sketch(capsys: pytest.CaptureFi
     assert engine_config(parse_args(["serve", "--selection-rest", "sketch"]), max_sequences=1).selection_rest == "sketch"
     with pytest.raises(ValueError, match="needs selection_sketch 4 or 8"):
         greedy(tiny, [1, 2, 3], 1, selection_sketch=0, selection_rest="means")
+
+
+def test_an_engine_attends_the_left_out_pages_from_their_sketches_by_default(tiny: LoadedModel) -> None:
+    """The default (``auto``) keeps RULER's aggregation tasks (docs/attention.md): the value sketch is kept
+    and the left-out pages are attended; without a key sketch there is nothing to attend them from."""
+    from kvdrive.runtime.engine import EngineConfig, ModelRunner
+
+    for sketch, rest in ((8, "sketch"), (0, "drop")):
+        gen = ModelRunner(tiny, EngineConfig(selection_sketch=sketch))
+        try:
+            assert gen.cache.summaries.rest == rest and (gen.cache.summaries.vcodes is not None) == (rest == "sketch")
+        finally:
+            gen.close()
 
 
 def test_sparse_decoding_runs_with_the_rest_attended(demo: LoadedModel) -> None:

@@ -57,7 +57,8 @@ def test_the_sketch_rows_run_beside_the_bound_rows_and_unknown_modes_are_refused
     report = markdown(res)
     assert report.count("| 512 | 1 | kvdrive-k4 |") == 2  # the throughput table and the step breakdown
     assert report.count("| 512 | 1 | kvdrive-sketch |") == 2
-    assert split_mode("sparse-gpu-k0") == ("sparse-gpu", 0, "drop") and split_mode("lru") == ("lru", 8, "drop")
+    assert split_mode("sparse-gpu-k0") == ("sparse-gpu", 0, "drop") and split_mode("lru") == ("lru", 8, "sketch")
+    assert split_mode("kvdrive-drop") == ("kvdrive", 8, "drop")
     assert split_mode("kvdrive-sketch") == ("kvdrive", 8, "sketch") and split_mode("sparse-gpu-means")[2] == "means"
     with pytest.raises(ValueError, match="mode 'lru-k8': expected one of"):
         run_decode_bench(str(tmp_path / "ssd"), "demo", modes=("lru-k8",))
