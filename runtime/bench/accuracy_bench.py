@@ -250,10 +250,11 @@ def run_accuracy_benches(ssd_dir: str, model: str = "demo", contexts: tuple[int,
                          loaded: LoadedModel | None = None, doc_tokens: tuple[int, int] = (2048, 4096),
                          passkey_tokens: int = 10, chat_tokens: int = 48, page_size: int = 16,
                          candidate_full_attention: bool = False, ssd_budget: int | None = None,
-                         seed: int = 0) -> list[AccuracyBenchResult]:
+                         seed: int = 0, selection_rest: str = "auto") -> list[AccuracyBenchResult]:
     """One result per token budget, all from one prefill and one full-attention reference (neither depends
     on the budget; at 32K the prefill is nearly all the time). ``candidate_full_attention`` runs the
-    candidate with full attention too: a self-check (KL 0, equal outputs)."""
+    candidate with full attention too: a self-check (KL 0, equal outputs). ``selection_rest``: the sparse
+    candidate's ``--selection-rest``."""
     loaded = loaded or load_model(model)
     cases = _cases(loaded, contexts, depths, keys_per_depth, chat_prompts, doc_tokens, passkey_tokens,
                    chat_tokens, seed)
@@ -280,7 +281,8 @@ def run_accuracy_benches(ssd_dir: str, model: str = "demo", contexts: tuple[int,
             shared["reference"] = time.perf_counter() - t
             for budget in token_budgets:
                 t = time.perf_counter()
-                cfg = replace(transient, full_attention=candidate_full_attention, token_budget=budget)
+                cfg = replace(transient, full_attention=candidate_full_attention, token_budget=budget,
+                              selection_rest=selection_rest)
                 results = _candidate(loaded, cases, cfg, scratch, ref)
                 seconds = {**shared, "candidate": time.perf_counter() - t}
                 out.append(AccuracyBenchResult(

@@ -62,10 +62,17 @@ def test_full_candidate_matches_reference_exactly(tiny: LoadedModel, tmp_path: P
     assert plot(r, str(tmp_path / "acc.png")) and (tmp_path / "acc.png").stat().st_size > 1000
 
 
+def _long_kl(r: AccuracyBenchResult) -> list[float]:
+    return [x for c in r.cases if c.kind != "chat" for x in c.kl[1:]]
+
+
 def test_sparse_candidate_is_exact_within_budget_and_approximate_beyond(tiny: LoadedModel, tmp_path: Path) -> None:
     # two budgets against one prefill and one reference: 64 (selection active) and 512, which covers every
-    # prompt here (at most 448 tokens + 6 generated), so that candidate must be exact everywhere
-    r, wide = run_accuracy_benches(str(tmp_path / "kv"), loaded=tiny, token_budgets=(64, 512), **TINY)  # type: ignore[arg-type]
+    # prompt here (at most 448 tokens + 6 generated), so that candidate must be exact everywhere. The pages
+    # left out are dropped, so the candidate is visibly approximate (the default attends them from their
+    # sketches, which on this model is within float noise: the next test)
+    r, wide = run_accuracy_benches(str(tmp_path / "kv"), loaded=tiny, token_budgets=(64, 512), selection_rest="drop",
+                                   **TINY)  # type: ignore[arg-type]
     assert (r.token_budget, wide.token_budget) == (64, 512)
     assert r.prefill_tokens_computed == wide.prefill_tokens_computed
     assert [c.reference_text for c in r.cases] == [c.reference_text for c in wide.cases]
@@ -78,12 +85,22 @@ def test_sparse_candidate_is_exact_within_budget_and_approximate_beyond(tiny: Lo
             assert c.identical and all(x == 0.0 for x in c.kl)
         else:
             assert c.kl[0] == pytest.approx(0.0, abs=1e-9) or c.prompt_tokens % 16 == 1  # first token: exact prefill
-    long_kl = [x for c in r.cases if c.kind != "chat" for x in c.kl[1:]]
-    assert max(long_kl) > 1e-6  # selection drops pages: the distributions move
+    assert max(_long_kl(r)) > 1e-6  # selection drops pages: the distributions move
     replayed = [c for c in r.cases if c.replay_diff is not None]
     assert replayed  # some outputs diverge: the teacher-forced pass ran, aligned with the free run
     assert all(c.replay_diff == 0.0 for c in replayed)
     assert all(c.first_divergence is not None and c.first_divergence + 1 < c.reference_tokens for c in replayed)
+
+
+def test_the_default_attends_the_left_out_pages_and_moves_the_distributions_far_less(tiny: LoadedModel,
+                                                                                    tmp_path: Path) -> None:
+    """``--selection-rest`` auto (sketch): the same 64-token budget, the left-out pages attended from their 8-bit
+    sketches, stays orders of magnitude closer to full attention than dropping them."""
+    (drop,) = run_accuracy_benches(str(tmp_path / "a"), loaded=tiny, token_budgets=(64,), selection_rest="drop",
+                                   **TINY)  # type: ignore[arg-type]
+    (sketch,) = run_accuracy_benches(str(tmp_path / "b"), loaded=tiny, token_budgets=(64,), **TINY)  # type: ignore[arg-type]
+    assert max(_long_kl(sketch)) < 0.01 * max(_long_kl(drop))
+    assert sum(c.identical for c in sketch.cases) >= sum(c.identical for c in drop.cases)
 
 
 def test_kl_divergence_values() -> None:
