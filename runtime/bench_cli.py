@@ -369,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = model_bench.run_model_bench(
         args.model, tuple(args.prefill), tuple(args.decode_context), args.decode_tokens, device=args.device,
-        dtype=dtype_of(args.dtype), weights=args.weights, gemm=args.gemm, gemm_weights=args.gemm_weights,
+        dtype=dtype_of(args.dtype), weights=args.weights, gemm=args.gemm,
     )
     text = json.dumps(model_bench.as_dict(result), indent=2)
     print(model_bench.table(result), file=sys.stderr)

@@ -195,8 +195,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed, stop=tuple(args.stop),
     )
     loaded = load_model(args.model, device=args.device, dtype=dtype_of(args.dtype),
-                        progress=sys.stderr.isatty() or args.verbose, weights=args.weights, gemm=args.gemm,
-                        gemm_weights=args.gemm_weights)
+                        progress=sys.stderr.isatty() or args.verbose, weights=args.weights, gemm=args.gemm)
     tok = loaded.tokenizer
     ids = tok.encode_chat([ChatMessage("user", args.prompt)]) if args.chat else tok.encode(args.prompt)
     gen = ModelRunner(loaded, engine_config(args, max_sequences=1))
@@ -258,7 +257,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-running {args.max_running} must be between 1 and --max-sequences {ceiling}")
     opts = ServeOptions(
         model=args.model, host=args.host, port=args.port, device=args.device, dtype=dtype_of(args.dtype),
-        weights=args.weights, gemm=args.gemm, gemm_weights=args.gemm_weights,
+        weights=args.weights, gemm=args.gemm,
         engine=engine_config(args, max_sequences=ceiling, max_running=args.max_running),
         served_model_name=args.served_model_name,
         api_keys=read_api_keys(args.api_key_file), isolate_tenants=args.isolate_tenants,

@@ -12,10 +12,9 @@ import os
 from kvdrive.runtime.sizes import parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# weight_formats.WEIGHT_CHOICES, GEMM_CHOICES and GEMM_WEIGHT_CHOICES, spelled out: building the parser must not import torch (kvdrive route)
+# weight_formats.WEIGHT_CHOICES and GEMM_CHOICES, spelled out: building the parser must not import torch (kvdrive route)
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
 GEMM_CHOICES = ("auto", "fp32", "bf16")
-GEMM_WEIGHT_CHOICES = ("auto", "dequantize", "keep")
 
 
 def dtype_of(name: str):  # type: ignore[no-untyped-def]
@@ -69,8 +68,3 @@ def add_weights_arg(p: argparse.ArgumentParser) -> None:
                         "decode batches) on a CPU, and of a prompt chunk's attention products with earlier keys "
                         "(with the kernels, on AVX512-BF16): auto (bf16 where the CPU has AVX512-BF16 or AMX, "
                         "~4x float32's speed; fp32 elsewhere), fp32 (exact) or bf16 (docs/weights.md)")
-    p.add_argument("--gemm-weights", choices=GEMM_WEIGHT_CHOICES, default="auto",
-                   help="where the int8/int4 layers' many-row GEMMs read their weights on a CPU: dequantize "
-                        "(each call dequantizes the layer: least memory), keep (a dense copy in the --gemm dtype "
-                        "beside the blocks: 2 bytes a weight more with bf16, ~1 GiB on Qwen2.5-Coder-0.5B) or "
-                        "auto (keep where the GEMMs are bf16, dequantize elsewhere; docs/weights.md)")

@@ -68,12 +68,10 @@ def run_model_bench(
     dtype: torch.dtype | None = None,
     weights: str = "auto",
     gemm: str = "fp32",
-    gemm_weights: str = "dequantize",
 ) -> ModelBenchResult:
     gc.collect()
     rss_before = rss_bytes()
-    loaded = load_model(model, device=device, dtype=dtype, weights=weights, gemm=gemm,
-                        gemm_weights=gemm_weights)
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights, gemm=gemm)
     gc.collect()
     HeapTrimmer(min_interval_s=0).after_prompt_step()  # what the load freed goes back to the system
     rss_after = rss_bytes()

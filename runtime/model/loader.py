@@ -28,14 +28,7 @@ from kvdrive.runtime.model.interfaces import CausalLM
 from kvdrive.runtime.model.llama import LlamaModel
 from kvdrive.runtime.model.quantize import WeightPlan, apply_weights
 from kvdrive.runtime.model.registry import MODEL_ALIASES, named_model
-from kvdrive.runtime.model.weight_formats import (
-    GEMM_CHOICES,
-    GEMM_WEIGHT_CHOICES,
-    WEIGHT_CHOICES,
-    resolve_gemm,
-    resolve_gemm_weights,
-    weight_bytes,
-)
+from kvdrive.runtime.model.weight_formats import GEMM_CHOICES, WEIGHT_CHOICES, resolve_gemm, weight_bytes
 from kvdrive.runtime.prompt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -92,18 +85,15 @@ def load_model(
     model_id: str | None = None,
     weights: str = "auto",
     gemm: str = "fp32",
-    gemm_weights: str = "dequantize",
 ) -> LoadedModel:
     """Load weights and tokenizer; ``weights`` is the projections' format (``WEIGHT_CHOICES``), ``gemm`` the
-    dtype of their many-row GEMMs (``GEMM_CHOICES``), ``gemm_weights`` whether block layers keep a dense copy
-    for them (``GEMM_WEIGHT_CHOICES``). Raises ModelLoadError with a one-line reason on user errors."""
+    dtype of their many-row GEMMs (``GEMM_CHOICES``). Raises ModelLoadError with a one-line reason on user
+    errors."""
     started = time.perf_counter()
     if weights not in WEIGHT_CHOICES:
         raise ModelLoadError(f"--weights {weights!r}: expected one of {', '.join(WEIGHT_CHOICES)}")
     if gemm not in GEMM_CHOICES:
         raise ModelLoadError(f"--gemm {gemm!r}: expected one of {', '.join(GEMM_CHOICES)}")
-    if gemm_weights not in GEMM_WEIGHT_CHOICES:
-        raise ModelLoadError(f"--gemm-weights {gemm_weights!r}: expected one of {', '.join(GEMM_WEIGHT_CHOICES)}")
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     path = resolve_model_path(source)
@@ -141,10 +131,8 @@ def load_model(
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     del tensors
-    products = resolve_gemm(gemm, device)
     plan = WeightPlan("fp32", {}) if direct else \
-        apply_weights(model, weights, sources, device, dtype, products,
-                      resolve_gemm_weights(gemm_weights, products, device))
+        apply_weights(model, weights, sources, device, dtype, resolve_gemm(gemm, device))
     if not direct:
         model = model.to(device=device, dtype=dtype)
     model.eval()
@@ -153,8 +141,7 @@ def load_model(
     held = weight_bytes(model)
     log.info("loaded %s (%s, %d layers, %s) in %.1fs; weights %s (%s%s): %d MiB", served_id, cfg.architecture,
              cfg.num_layers, dtype, seconds, weights, plan.summary(),
-             f"; prompt GEMMs {plan.gemm}" + (" from dense copies" if plan.dense else "") if plan.blocked() else "",
-             sum(held.values()) >> 20)
+             f"; prompt GEMMs {plan.gemm}" if plan.blocked() else "", sum(held.values()) >> 20)
     return LoadedModel(model, tokenizer, cfg, served_id, fingerprint + plan.fingerprint(), path, seconds,
                        device, dtype, plan)
 

@@ -35,7 +35,6 @@ class WeightPlan:
     requested: str
     formats: Mapping[str, str]
     gemm: str = "fp32"  # the dtype of the CPU block layers' many-row GEMMs (``--gemm``, resolved)
-    dense: bool = False  # the CPU block layers keep their weights dense in that dtype (``--gemm-weights``)
 
     def summary(self) -> str:
         """``int4 x 90, int8 x 31`` (formats by count), or ``fp32`` when nothing was converted."""
@@ -85,18 +84,16 @@ def _exact(sources: Mapping[str, TensorSource], names: tuple[str, ...]) -> Block
 
 def _convert(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device,
              sources: Mapping[str, TensorSource], names: tuple[str, ...], gemm: str,
-             keep_rows: bool = False, keep_dense: bool = False) -> QuantLinear:
+             keep_rows: bool = False) -> QuantLinear:
     blocks = _exact(sources, names) if fmt in ("int8", "int4") else None  # only the block formats read them
-    return QuantLinear(weight, bias, fmt, device, blocks, keep_rows, gemm, keep_dense)
+    return QuantLinear(weight, bias, fmt, device, blocks, keep_rows, gemm)
 
 
 def apply_weights(model: nn.Module, requested: str, sources: Mapping[str, TensorSource], device: torch.device,
-                  dtype: torch.dtype, gemm: str = "fp32", dense: bool = False) -> WeightPlan:
+                  dtype: torch.dtype, gemm: str = "fp32") -> WeightPlan:
     """Convert ``model`` (loaded in float32) in place; ``sources``: Hugging Face name -> how the
     checkpoint stored the tensor (``Q4_1`` with its blocks, ``BF16``...); ``gemm``: the block layers'
-    many-row GEMM dtype (``resolve_gemm``'s); ``dense``: the decoder layers' block projections keep a dense
-    copy in that dtype for those GEMMs (``resolve_gemm_weights``'s; never the vocabulary matrix, whose
-    many-row products are rare)."""
+    many-row GEMM dtype (``resolve_gemm``'s)."""
     sources = {k.removeprefix("model."): v for k, v in sources.items()}
     formats: dict[str, str] = {}
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined, arg-type]
@@ -105,8 +102,7 @@ def apply_weights(model: nn.Module, requested: str, sources: Mapping[str, Tensor
             full = tuple(f"layers.{i}.{n}" for n in names)
             fmt = _format(requested, _types(sources, full), linear.weight.shape, device)
             if fmt != "fp32" or device.type != "cpu" or dtype != torch.float32:
-                setattr(layer, attr, _convert(linear.weight, linear.bias, fmt, device, sources, full, gemm,
-                                              keep_dense=dense))
+                setattr(layer, attr, _convert(linear.weight, linear.bias, fmt, device, sources, full, gemm))
                 formats[f"layers.{i}.{attr}"] = fmt
     embed: nn.Embedding = model.embed_tokens  # type: ignore[assignment]
     head: nn.Linear | None = model.lm_head  # type: ignore[assignment]
@@ -122,4 +118,4 @@ def apply_weights(model: nn.Module, requested: str, sources: Mapping[str, Tensor
         table = _convert(embed.weight, None, embed_fmt, device, sources, table_names, gemm, keep_rows=True)
         model.embed_tokens = QuantEmbedding(table, dtype)  # type: ignore[assignment]
         formats["embed_tokens" if head is not None else "embed_tokens (tied LM head)"] = embed_fmt
-    return WeightPlan(requested, formats, gemm, dense and device.type == "cpu")
+    return WeightPlan(requested, formats, gemm)

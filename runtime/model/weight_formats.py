@@ -14,8 +14,6 @@ kept in memory and multiplied (``--weights {auto,fp32,bf16,int8,int4}``).
   AMX), where torch's bf16 GEMM runs ~4x its float32 one (2 threads on this project's AVX512-BF16 EPYC:
   378 against 94 GFLOPS; Qwen2.5-Coder-0.5B's prefill at 4K 147 -> 232 tokens/s). ``auto`` picks bf16 on
   such a host and float32 elsewhere; a decode step (at most ``SMALL_BATCH`` rows) stays float32 either way.
-  ``--gemm-weights keep`` (``auto`` where the GEMMs are bf16) keeps each block layer's weight dequantized
-  in the GEMM dtype beside its blocks, so a prompt step does not dequantize every layer again.
 - ``int8`` / ``int4`` on CUDA: tinygemm (``aten._weight_int4pack_mm``, bf16 inputs and bf16 scale/zero) for
   int4; int8 is dequantized to bf16 per call (torch has no CUDA int8 weight kernel). Not exact.
 
@@ -45,7 +43,6 @@ from kvdrive.runtime.model.layers import vocab_projection
 WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4")
 FORMATS = ("fp32", "bf16", "int8", "int4")
 GEMM_CHOICES = ("auto", "fp32", "bf16")
-GEMM_WEIGHT_CHOICES = ("auto", "dequantize", "keep")
 _GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUP = 32  # inputs per block when a float weight is requantized
 INT4_INNER_K_TILES = 2  # tinygemm (CUDA)
@@ -89,19 +86,6 @@ def resolve_gemm(requested: str, device: torch.device) -> str:
     return "bf16" if host_has_bf16_units() else "fp32"
 
 
-def resolve_gemm_weights(requested: str, gemm: str, device: torch.device) -> bool:
-    """Whether a CPU block layer keeps a dense copy of its weight in the GEMM dtype (``--gemm-weights``, one
-    of ``GEMM_WEIGHT_CHOICES``; ``gemm`` resolved by ``resolve_gemm``) instead of dequantizing it for every
-    many-row GEMM. ``auto`` keeps it where the GEMMs are bf16: there the GEMM is fast enough that the
-    per-call dequantization is a large fixed cost of each prompt step (Qwen2.5-Coder-0.5B, 2 threads: ~0.2 s
-    a step, a fifth of a 128-token chunk's GEMMs), for 2 bytes a weight more (~1 GiB on that model)."""
-    if device.type != "cpu":
-        return False
-    if requested == "auto":
-        return gemm == "bf16"
-    return requested == "keep"
-
-
 def requantize(w: torch.Tensor, fmt: str) -> Blocks:
     """A float weight [N, K] (K a multiple of ``GROUP``) in blocks: int8 symmetric, int4 asymmetric."""
     n, k = w.shape
@@ -128,13 +112,10 @@ class QuantLinear(nn.Module):
     """``y = x @ W.T + b`` with ``W`` [out, in] kept in one of ``FORMATS``; also a table of rows
     (``rows``), for a vocabulary matrix that is the embedding too. ``blocks``: the weight's exact GGUF
     blocks, when it has them (else int8/int4 requantize ``weight``); ``gemm``: the dtype of a CPU block
-    layer's GEMM over more than ``SMALL_BATCH`` rows (``resolve_gemm``); ``keep_dense``: keep that layer's
-    weight dequantized in the GEMM dtype for those GEMMs (``resolve_gemm_weights``): the values the per-call
-    dequantization gives, so the outputs are the same."""
+    layer's GEMM over more than ``SMALL_BATCH`` rows (``resolve_gemm``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, device: torch.device,
-                 blocks: Blocks | None = None, keep_rows: bool = False, gemm: str = "fp32",
-                 keep_dense: bool = False) -> None:
+                 blocks: Blocks | None = None, keep_rows: bool = False, gemm: str = "fp32") -> None:
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"unknown weight format {fmt!r}")
@@ -147,7 +128,6 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().to(device)
         self.w: torch.Tensor | None = None  # fp32 / bf16 weight (CUDA: the bf16 rows of an int4 table)
         self.packed: block_kernels.PackedBlocks | None = None  # CPU int8 / int4
-        self.dense: torch.Tensor | None = None  # CPU int8 / int4: [out, in] in the GEMM dtype (keep_dense)
         self.blocks: Blocks | None = None  # CUDA int8: levels, scales, offsets on the device
         self.q: torch.Tensor | None = None  # CUDA int4: tinygemm's packed levels
         self.scales: torch.Tensor | None = None  # CUDA int4: [K/g, N, 2] bf16 scale and zero
@@ -157,8 +137,6 @@ class QuantLinear(nn.Module):
         b = blocks if self.exact and blocks is not None else requantize(weight.detach().cpu(), fmt)
         if self.cpu:
             self.packed = block_kernels.pack(b, nib=fmt == "int4")
-            if keep_dense:
-                self.dense = block_kernels.dequantize(self.packed, self.gemm_dtype)
         elif fmt == "int8":
             self.blocks = b.to(device)
         else:  # CUDA int4: b's levels fit a nibble (exact Q4 blocks, or requantized above)
@@ -175,7 +153,7 @@ class QuantLinear(nn.Module):
     def nbytes(self) -> int:
         """Bytes this layer keeps (every copy)."""
         b = self.blocks
-        held = (self.w, self.dense, self.q, self.scales, self.bias) + ((b.levels, b.scale, b.offset) if b is not None else ())
+        held = (self.w, self.q, self.scales, self.bias) + ((b.levels, b.scale, b.offset) if b is not None else ())
         n = self.packed.nbytes if self.packed is not None else 0
         return n + sum(t.numel() * t.element_size() for t in held if t is not None)
 
@@ -188,8 +166,7 @@ class QuantLinear(nn.Module):
             if x.shape[0] <= SMALL_BATCH:
                 return block_kernels.gemv(x, self.packed)
             dt = self.gemm_dtype
-            w = self.dense if self.dense is not None else block_kernels.dequantize(self.packed, dt)
-            return F.linear(x.to(dt), w)
+            return F.linear(x.to(dt), block_kernels.dequantize(self.packed, dt))
         xb = x.to(torch.bfloat16)
         if self.blocks is not None:  # CUDA int8
             return F.linear(xb, self.blocks.dequantize(torch.bfloat16))

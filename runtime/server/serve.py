@@ -37,7 +37,6 @@ class ServeOptions:
     dtype: object = None  # torch.dtype | None
     weights: str = "auto"  # the projections' format (--weights)
     gemm: str = "fp32"  # their many-row GEMMs' dtype (--gemm; the CLI's default is auto)
-    gemm_weights: str = "dequantize"  # a dense copy for those GEMMs (--gemm-weights; the CLI's default is auto)
     engine: EngineConfig = field(default_factory=EngineConfig)
     served_model_name: str | None = None
     api_keys: tuple[ApiKey, ...] = ()
@@ -79,7 +78,7 @@ def kv_events_of(cache: KVCache, config: KVEventsConfig | None, model_id: str) -
 def build_state(opts: ServeOptions) -> ServerState:
     loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, progress=opts.progress,  # type: ignore[arg-type]
                         model_id=opts.served_model_name, weights=opts.weights,
-                        gemm=opts.gemm, gemm_weights=opts.gemm_weights)
+                        gemm=opts.gemm)
     gen = ModelRunner(loaded, opts.engine)
     engine = LLMEngine(gen, opts.scheduler)
     aliases = (opts.model,) if opts.model in MODEL_ALIASES else ()

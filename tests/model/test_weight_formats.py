@@ -36,7 +36,6 @@ from kvdrive.runtime.model.weight_formats import (
     host_has_bf16_units,
     requantize,
     resolve_gemm,
-    resolve_gemm_weights,
     weight_bytes,
 )
 
@@ -263,57 +262,6 @@ def test_a_bf16_gemm_serves_many_rows_and_leaves_decode_rows_exact() -> None:
     assert b.dtype == torch.float32 and not torch.equal(a, b)
     assert _relative(b, a) < 1e-2
     assert torch.equal(exact(few), fast(few))
-
-
-@pytest.mark.skipif(bool(native.unavailable_reason()), reason="the block kernels are not built on this host")
-@pytest.mark.parametrize(("fmt", "gemm"), [("int8", "bf16"), ("int4", "bf16"), ("int4", "fp32")])
-def test_a_kept_dense_copy_gives_the_per_call_dequantizations_outputs_bit_for_bit(fmt: str, gemm: str) -> None:
-    """``--gemm-weights keep``: a block layer's many-row GEMM reads a dense copy made once instead of
-    dequantizing per call; the outputs are the same bits, decode rows still take the block kernel, and the
-    copy counts in the layer's bytes."""
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(96, 128, generator=g)
-    per_call = QuantLinear(w, None, fmt, CPU, gemm=gemm)
-    kept = QuantLinear(w, None, fmt, CPU, gemm=gemm, keep_dense=True)
-    many, few = torch.randn(SMALL_BATCH + 8, 128, generator=g), torch.randn(SMALL_BATCH, 128, generator=g)
-    assert per_call.dense is None and kept.dense is not None
-    assert kept.dense.dtype == (torch.bfloat16 if gemm == "bf16" else torch.float32)
-    assert torch.equal(kept(many), per_call(many))
-    assert torch.equal(kept(few), per_call(few))
-    assert kept.nbytes == per_call.nbytes + 96 * 128 * kept.dense.element_size()
-
-
-def test_gemm_weights_auto_keeps_dense_copies_only_where_the_gemms_are_bf16() -> None:
-    assert resolve_gemm_weights("auto", "bf16", CPU) and not resolve_gemm_weights("auto", "fp32", CPU)
-    assert resolve_gemm_weights("keep", "fp32", CPU) and not resolve_gemm_weights("dequantize", "bf16", CPU)
-    assert not resolve_gemm_weights("keep", "bf16", torch.device("meta"))  # off the CPU the path does not exist
-    with pytest.raises(ModelLoadError, match="--gemm-weights 'always'"):
-        load_model("demo", progress=False, gemm_weights="always")
-
-
-@pytest.mark.skipif(bool(native.unavailable_reason()), reason="the block kernels are not built on this host")
-def test_a_model_loaded_with_dense_gemm_weights_prefills_the_same_and_says_so() -> None:
-    """The demo model's decoder projections keep dense copies (the vocabulary matrix does not), its prompt
-    logits equal a per-call model's bit for bit, and the plan says so (the page fingerprint does not change:
-    the values are the same)."""
-    per_call = load_model("demo", progress=False, weights="int8", gemm="bf16", gemm_weights="dequantize")
-    kept = load_model("demo", progress=False, weights="int8", gemm="bf16", gemm_weights="keep")
-    assert kept.weights.dense and not per_call.weights.dense
-    assert kept.fingerprint == per_call.fingerprint
-    dense = [m for m in kept.model.modules() if isinstance(m, QuantLinear) and m.dense is not None]
-    assert len(dense) == 4 * kept.config.num_layers
-    assert sum(weight_bytes(kept.model).values()) > sum(weight_bytes(per_call.model).values())
-    from kvdrive.runtime.engine import SamplingParams
-    from kvdrive.runtime.prompt import ChatMessage
-
-    answers = []
-    for loaded in (per_call, kept):
-        gen = ModelRunner(loaded, EngineConfig(full_attention=True))
-        ids = loaded.tokenizer.encode_chat([ChatMessage("user", "Name three colours of the rainbow. " * 4)])
-        assert len(ids) > SMALL_BATCH  # the prompt takes the many-row GEMM path
-        answers.append(list(LLMEngine(gen).generate_tokens(ids, SamplingParams(max_tokens=16))))
-        gen.close()
-    assert answers[0] == answers[1]
 
 
 def test_the_gemm_dtype_is_checked_and_named_in_the_page_fingerprint() -> None:
