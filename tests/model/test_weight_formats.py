@@ -198,23 +198,21 @@ def test_demo_auto_decodes_what_fp32_decodes(demo_formats: dict[str, object]) ->
     assert answers["auto"] == answers["fp32"]
 
 
-def _bench_model(weights: str, tmp_path: Path, *more: str) -> dict:  # type: ignore[type-arg]
+def _bench_model(weights: str, tmp_path: Path) -> dict:  # type: ignore[type-arg]
     out = tmp_path / f"model-{weights}.json"
     done = subprocess.run([sys.executable, "-m", "kvdrive.runtime.cli", "bench", "model", "--weights", weights,
                            "--threads", "1", "--prefill", "32", "--decode-context", "32", "--decode-tokens", "2",
-                           "--out", str(out), *more], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
 def test_the_model_bench_shows_the_weights_saving_in_the_resident_set(tmp_path: Path) -> None:
     """`kvdrive bench model` reports the process's resident bytes before and after the load: the demo's
-    auto weights (the file's 4/8-bit blocks) must cost the process hundreds of MB less than fp32. The blocks
-    alone: ``--gemm-weights keep`` (the CLI's auto on a bf16 host) adds a dense copy for the prompt GEMMs,
-    counted in the layers' bytes (``test_a_model_loaded_with_dense_gemm_weights_prefills_the_same_and_says_so``)."""
+    auto weights (the file's 4/8-bit blocks) must cost the process hundreds of MB less than fp32."""
     if native.unavailable_reason():
         pytest.skip(f"block kernels unavailable here: {native.unavailable_reason()}")
-    fp32, auto = _bench_model("fp32", tmp_path), _bench_model("auto", tmp_path, "--gemm-weights", "dequantize")
+    fp32, auto = _bench_model("fp32", tmp_path), _bench_model("auto", tmp_path)
     assert fp32["weights"] == "fp32: fp32" and auto["weights"].startswith("auto: int4 x ")
     assert fp32["weight_bytes"] > 4 * auto["weight_bytes"]
     growth = {r["weights"]: r["rss_after_load_bytes"] - r["rss_before_load_bytes"] for r in (fp32, auto)}
