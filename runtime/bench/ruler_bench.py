@@ -65,9 +65,12 @@ class RulerSetup:
 
     @property
     def legs(self) -> tuple[str, ...]:
-        """``full`` and a sparse leg per budget: ``sparse-<budget>-k<sketch>`` (``sparse-<budget>`` under the box
-        bound, ``sketch`` 0: the name of the legs measured before the sketch), or ``sparse-<budget>-<tag>``."""
-        suffix = f"-{self.tag}" if self.tag else f"-k{self.sketch}" if self.sketch else ""
+        """``full`` and a sparse leg per budget: ``sparse-<budget>-k<sketch>-sketch`` (the engine's default rule:
+        the key sketch, the pages left out attended from their sketches), ``sparse-<budget>`` under the box bound
+        (``sketch`` 0, pages left out dropped: the name of the legs measured before the sketch), or
+        ``sparse-<budget>-<tag>``. (``sparse-<budget>-k<sketch>`` names the legs measured before session 12,
+        when the default dropped the pages left out.)"""
+        suffix = f"-{self.tag}" if self.tag else f"-k{self.sketch}-sketch" if self.sketch else ""
         return ("full", *(f"sparse-{b}{suffix}" for b in self.budgets))
 
 
@@ -126,7 +129,9 @@ def serve_args(setup: RulerSetup, leg: str, port: int, ssd_dir: Path) -> list[st
         attention = ["--full-attention"]
     else:
         budget = leg.removeprefix("sparse-").partition("-")[0]
-        attention = ["--token-budget", budget, "--selection-sketch", str(setup.sketch), *setup.sparse_flags]
+        rest = "sketch" if setup.sketch else "drop"  # named, so a leg's name says its rule whatever the default
+        attention = ["--token-budget", budget, "--selection-sketch", str(setup.sketch), "--selection-rest", rest,
+                     *setup.sparse_flags]
     return ["serve", "--model", setup.model, "--port", str(port), "--threads", str(setup.threads),
             "--weights", setup.weights, "--page-size", str(setup.page_size), "--gpu-budget", setup.gpu_budget,
             "--dram-budget", setup.dram_budget, "--ssd-dir", str(ssd_dir), "--ssd-budget", setup.ssd_budget,

@@ -59,18 +59,18 @@ def test_pairs_are_per_sample_with_bootstrap_intervals() -> None:
 
 def test_legs_name_their_server_flags() -> None:
     setup = RulerSetup("m", (8192,), ("a",), 4, (2048, 1024), 2, "1MiB", "1MiB", "1GiB")
-    assert setup.legs == ("full", "sparse-2048-k8", "sparse-1024-k8")  # the engine's default rule, named
+    assert setup.legs == ("full", "sparse-2048-k8-sketch", "sparse-1024-k8-sketch")  # the engine's default rule, named
     bound = RulerSetup("m", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB", sketch=0)
     assert bound.legs == ("full", "sparse-1024")  # as the legs measured before the sketch are named
     rule = RulerSetup("m", (8192,), ("a",), 4, (1024,), 2, "1MiB", "1MiB", "1GiB",
                       sparse_flags=("--selection-radius", "0.5"), tag="r0.5", sketch=0)
     assert rule.legs == ("full", "sparse-1024-r0.5")
     assert serve_args(setup, "full", 1, Path("ssd"))[-1] == "--full-attention"
-    assert serve_args(setup, "sparse-1024-k8", 1, Path("ssd"))[-4:] == ["--token-budget", "1024",
-                                                                         "--selection-sketch", "8"]
-    assert serve_args(rule, "sparse-1024-r0.5", 1, Path("ssd"))[-6:] == ["--token-budget", "1024",
-                                                                          "--selection-sketch", "0",
-                                                                          "--selection-radius", "0.5"]
+    assert serve_args(setup, "sparse-1024-k8-sketch", 1, Path("ssd"))[-6:] == [
+        "--token-budget", "1024", "--selection-sketch", "8", "--selection-rest", "sketch"]
+    assert serve_args(bound, "sparse-1024", 1, Path("ssd"))[-2:] == ["--selection-rest", "drop"]
+    assert serve_args(rule, "sparse-1024-r0.5", 1, Path("ssd"))[-8:] == [
+        "--token-budget", "1024", "--selection-sketch", "0", "--selection-rest", "drop", "--selection-radius", "0.5"]
 
 
 def test_a_run_resumes_from_its_result_file(tmp_path: Path) -> None:
@@ -97,13 +97,13 @@ def test_a_small_real_run(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(out.read_text())
     cells = {c["leg"]: c for c in res["cells"]}
-    assert set(cells) == {"full", "sparse-1024-k8"}
+    assert set(cells) == {"full", "sparse-1024-k8-sketch"}
     for cell in cells.values():
         assert len(cell["samples"]) == 2 and cell["prompt_tokens"] > 2 * 3500  # the prompts are ~4K tokens
     full = [s["score"] for s in cells["full"]["samples"]]
     assert sum(full) >= 1, cells["full"]["samples"]  # the model finds a single needle at 4K
-    assert cells["full"]["cached_tokens"] < cells["sparse-1024-k8"]["cached_tokens"]
-    assert cells["sparse-1024-k8"]["cached_tokens"] >= 2 * 3000  # the second leg reused the stored prompt pages
+    assert cells["full"]["cached_tokens"] < cells["sparse-1024-k8-sketch"]["cached_tokens"]
+    assert cells["sparse-1024-k8-sketch"]["cached_tokens"] >= 2 * 3000  # the second leg reused the stored prompt pages
     assert res["paired"][0]["n"] == 2 and out.with_suffix(".png").is_file() and out.with_suffix(".md").is_file()
     assert not ssd_dir(tmp_path / "work", 4096, "niah_single_1").exists()  # the task's stored pages are removed
     assert "removed" in run.stderr and "GiB of stored prompt pages" in run.stderr
