@@ -26,16 +26,16 @@ from .summaries import unpack_codes
 
 SELECTION_CARRIES = ("layer", "shared", "shared+neighbours")  # what --selection-carry names
 SELECTION_RESTS = ("drop", "means", "sketch")  # what --selection-rest names: the pages a decode step leaves out
+NEIGHBOUR_SHARE = 0.5  # shared+neighbours: the share of a neighbour page's carried mass a page adds
 
 
 def resolve_rest(rest: str, sketch_bits: int) -> str:
     """``--selection-rest`` in effect: ``auto`` is ``sketch`` (the left-out pages from their sketches: RULER's
     aggregation tasks need them, docs/attention.md) where there is a key sketch, ``drop`` under the box bound
-    (``sketch_bits`` 0); anything else as given (``SparseCache`` checks it)."""
+    (``sketch_bits`` 0); anything else as given (``KVCache`` checks it)."""
     if rest == "auto":
         return "sketch" if sketch_bits else "drop"
     return rest
-NEIGHBOUR_SHARE = 0.5  # shared+neighbours: the share of a neighbour page's carried mass a page adds
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvdrive.runtime.attention import resolve_rest
 from kvdrive.runtime.bench.routing_fleet import Proc, free_port, metrics_of
 from kvdrive.runtime.model.loader import resolve_model_path
 from kvdrive.runtime.model.registry import MODEL_ALIASES, cache_dir
@@ -129,7 +130,7 @@ def serve_args(setup: RulerSetup, leg: str, port: int, ssd_dir: Path) -> list[st
         attention = ["--full-attention"]
     else:
         budget = leg.removeprefix("sparse-").partition("-")[0]
-        rest = "sketch" if setup.sketch else "drop"  # named, so a leg's name says its rule whatever the default
+        rest = resolve_rest("auto", setup.sketch)  # named, so a leg's name says its rule whatever the default
         attention = ["--token-budget", budget, "--selection-sketch", str(setup.sketch), "--selection-rest", rest,
                      *setup.sparse_flags]
     return ["serve", "--model", setup.model, "--port", str(port), "--threads", str(setup.threads),
