@@ -73,7 +73,7 @@ def run_model_bench(
     rss_before = rss_bytes()
     loaded = load_model(model, device=device, dtype=dtype, weights=weights, gemm=gemm)
     gc.collect()
-    HeapTrimmer(min_interval_s=0).after_prompt_step()  # what the load freed goes back to the system
+    HeapTrimmer(min_interval_s=0).trim()  # what the load freed goes back to the system
     rss_after = rss_bytes()
     gen = ModelRunner(loaded, EngineConfig())
     prefill: dict[int, float] = {}

@@ -159,6 +159,7 @@ class AsyncEngine:
             self._handle(kind, payload)
         commands = time.perf_counter() - started
         if not self.engine.has_work():
+            self.engine.idle()
             self._wake.wait(0.5)
             self._wake.clear()
             return

@@ -171,6 +171,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def idle(self) -> None:
+        """No work now (the serving loop waits for some): the runner gives back what the last steps freed."""
+        self.runner.idle()
+
     def stats(self) -> EngineStats:
         cache = self.cache
         return EngineStats(

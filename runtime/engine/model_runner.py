@@ -117,9 +117,15 @@ class ModelRunner:
         hidden = self.loaded.model(input_ids, torch.cat([s.positions for s in steps]), backend)
         backend.finish()
         self.cache.finish_step(backend.sealed, backend.decoded)
-        if len(ids) > len(decoding):  # prompt tokens: give the step's freed working memory back
-            self.heap.after_prompt_step()
+        if len(ids) > len(decoding):  # prompt tokens: the heap keeps what the step freed for the next one
+            self.heap.prompt_step()
+        else:  # decodes only: the prompts settled, give their freed working memory back
+            self.heap.settle()
         return hidden
+
+    def idle(self) -> None:
+        """The engine has no work: give back the memory the last prompt steps freed."""
+        self.heap.settle()
 
     def prefill(self, seq_id: int, tokens: Sequence[int], all_logits: bool = False) -> torch.Tensor:
         """Feed a prompt in chunks. Returns the last position's logits [V] (or all: [T, V])."""
