@@ -1,7 +1,7 @@
 """The one-node cluster of ``scripts/cluster.sh`` for the end-to-end tests: bring it up once per
 session (or reuse one named by ``KVDRIVE_E2E_DIR``), run ``kubectl`` / ``helm`` as a user does, read
-objects with the official client, record the figures the scenarios measure, and take a snapshot
-of the host state that ``down`` must restore.
+objects with the official client, record the figures the scenarios measure, compare two pods' greedy
+completions, and take a snapshot of the host state that ``down`` must restore.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "cluster.sh"
@@ -101,6 +103,14 @@ def eventually(check: Callable[[], T | None], timeout: float, interval: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:.0f} s: {what} (last: {last!r})")
         time.sleep(interval)
+
+
+def same_completion(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Two /v1/completions answers (asked with ``logprobs``) are the same greedy text with, token by token, the
+    same log-probabilities (to float32 noise): what the same pages must give wherever they are read from."""
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["choices"][0]["logprobs"]["token_logprobs"] == \
+        pytest.approx(want["choices"][0]["logprobs"]["token_logprobs"], abs=1e-5)
 
 
 def host_state() -> dict[str, list[str]]:

@@ -7,9 +7,10 @@ log-probabilities as the first pod gives from its own stored pages, and shared-t
 (The reference is the first pod's second, warm answer, not its cold one: under ``--gemm auto`` a cold
 prompt's tokens go through bf16 prompt GEMMs, a reused prompt's few tail tokens through the float32 block
 kernels, so the first token's log-probability moves by ~0.02 and a near-tied greedy choice may flip;
-docs/weights.md. Bit-identical pages give a bit-identical answer; that is what a shared tier must keep.) A pod replaced on a fresh claim (its claim deleted with it: an
-empty SSD tier, as after a move to another node) answers a document asked before from the shared
-tier too. The CR's status names the tier, and every pod reaches it.
+docs/weights.md. Bit-identical pages give a bit-identical answer; that is what a shared tier must keep.)
+A pod replaced on a fresh claim (its claim deleted with it: an empty SSD tier, as after a move to another
+node) answers a document asked before from the shared tier too. The CR's status names the tier, and
+every pod reaches it.
 
 Each session salts its requests (`cache_salt`) so that pages of an earlier session on a reused
 cluster (KVDRIVE_E2E_DIR) cannot answer them: the first pod's request starts cold.
@@ -23,7 +24,7 @@ import uuid
 
 import httpx
 import pytest
-from clusterkit import NAMESPACE, Cluster, eventually
+from clusterkit import NAMESPACE, Cluster, eventually, same_completion
 from test_2_deploy import admin_token, pod_get
 
 PAGE = 16  # demo.yaml's attention.pageSize
@@ -44,12 +45,6 @@ def _complete(c: Cluster, pod: str) -> dict:
 
 def _logprobs(answer: dict) -> list[float]:
     return [float(x) for x in answer["choices"][0]["logprobs"]["token_logprobs"]]
-
-
-def _same_answer(got: dict, want: dict) -> None:
-    """The same greedy text and, token by token, the same log-probabilities (to float32 noise)."""
-    assert got["choices"][0]["text"] == want["choices"][0]["text"]
-    assert _logprobs(got) == pytest.approx(_logprobs(want), abs=1e-5)
 
 
 def _metric(c: Cluster, pod: str, name: str) -> float:
@@ -112,7 +107,7 @@ def test_a_document_asked_on_one_pod_is_answered_by_the_other_from_the_shared_ti
     started = time.monotonic()
     b = _complete(c, "demo-1")
     b_seconds = round(time.monotonic() - started, 2)
-    _same_answer(b, again)  # the same greedy answer from A's pages
+    same_completion(b, again)  # the same greedy answer from A's pages
     assert _cached(b) > 0, b["usage"]
     assert _cached(b) == pages * PAGE, b["usage"]  # every page A published, fetched and verified by B
     assert _metric(c, "demo-1", "kvdrive_shared_tier_hits_total") - hits >= pages
@@ -151,7 +146,7 @@ def test_a_pod_replaced_on_a_fresh_claim_answers_a_document_asked_before_from_th
     after = _complete(c, "demo-1")
     if _cached(before) == 0:  # the reference must come from stored pages too (see the module's docstring)
         before = _complete(c, "demo-0")
-    _same_answer(after, before)
+    same_completion(after, before)
     assert _cached(after) == pages * PAGE, after["usage"]  # all of it from the shared tier: nothing local had it
     assert _metric(c, "demo-1", "kvdrive_shared_tier_hits_total") >= pages
     c.record("shared tier: pod deleted with its claim -> recreated pod Ready (s)", back_after)
